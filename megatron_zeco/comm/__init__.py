@@ -1,0 +1,6 @@
+"""Communication: sequence layouts over a CP group and the state scans (All-Scan, all-gather)."""
+
+from .all_scan import all_scan, chain_scan, gather_scan
+from .layout import Layout, as_layout
+
+__all__ = ["Layout", "as_layout", "all_scan", "chain_scan", "gather_scan"]

@@ -1,0 +1,195 @@
+"""All-Scan: the only communication ZeCO needs.
+
+Each piece p of the sequence maps the state entering it to the state leaving it,
+``S_out = Diag(gamma_p) S_in + delta_p`` (delta = E in the forward pass, the local
+state gradient in the backward pass, which walks the pieces in reverse). The
+scan gives every piece its ``S_in``.
+
+:func:`all_scan` is the pipelined chain of the ZeCO paper: the state is cut into
+``num_blocks`` blocks of rows (the decay acts row by row, so blocks are
+independent); block b is received from the rank holding the previous piece,
+combined, and sent on at once, so block b+1 is still in flight while the next
+rank already works on block b. Every rank sends and receives one state per
+piece it holds: the least any exact method can move.
+
+:func:`gather_scan` is LASP-2's alternative: all-gather every piece's
+``(gamma, delta)`` and fold the prefix locally (P states per rank received).
+
+Both take the group explicitly and address peers through it (global ranks from
+``dist.get_global_rank``), so any Megatron context-parallel group works.
+"""
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .layout import Layout
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Link:
+    """One local piece's place in the chain walk."""
+
+    slot: int
+    piece: int
+    src: Optional[int]  # global rank to receive the incoming state from (None: local or first)
+    dst: Optional[int]  # global rank to send the outgoing state to (None: local or last)
+    first: bool  # no predecessor: the incoming state is `init`
+    last: bool  # no successor: the outgoing state is the scan's result
+
+
+def _links(layout: Layout, group, reverse: bool) -> List[_Link]:
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    n, step = layout.num_pieces(world), (-1 if reverse else 1)
+    links = []
+    for slot, piece in enumerate(layout.pieces(me, world)):
+        prev, nxt = piece - step, piece + step
+        first, last = not 0 <= prev < n, not 0 <= nxt < n
+        src = None if first else layout.owner(prev, world)[0]
+        dst = None if last else layout.owner(nxt, world)[0]
+        links.append(_Link(
+            slot, piece,
+            None if src in (None, me) else dist.get_global_rank(group, src),
+            None if dst in (None, me) else dist.get_global_rank(group, dst),
+            first, last,
+        ))
+    return sorted(links, key=lambda link: link.piece, reverse=reverse)
+
+
+def chain_scan(
+    step: Callable[[int, slice, Tensor], Tensor],
+    init: Optional[Tensor],
+    like: Tensor,
+    *,
+    layout: Layout,
+    group,
+    num_blocks: int = 1,
+    reverse: bool = False,
+) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """Walk the pieces in order, passing a state from each to the next, block by block.
+
+    Args:
+        step: ``step(slot, rows, x) -> y``: the state leaving local slot ``slot``
+            for the rows ``rows`` (a slice of dim -2) given the rows entering it.
+        init: the state entering the first piece (``[..., K, V]``), or None for
+            zeros; read only on the rank holding that piece.
+        like: a tensor with the state's shape, dtype and device.
+        layout, group: where the pieces live.
+        num_blocks: blocks of rows sent separately (must divide K).
+        reverse: walk from the last piece to the first.
+
+    Returns:
+        The state entering each local slot, and the state leaving the walk's last
+        piece on the rank holding it (None elsewhere).
+    """
+    K = like.shape[-2]
+    rows = [slice(b * K // num_blocks, (b + 1) * K // num_blocks) for b in range(num_blocks)]
+    block_shape = (*like.shape[:-2], K // num_blocks, like.shape[-1])
+    walk = _links(layout, group, reverse)
+    shift = -1 if reverse else 1
+
+    def tag(piece: int, block: int) -> int:  # message = block `block` of the state leaving `piece`
+        return piece * num_blocks + block
+
+    pending = {}  # post every receive first, so blocks land while we compute
+    for link in walk:
+        if link.src is not None:
+            bufs = [like.new_empty(block_shape) for _ in rows]
+            works = [dist.irecv(buf, link.src, group=group, tag=tag(link.piece - shift, b))
+                     for b, buf in enumerate(bufs)]
+            pending[link.slot] = (bufs, works)
+
+    inputs: List[Optional[Tensor]] = [None] * len(walk)
+    sends, carried, last = [], None, None
+    for link in walk:
+        xs, ys = [], []
+        for b, r in enumerate(rows):
+            if link.first:
+                x = like.new_zeros(block_shape) if init is None else init[..., r, :]
+            elif link.slot in pending:
+                bufs, works = pending[link.slot]
+                works[b].wait()
+                x = bufs[b]
+            else:  # previous piece is ours (zigzag turn-around on the last rank)
+                x = carried[b]
+            y = step(link.slot, r, x)
+            if link.dst is not None:
+                sends.append(dist.isend(y.contiguous(), link.dst, group=group, tag=tag(link.piece, b)))
+            xs.append(x)
+            ys.append(y)
+        inputs[link.slot] = torch.cat(xs, dim=-2)
+        carried = ys
+        if link.last:
+            last = torch.cat(ys, dim=-2)
+    for work in sends:
+        work.wait()
+    return inputs, last
+
+
+def all_scan(
+    gamma: Sequence[Tensor],
+    delta: Sequence[Tensor],
+    init: Optional[Tensor],
+    *,
+    layout: Layout,
+    group,
+    num_blocks: int = 1,
+    reverse: bool = False,
+) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
+
+    Args:
+        gamma: per local slot, the decay ``[..., K]``.
+        delta: per local slot, ``[..., K, V]``.
+        init: state entering the first piece (last piece if ``reverse``) or None.
+
+    Returns:
+        As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
+        chain on the rank that ends it.
+    """
+
+    def combine(slot: int, r: slice, x: Tensor) -> Tensor:
+        return gamma[slot][..., r].unsqueeze(-1) * x + delta[slot][..., r, :]
+
+    return chain_scan(combine, init, delta[0], layout=layout, group=group,
+                      num_blocks=num_blocks, reverse=reverse)
+
+
+def gather_scan(
+    gamma: Sequence[Tensor],
+    delta: Sequence[Tensor],
+    init: Optional[Tensor],
+    *,
+    layout: Layout,
+    group,
+    reverse: bool = False,
+) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """Same result as :func:`all_scan` by one all-gather and a local fold (LASP-2)."""
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    n = layout.num_pieces(world)
+    first_piece, order = (n - 1, range(n - 1, -1, -1)) if reverse else (0, range(n))
+    mine = []
+    for slot, piece in enumerate(layout.pieces(me, world)):
+        d = delta[slot]
+        if piece == first_piece and init is not None:  # fold init into the first piece's summary
+            d = d + gamma[slot].unsqueeze(-1) * init
+        mine.append(torch.cat([d, gamma[slot].unsqueeze(-1)], dim=-1))
+    mine = torch.stack(mine)
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine.contiguous(), group=group)
+
+    zeros = torch.zeros_like(delta[0])
+    inputs: List[Optional[Tensor]] = [None] * len(delta)
+    x = zeros
+    for piece in order:
+        rank, slot = layout.owner(piece, world)
+        if rank == me:
+            inputs[slot] = init if (piece == first_piece and init is not None) else x
+        summary = gathered[rank][slot]
+        x = summary[..., -1].unsqueeze(-1) * x + summary[..., :-1]
+    last_owner = layout.owner(order[-1], world)[0]
+    return inputs, (x if last_owner == me else None)

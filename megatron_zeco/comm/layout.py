@@ -1,0 +1,63 @@
+"""How a sequence is laid out over the ranks of a context-parallel group.
+
+The sequence is cut into equal *pieces*; each rank holds some of them, in
+increasing order, concatenated along the sequence dimension:
+
+* ``contiguous``: P pieces, rank r holds piece r.
+* ``zigzag``: Megatron's load-balanced split, 2P pieces, rank r holds pieces r
+  and 2P-1-r (so causal work is balanced).
+
+The recurrent state walks the pieces in order 0, 1, ..., n-1; :func:`owner`
+says which rank (and which of its local slots) holds each one.
+"""
+
+from enum import Enum
+from typing import List, Sequence, Tuple
+
+import torch
+
+
+class Layout(str, Enum):
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+    def num_pieces(self, world: int) -> int:
+        return world if self is Layout.CONTIGUOUS else 2 * world
+
+    def pieces(self, rank: int, world: int) -> Tuple[int, ...]:
+        """Pieces held by ``rank``, in local (= sequence) order."""
+        if self is Layout.CONTIGUOUS:
+            return (rank,)
+        return (rank, 2 * world - 1 - rank)
+
+    def owner(self, piece: int, world: int) -> Tuple[int, int]:
+        """``(rank, local slot)`` holding ``piece``."""
+        if self is Layout.CONTIGUOUS or piece < world:
+            return piece, 0
+        return 2 * world - 1 - piece, 1
+
+    def shard(self, x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
+        """This rank's part of a full sequence ``x`` (length divisible by the number of pieces)."""
+        pieces = x.chunk(self.num_pieces(world), dim=dim)
+        return torch.cat([pieces[p] for p in self.pieces(rank, world)], dim=dim)
+
+    def unshard(self, parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Inverse of :meth:`shard`: the full sequence from every rank's part (in group rank order)."""
+        world = len(parts)
+        slots: List[Tuple[torch.Tensor, ...]] = [
+            p.chunk(len(self.pieces(r, world)), dim=dim) for r, p in enumerate(parts)
+        ]
+        ordered = []
+        for piece in range(self.num_pieces(world)):
+            rank, slot = self.owner(piece, world)
+            ordered.append(slots[rank][slot])
+        return torch.cat(ordered, dim=dim)
+
+
+def as_layout(layout) -> Layout:
+    """``Layout`` from a name or a ``Layout``; a clear error otherwise."""
+    try:
+        return Layout(layout)
+    except ValueError:
+        names = ", ".join(repr(m.value) for m in Layout)
+        raise ValueError(f"unknown context-parallel layout {layout!r}; expected one of {names}") from None

@@ -1,0 +1,103 @@
+"""Context-parallel gated linear attention: one call, several strategies.
+
+=========  =============================================  ==========================
+strategy   what crosses ranks per layer                    file
+=========  =============================================  ==========================
+zeco       one state per piece, pipelined All-Scan         scan.py (+ comm/all_scan)
+lasp2      all-gather of every rank's state                scan.py (+ comm/all_scan)
+lasp1      one state per piece, sequential ring            ring.py
+a2a        q, k, v, g and o by all-to-all over heads       a2a.py
+none       nothing (one rank)                              local.py
+=========  =============================================  ==========================
+"""
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ..comm import Layout, as_layout
+from ..comm.functional import broadcast
+from .a2a import a2a_gla
+from .checks import STRATEGIES, check_inputs
+from .local import LocalGLA
+from .ring import RingGLA
+from .scan import ScanGLA
+
+__all__ = ["zeco_gla", "STRATEGIES"]
+
+
+def zeco_gla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    *,
+    group=None,
+    strategy: str = "zeco",
+    layout: Union[str, Layout] = "contiguous",
+    scale: Optional[float] = None,
+    num_blocks: int = 1,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    validate: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Gated linear attention over a sequence split across the ranks of ``group``.
+
+    Computes exactly ``chunk_gla`` over the whole (unsplit) sequence; each rank
+    passes and gets back its own part of it. Differentiable in q, k, v, g and
+    ``initial_state``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` this rank's tokens (T = local length, the same on every rank).
+        v: ``[B, T, H, V]``.
+        g: ``[B, T, H, K]`` log forget gates, ``g <= 0``. q, k, v, g share one
+            floating dtype (float64, float32, bfloat16, float16) and device.
+        group: the context-parallel process group (Megatron's CP group), or None
+            for no context parallelism.
+        strategy: ``"zeco"`` (All-Scan), ``"lasp2"`` (all-gather), ``"lasp1"``
+            (ring), ``"a2a"`` (head all-to-all; H divisible by the group size) or
+            ``"none"`` (one rank).
+        layout: which tokens this rank holds. ``"contiguous"``: rank r holds
+            tokens ``[r*T, (r+1)*T)``. ``"zigzag"`` (Megatron's default CP split):
+            the sequence is cut into 2P equal pieces and rank r holds pieces r
+            and 2P-1-r, concatenated (T must be even).
+        scale: output scale, default ``K ** -0.5``.
+        num_blocks: ``zeco`` only: blocks of key rows the state is cut into and
+            pipelined in (a divisor of K).
+        initial_state: ``[B, H, K, V]`` state before the first token, the same on
+            every rank; its gradient is split over the ranks (their sum is the
+            gradient), as Megatron's CP gradient reduction expects.
+        output_final_state: also return the state after the last token.
+        validate: all-gather a description of every rank's inputs and raise the
+            same ``ValueError`` on all ranks if any is unusable (costs one small
+            collective; turn off after a first validated call).
+
+    Returns:
+        ``o`` ``[B, T, H, V]`` in the input dtype, and the final state
+        ``[B, H, K, V]`` in float32 (float64 for float64 inputs) on every rank, or None.
+    """
+    layout = as_layout(layout)
+    if group is not None and group.size() == 1 and strategy == "none":
+        group = None
+    if validate:
+        check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
+                     num_blocks=num_blocks, output_final_state=output_final_state)
+    if strategy not in STRATEGIES:  # reached only with validate=False
+        raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if group is None:
+        o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state)
+        return o, (final if output_final_state else None)
+    if strategy == "a2a":
+        return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state)
+    if strategy == "lasp1":
+        o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state)
+    else:
+        o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
+                                 strategy == "zeco", output_final_state)
+    if not output_final_state:
+        return o, None
+    world = group.size()
+    last_piece = layout.num_pieces(world) - 1
+    return o, broadcast(final, layout.owner(last_piece, world)[0], group)

@@ -1,0 +1,99 @@
+"""Input checks that agree across ranks.
+
+A bad input on one rank must not leave the others waiting in a scan forever.
+Each rank describes its inputs (and any local problem) without raising; the
+descriptions are all-gathered; then every rank runs the same checks on the
+same table and raises the same ``ValueError``.
+"""
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+STRATEGIES = ("zeco", "lasp1", "lasp2", "a2a", "none")
+
+
+def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> List[str]:
+    tensors = {"q": q, "k": k, "v": v, "g": g}
+    problems = [f"{n} must be a torch.Tensor, got {type(t).__name__}"
+                for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+    if problems:
+        return problems
+    for name, t in tensors.items():
+        if t.dim() != 4:
+            problems.append(f"{name} must have 4 dims [B, T, H, D], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            problems.append(f"{name} must be floating point, got {t.dtype}")
+    if problems:
+        return problems
+    if k.shape != q.shape or g.shape != q.shape:
+        problems.append(f"q, k and g must have one shape [B, T, H, K], got "
+                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        problems.append(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape[:3])}, got {tuple(v.shape)}")
+    dtypes = {n: t.dtype for n, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        problems.append(f"q, k, v, g must share one dtype, got {dtypes}")
+    devices = {n: t.device for n, t in tensors.items()}
+    if initial_state is not None:
+        devices["initial_state"] = initial_state.device
+        B, _, H, K = q.shape
+        expected = (B, H, K, v.shape[-1])
+        if tuple(initial_state.shape) != expected:
+            problems.append(f"initial_state must be [B, H, K, V] = {expected}, got {tuple(initial_state.shape)}")
+        if not initial_state.is_floating_point():
+            problems.append(f"initial_state must be floating point, got {initial_state.dtype}")
+    if len(set(devices.values())) > 1:
+        problems.append(f"inputs must be on one device, got {{{', '.join(f'{n}: {d}' for n, d in devices.items())}}}")
+    T, K = q.shape[1], q.shape[-1]
+    if T == 0:
+        problems.append("the local sequence is empty (T = 0)")
+    elif T % pieces_per_rank:
+        problems.append(f"the zigzag layout splits each rank's T = {T} tokens into {pieces_per_rank} "
+                        f"equal pieces; T must be divisible by {pieces_per_rank}")
+    if not isinstance(num_blocks, int) or num_blocks < 1 or K % num_blocks:
+        problems.append(f"num_blocks = {num_blocks!r} must be a positive divisor of the key dim K = {K}")
+    return problems
+
+
+def _describe(x: Optional[torch.Tensor]):
+    return None if not isinstance(x, torch.Tensor) else (tuple(x.shape), str(x.dtype), x.device.type)
+
+
+def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state):
+    """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
+    world = 1 if group is None else dist.get_world_size(group)
+    pieces_per_rank = len(layout.pieces(0, world))
+    row = {
+        "problems": _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank),
+        "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
+        "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks,
+        "output_final_state": bool(output_final_state),
+    }
+    if group is None:
+        rows = [row]
+    else:
+        rows = [None] * world
+        dist.all_gather_object(rows, row, group=group)
+
+    errors = [f"rank {r}: {p}" for r, each in enumerate(rows) for p in each["problems"]]
+    if strategy not in STRATEGIES:
+        errors.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    for key, what in (("q", "q's shape, dtype and device (so local lengths)"),
+                      ("v", "v's shape, dtype and device"),
+                      ("initial_state", "initial_state (given or not, shape, dtype)"),
+                      ("strategy", "strategy"), ("layout", "layout"), ("num_blocks", "num_blocks"),
+                      ("output_final_state", "output_final_state")):
+        values = [each[key] for each in rows]
+        if any(val != values[0] for val in values):
+            listing = "; ".join(f"rank {r}: {val}" for r, val in enumerate(values))
+            errors.append(f"{what} must be the same on every rank of the context-parallel group ({listing})")
+    if strategy == "none" and world > 1:
+        errors.append(f"strategy 'none' runs on one rank, but the group has {world}; "
+                      "pick a context-parallel strategy or pass group=None")
+    if strategy == "a2a" and not errors and q.shape[2] % world:
+        errors.append(f"strategy 'a2a' splits heads over the group: H = {q.shape[2]} heads "
+                      f"is not divisible by the group size {world}")
+    if errors:
+        raise ValueError("zeco_gla: invalid input:\n  " + "\n  ".join(errors))

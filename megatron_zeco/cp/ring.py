@@ -1,0 +1,55 @@
+"""Strategy ``lasp1``: the sequential ring of LASP-1.
+
+Each rank waits for the state entering its piece, runs its local GLA from it,
+and passes the final state on; backward walks back the same way. Exact, but the
+ranks work one after another: P times the latency of one piece.
+"""
+
+import torch
+
+from ..comm import chain_scan
+from ..ops import gla_bwd, gla_fwd, state_dtype
+
+
+class RingGLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, scale, layout, group, output_final_state):
+        n = len(layout.pieces(0, group.size()))
+        qs, ks, vs, gs = (x.chunk(n, dim=1) for x in (q, k, v, g))
+        B, _, H, K = q.shape
+        like = q.new_empty(B, H, K, v.shape[-1], dtype=state_dtype(q.dtype))
+        ctx.h0_dtype = None if h0 is None else h0.dtype
+        outs = [None] * n
+
+        def step(slot, rows, state):
+            outs[slot], final = gla_fwd(qs[slot], ks[slot], vs[slot], gs[slot], scale, state, True)
+            return final
+
+        h0 = None if h0 is None else h0.to(like.dtype)
+        S_in, last = chain_scan(step, h0, like, layout=layout, group=group)
+        ctx.save_for_backward(q, k, v, g, *S_in)
+        ctx.n, ctx.scale, ctx.layout, ctx.group, ctx.output_final_state = n, scale, layout, group, output_final_state
+        return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        n = ctx.n
+        q, k, v, g, *S_in = ctx.saved_tensors
+        qs, ks, vs, gs, dos = (x.chunk(n, dim=1) for x in (q, k, v, g, do))
+        grads = [None] * n
+
+        def step(slot, rows, d_out):
+            *grads[slot], d_in = gla_bwd(qs[slot], ks[slot], vs[slot], gs[slot], ctx.scale,
+                                         S_in[slot], dos[slot], d_out)
+            return d_in
+
+        init = dht.to(S_in[0].dtype) if ctx.output_final_state else None
+        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.layout, group=ctx.group, reverse=True)
+        dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
+        if not ctx.needs_input_grad[4]:
+            dh0 = None
+        elif dh0 is None:  # the initial state entered on another rank
+            dh0 = torch.zeros_like(S_in[0]).to(ctx.h0_dtype)
+        else:
+            dh0 = dh0.to(ctx.h0_dtype)
+        return dq, dk, dv, dg, dh0, None, None, None, None

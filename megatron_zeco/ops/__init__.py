@@ -1,0 +1,22 @@
+"""Gated linear attention on one device.
+
+``naive.py`` is the readable recurrence every other path is tested against;
+``chunk.py`` the chunked PyTorch form; ``backend.py`` the local operations that
+the context-parallel strategies in :mod:`megatron_zeco.cp` call.
+"""
+
+from .backend import gla_bwd, gla_fwd, gla_state, gla_state_grad
+from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad, state_dtype
+from .naive import naive_recurrent_gla
+
+__all__ = [
+    "naive_recurrent_gla",
+    "chunk_gla",
+    "chunk_gla_state",
+    "chunk_gla_state_grad",
+    "state_dtype",
+    "gla_fwd",
+    "gla_bwd",
+    "gla_state",
+    "gla_state_grad",
+]

@@ -1,0 +1,23 @@
+"""megatron_zeco: ZeCO context parallelism for gated linear attention in Megatron-Core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_zeco",
+    version="0.1.0",
+    description="ZeCO (All-Scan) context parallelism for gated linear attention in Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_zeco", "megatron_zeco.*"]),
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16",
+    ],
+    extras_require={
+        # CPU test suite (Triton kernels run there under TRITON_INTERPRET=1).
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "triton"],
+        # GPU speed: fla's chunk kernels and our Triton kernels. Imported lazily.
+        "gpu": ["triton", "flash-linear-attention"],
+    },
+)

@@ -1,0 +1,15 @@
+import os
+import random
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py, tests/reference.py
+
+
+@pytest.fixture
+def seed():
+    """A fresh random seed per test (printed, so a failure can be replayed with ZECO_SEED=...)."""
+    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"ZECO_SEED={value}")
+    return value

@@ -1,0 +1,68 @@
+"""Random GLA problems and their float64 reference (the step-by-step loop, with autograd)."""
+
+import torch
+import torch.nn.functional as F
+
+from megatron_zeco.ops import naive_recurrent_gla
+
+GATES = ("normal", "zero", "tiny", "strong", "underflow", "mixed")
+
+
+def gates(shape, kind, gen, dtype=torch.float64):
+    """Log forget gates of one regime: 'zero'/'tiny' = no decay, 'strong' = decay ~1e-13..1e-26,
+    'underflow' = exp(g) == 0 in float64, 'mixed' = a random regime per element."""
+    u = torch.rand(shape, generator=gen, dtype=dtype)
+    if kind == "normal":
+        return F.logsigmoid(torch.randn(shape, generator=gen, dtype=dtype) * 2)
+    if kind == "zero":
+        return torch.zeros(shape, dtype=dtype)
+    if kind == "tiny":
+        return -1e-6 * u
+    if kind == "strong":
+        return -(30 + 30 * u)
+    if kind == "underflow":
+        return -(800 + 200 * u)
+    if kind == "mixed":
+        pick = torch.randint(0, 5, shape, generator=gen)
+        options = [gates(shape, k, gen, dtype) for k in ("normal", "zero", "tiny", "strong", "underflow")]
+        return torch.stack(options).gather(0, pick.unsqueeze(0)).squeeze(0)
+    raise ValueError(kind)
+
+
+def problem(seed, B, T, H, K, V, gate="normal", initial_state=True, dtype=torch.float64):
+    """Inputs, output gradients and the initial state of one random problem over the full sequence."""
+    gen = torch.Generator().manual_seed(seed)
+    x = {
+        "q": torch.randn(B, T, H, K, generator=gen, dtype=dtype),
+        "k": torch.randn(B, T, H, K, generator=gen, dtype=dtype),
+        "v": torch.randn(B, T, H, V, generator=gen, dtype=dtype),
+        "g": gates((B, T, H, K), gate, gen, dtype),
+        "do": torch.randn(B, T, H, V, generator=gen, dtype=dtype),
+        "dht": torch.randn(B, H, K, V, generator=gen, dtype=dtype),
+        "h0": torch.randn(B, H, K, V, generator=gen, dtype=dtype) if initial_state else None,
+    }
+    return x
+
+
+def reference(x, scale=None, output_final_state=True):
+    """float64 loop: output, final state and the gradients of
+    ``sum(o * do) + sum(ht * dht)`` with respect to q, k, v, g, h0."""
+    leaves = {n: x[n].double().detach().requires_grad_() for n in ("q", "k", "v", "g")}
+    if x["h0"] is not None:
+        leaves["h0"] = x["h0"].double().detach().requires_grad_()
+    o, ht = naive_recurrent_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], scale,
+                                leaves.get("h0"), output_final_state=True)
+    loss = (o * x["do"].double()).sum()
+    if output_final_state:
+        loss = loss + (ht * x["dht"].double()).sum()
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    out = {"o": o.detach(), "ht": ht.detach()}
+    out.update({"d" + n: g for n, g in zip(leaves, grads)})
+    return out
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| (the absolute error where b is exactly zero)."""
+    a, b = a.detach().double(), b.detach().double()
+    denom = b.norm()
+    return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
