@@ -76,12 +76,12 @@ def zeco_gla(
         ``o`` ``[B, T, H, V]`` in the input dtype, and the final state
         ``[B, H, K, V]`` in float32 (float64 for float64 inputs) on every rank, or None.
     """
-    layout = as_layout(layout)
     if group is not None and group.size() == 1 and strategy == "none":
         group = None
     if validate:
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
                      num_blocks=num_blocks, output_final_state=output_final_state)
+    layout = as_layout(layout)
     if strategy not in STRATEGIES:  # reached only with validate=False
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if scale is None:

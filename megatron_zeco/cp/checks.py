@@ -11,6 +11,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from ..comm import Layout, as_layout
+
 STRATEGIES = ("zeco", "lasp1", "lasp2", "a2a", "none")
 
 
@@ -64,9 +66,17 @@ def _describe(x: Optional[torch.Tensor]):
 def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state):
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
     world = 1 if group is None else dist.get_world_size(group)
-    pieces_per_rank = len(layout.pieces(0, world))
+    problems = []
+    try:
+        layout = as_layout(layout)
+    except ValueError as e:
+        problems.append(str(e))
+        layout = Layout.CONTIGUOUS
+    if strategy not in STRATEGIES:
+        problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    problems += _local_problems(q, k, v, g, initial_state, num_blocks, len(layout.pieces(0, world)))
     row = {
-        "problems": _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank),
+        "problems": problems,
         "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
         "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks,
         "output_final_state": bool(output_final_state),
@@ -78,8 +88,6 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         dist.all_gather_object(rows, row, group=group)
 
     errors = [f"rank {r}: {p}" for r, each in enumerate(rows) for p in each["problems"]]
-    if strategy not in STRATEGIES:
-        errors.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     for key, what in (("q", "q's shape, dtype and device (so local lengths)"),
                       ("v", "v's shape, dtype and device"),
                       ("initial_state", "initial_state (given or not, shape, dtype)"),

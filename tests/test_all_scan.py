@@ -1,0 +1,64 @@
+"""All-Scan and the all-gather scan on real process groups, against a sequential fold.
+
+Runs two CP groups side by side in one world, with strided global ranks (as
+Megatron's CP groups are under tensor parallelism), so peers must be found
+through the group, never by rank +- 1 on the world.
+"""
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megatron_zeco.comm import Layout, all_scan, gather_scan
+
+
+def _fold(gammas, deltas, init, order):
+    """State entering each piece when walking ``order``; and the state leaving the walk."""
+    x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
+    for p in order:
+        entering[p] = x
+        x = gammas[p].unsqueeze(-1) * x + deltas[p]
+    return entering, x
+
+
+def _scan_worker(rank, world, seed, groups):
+    handles = [dist.new_group(ranks) for ranks in groups]  # every rank creates every group
+    gid = next(i for i, ranks in enumerate(groups) if rank in ranks)
+    group, P = handles[gid], len(groups[gid])
+    me = dist.get_rank(group)
+    failures = []
+    cases = itertools.product(Layout, (1, 2, 4), (False, True), (False, True), ("all_scan", "gather_scan"))
+    for n, (layout, blocks, reverse, with_init, impl) in enumerate(cases):
+        gen = torch.Generator().manual_seed(seed + 1000 * gid + n)  # each group scans different data
+        pieces = layout.num_pieces(P)
+        gammas = [torch.rand(2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        deltas = [torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        init = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64) if with_init else None
+        mine = layout.pieces(me, P)
+        kwargs = dict(layout=layout, group=group, reverse=reverse)
+        if impl == "all_scan":
+            kwargs["num_blocks"] = blocks
+        scan = all_scan if impl == "all_scan" else gather_scan
+        entering, last = scan([gammas[p] for p in mine], [deltas[p] for p in mine], init, **kwargs)
+        order = range(pieces - 1, -1, -1) if reverse else range(pieces)
+        want, want_last = _fold(gammas, deltas, init, order)
+        ok = all(torch.allclose(entering[s], want[p], rtol=1e-13, atol=0) for s, p in enumerate(mine))
+        ends_here = layout.owner(order[-1], P)[0] == me
+        ok &= (last is not None) == ends_here and (last is None or torch.allclose(last, want_last, rtol=1e-13))
+        if not ok:
+            failures.append(f"{impl} {layout.value} blocks={blocks} reverse={reverse} init={with_init}")
+    return failures
+
+
+@pytest.mark.parametrize("groups", [
+    [[0, 1, 2]],                 # one group, odd size
+    [[0, 2], [1, 3]],            # strided groups (CP under TP = 2)
+    [[0, 1, 2, 3, 4]],           # odd size, zigzag turn-around on rank 4
+])
+def test_scans_match_sequential_fold(seed, groups):
+    world = sum(len(g) for g in groups)
+    failures = run_ranks(_scan_worker, world, seed, groups)
+    assert not any(failures), failures

@@ -1,0 +1,72 @@
+"""Bad input raises the same clear ValueError on every rank, and never hangs."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed import run_ranks
+from megatron_zeco import zeco_gla
+
+
+def _inputs(T=12, H=2, K=8, V=4, dtype=torch.float64):
+    return [torch.randn(1, T, H, K, dtype=dtype), torch.randn(1, T, H, K, dtype=dtype),
+            torch.randn(1, T, H, V, dtype=dtype), -torch.rand(1, T, H, K, dtype=dtype)]
+
+
+def _one_rank_differs(rank, **bad):
+    """Keyword arguments for zeco_gla where only the last rank gets ``bad``."""
+    return bad if rank == dist.get_world_size() - 1 else {}
+
+
+CASES = {
+    "lengths differ": (lambda r: ([*_inputs(T=10 if r == 1 else 12)], {}), "same on every rank"),
+    "zigzag length odd": (lambda r: (_inputs(T=11 if r == 0 else 12), {"layout": "zigzag"}),
+                          "divisible by 2"),
+    "blocks do not divide K": (lambda r: (_inputs(), {"num_blocks": 3}), "positive divisor of the key dim"),
+    "a2a heads": (lambda r: (_inputs(H=3), {"strategy": "a2a"}), "not divisible by the group size"),
+    "strategy none on a group": (lambda r: (_inputs(), {"strategy": "none"}), "runs on one rank"),
+    "mixed dtypes on one rank": (lambda r: ([*_inputs()[:3], -torch.rand(1, 12, 2, 8)] if r == 1 else _inputs(), {}),
+                                 "share one dtype"),
+    "dtype differs across ranks": (lambda r: (_inputs(dtype=torch.float32 if r == 0 else torch.float64), {}),
+                                   "same on every rank"),
+    "device differs on one rank": (lambda r: ([*_inputs()[:2], torch.empty(1, 12, 2, 4, device="meta", dtype=torch.float64),
+                                               _inputs()[3]] if r == 1 else _inputs(), {}), "one device"),
+    "unknown strategy on one rank": (lambda r: (_inputs(), {"strategy": "zec0" if r == 0 else "zeco"}),
+                                     "unknown strategy"),
+    "unknown layout on one rank": (lambda r: (_inputs(), {"layout": "zig-zag" if r == 1 else "zigzag"}),
+                                   "unknown context-parallel layout"),
+    "initial state only on one rank": (lambda r: (_inputs(), {"initial_state": torch.zeros(1, 2, 8, 4, dtype=torch.float64)
+                                                              if r == 0 else None}), "initial_state"),
+    "v has another length": (lambda r: ([*_inputs()[:2], torch.randn(1, 11, 2, 4, dtype=torch.float64), _inputs()[3]], {}),
+                             "v must be [B, T, H, V]"),
+}
+
+
+def _call(rank, world, name):
+    make, _ = CASES[name]
+    tensors, kwargs = make(rank)
+    try:
+        zeco_gla(*tensors, group=dist.group.WORLD, **kwargs)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_fails_on_every_rank(name):
+    messages = run_ranks(_call, 2, name, timeout=120)
+    expected = CASES[name][1]
+    for rank, message in enumerate(messages):
+        assert message is not None, f"rank {rank} accepted the input"
+        assert expected in message, f"rank {rank}: {message}"
+    assert len(set(messages)) == 1, messages  # the same message everywhere
+
+
+def test_one_rank_groups_validate_locally():
+    q, k, v, g = _inputs(T=7)
+    with pytest.raises(ValueError, match="divisible by 2"):
+        zeco_gla(q, k, v, g, layout="zigzag")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        zeco_gla(q, k, v, g, strategy="ring")
+    with pytest.raises(ValueError, match="unknown strategy"):
+        zeco_gla(q, k, v, g, strategy="ring", validate=False)
