@@ -13,6 +13,8 @@ setup(
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",
+        # megatron-core's checkpoint writer needs it; without it a save hangs (0.16.1).
+        "psutil",
     ],
     extras_require={
         # CPU test suite (Triton kernels run there under TRITON_INTERPRET=1).

@@ -156,9 +156,10 @@ class GatedLinearAttention(MegatronModule):
         s, b = qkvr.shape[:2]
         qkvr = qkvr.view(s, b, self.heads_per_rank, 4, self.head_dim).transpose(0, 1)  # [b, s, H, 4, D]
         q, k, v, r = qkvr.unbind(dim=3)
+        fp = torch.promote_types(q.dtype, torch.float32)  # norms and gates in at least fp32
         low = F.linear(hidden_states, self.gate_down)
         g, _ = self.gate_up(low)
-        g = F.logsigmoid(g.float()) / self.gate_normalizer
+        g = F.logsigmoid(g.to(fp)) / self.gate_normalizer
         g = g.view(s, b, self.heads_per_rank, self.head_dim).transpose(0, 1).to(q.dtype)
 
         cp = self.cp_group.size() > 1
@@ -173,8 +174,8 @@ class GatedLinearAttention(MegatronModule):
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight
-        o = F.rms_norm(o.float(), (self.head_dim,), weight.float(), self.config.layernorm_epsilon)
-        o = (o * F.silu(r.float())).to(r.dtype)
+        o = F.rms_norm(o.to(fp), (self.head_dim,), weight.to(fp), self.config.layernorm_epsilon)
+        o = (o * F.silu(r.to(fp))).to(r.dtype)
         o = o.transpose(0, 1).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.out_proj(o)
 

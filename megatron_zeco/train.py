@@ -39,6 +39,7 @@ class TrainConfig:
     batch: int = 16  # sequences per step over all data-parallel ranks
     steps: int = 500
     lr: float = 3e-3
+    dtype: str = "float32"  # parameters and activations: float32, or float64 for exactness checks
     init_std: float = 0.1  # ~ hidden ** -0.5: Megatron's 0.02 is tuned for wide models
     seed: int = 1234
     task: str = "recall"  # or "mock": random tokens, loss on every token
@@ -91,14 +92,14 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
     config = TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
-        use_cpu_initialization=True, params_dtype=torch.float32,
+        use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
     )
     spec = gla_layer_spec(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
                           gate_timescales=(1.0, 4.0 * cfg.seq_len))
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=cfg.seq_len, position_embedding_type="none")
-    return model.to(device)
+    return model.to(device=device, dtype=getattr(torch, cfg.dtype))  # some norms ignore params_dtype
 
 
 def make_task(cfg: TrainConfig) -> RecallTask:
@@ -134,18 +135,52 @@ def local_batch(cfg: TrainConfig, batch: dict) -> dict:
 
 
 def loss_and_accuracy(model, batch: dict, device):
-    """Masked mean cross-entropy over the whole global batch (so gradients sum over DP x CP)."""
-    from megatron.core import parallel_state, tensor_parallel
+    """Masked mean cross-entropy over the whole global batch (so gradients sum over DP x CP),
+    and the summed (answer count, correct answers) over DP x CP."""
+    from megatron.core import parallel_state
 
     tokens, labels, mask = (batch[k].to(device) for k in ("tokens", "labels", "loss_mask"))
     logits = model(tokens, None, None)  # [b, s, vocab / tp]
-    logits = tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
-    dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    stats = torch.stack([mask.sum(), ((logits.argmax(-1) == labels).float() * mask).sum()])
-    dist.all_reduce(stats, group=dp_cp)
-    token_loss = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
-    loss = (token_loss * mask).sum() / stats[0]
-    return loss, stats
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    token_loss = _vocab_parallel_cross_entropy(logits, labels)
+    mask = mask.to(logits.dtype)
+    correct = (_vocab_parallel_argmax(logits.detach()) == labels).to(mask.dtype)
+    stats = torch.stack([mask.sum(), (correct * mask).sum()])
+    dist.all_reduce(stats, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+    return (token_loss * mask).sum() / stats[0], stats
+
+
+def _vocab_parallel_cross_entropy(logits, labels):
+    """Per-token cross-entropy of ``[b, s, vocab / tp]`` logits, in their own dtype
+    (Megatron's version computes in float32 and allocates on CUDA)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as tp_sum
+
+    tp = parallel_state.get_tensor_model_parallel_group()
+    if tp.size() == 1:
+        return F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    peak = logits.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp)
+    shifted = logits - peak
+    local = labels - tp.rank() * logits.shape[-1]
+    inside = (local >= 0) & (local < logits.shape[-1])
+    target = shifted.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * inside
+    return tp_sum(shifted.exp().sum(-1), group=tp).log() - tp_sum(target, group=tp)
+
+
+def _vocab_parallel_argmax(logits):
+    """argmax over a vocabulary split across tensor-parallel ranks."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_group()
+    best, index = logits.max(dim=-1)
+    if tp.size() == 1:
+        return index
+    index = index + tp.rank() * logits.shape[-1]
+    bests, indices = [torch.empty_like(best) for _ in range(tp.size())], [torch.empty_like(index) for _ in range(tp.size())]
+    dist.all_gather(bests, best.contiguous(), group=tp)
+    dist.all_gather(indices, index.contiguous(), group=tp)
+    return torch.stack(indices).gather(0, torch.stack(bests).argmax(0, keepdim=True)).squeeze(0)
 
 
 def reduce_gradients(model):

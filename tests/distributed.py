@@ -7,24 +7,31 @@ A hang becomes a failure after ``timeout`` seconds: no test can stall CI.
 """
 
 import datetime
+import faulthandler
+import io
 import multiprocessing as mp
 import os
 import queue
 import tempfile
 import traceback
 
+import torch
+
 TIMEOUT = float(os.environ.get("ZECO_TEST_TIMEOUT", 300))
 
 
-def _entry(fn, rank, world, store, results, args, pg_timeout):
+def _entry(fn, rank, world, store, results, args, pg_timeout, timeout):
     import torch
     import torch.distributed as dist
 
+    faulthandler.dump_traceback_later(max(timeout - 5, 1))  # where a hung rank is stuck, in the log
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
-        results.put((rank, True, fn(rank, world, *args)))
+        buffer = io.BytesIO()  # by value: tensors must outlive this process
+        torch.save(fn(rank, world, *args), buffer)
+        results.put((rank, True, buffer.getvalue()))
     except BaseException:  # report everything, including assertion failures
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -38,7 +45,7 @@ def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None):
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, pg_timeout or timeout))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, pg_timeout or timeout, timeout))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -53,7 +60,10 @@ def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None):
                     missing = sorted(set(range(world)) - set(out) - set(failures))
                     raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
                                          + _format(failures)) from None
-                (out if ok else failures)[rank] = value
+                if ok:
+                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                else:
+                    failures[rank] = value
                 if failures and len(out) + len(failures) < world:
                     # Peers of a failed rank may wait forever on it: give them a moment, then stop.
                     deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=20))
