@@ -186,10 +186,7 @@ def _check_config(config, strategy, layout, num_blocks, tp, cp):
     if strategy not in STRATEGIES or strategy == "none":
         raise ValueError(f"GatedLinearAttention: cp_strategy {strategy!r} is not one of "
                          f"{', '.join(s for s in STRATEGIES if s != 'none')}")
-    H, D = config.num_attention_heads, config.kv_channels
-    if H % tp:
-        raise ValueError(f"GatedLinearAttention: --num-attention-heads ({H}) must be divisible by "
-                         f"--tensor-model-parallel-size ({tp})")
+    H, D = config.num_attention_heads, config.kv_channels  # TransformerConfig checks H % tp
     if strategy == "a2a" and cp > 1 and (H // tp) % cp:
         raise ValueError(f"GatedLinearAttention: the a2a strategy splits each TP rank's {H // tp} heads over "
                          f"--context-parallel-size ({cp}); use more heads or the zeco strategy")

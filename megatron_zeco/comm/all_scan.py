@@ -95,14 +95,9 @@ def chain_scan(
     def tag(piece: int, block: int) -> int:  # message = block `block` of the state leaving `piece`
         return piece * num_blocks + block
 
-    pending = {}  # post every receive first, so blocks land while we compute
-    for link in walk:
-        if link.src is not None:
-            bufs = [like.new_empty(block_shape) for _ in rows]
-            works = [dist.irecv(buf, link.src, group=group, tag=tag(link.piece - shift, b))
-                     for b, buf in enumerate(bufs)]
-            pending[link.slot] = (bufs, works)
-
+    # Each receive is posted just before its block is needed. Backends that run point-to-point
+    # operations in issue order (NCCL: one stream per communicator) would deadlock on receives
+    # posted ahead of the sends a peer is waiting for (the zigzag chain goes both ways).
     inputs: List[Optional[Tensor]] = [None] * len(walk)
     sends, carried, last = [], None, None
     for link in walk:
@@ -110,10 +105,9 @@ def chain_scan(
         for b, r in enumerate(rows):
             if link.first:
                 x = like.new_zeros(block_shape) if init is None else init[..., r, :]
-            elif link.slot in pending:
-                bufs, works = pending[link.slot]
-                works[b].wait()
-                x = bufs[b]
+            elif link.src is not None:
+                x = like.new_empty(block_shape)
+                dist.recv(x, link.src, group=group, tag=tag(link.piece - shift, b))
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
             y = step(link.slot, r, x)
