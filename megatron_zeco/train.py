@@ -11,6 +11,7 @@ accuracy, tokens/s and the CP strategy every ``--log-interval`` steps.
 """
 
 import argparse
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -38,17 +39,17 @@ class TrainConfig:
     seq_len: int = 64
     batch: int = 16  # sequences per step over all data-parallel ranks
     steps: int = 500
-    lr: float = 3e-3
+    lr: float = 3e-3  # peak; warm-up then cosine decay to lr / 10
+    clip_grad: float = 1.0  # global gradient norm clip (0: off)
     dtype: str = "float32"  # parameters and activations: float32, or float64 for exactness checks
     init_std: float = 0.1  # ~ hidden ** -0.5: Megatron's 0.02 is tuned for wide models
     seed: int = 1234
     task: str = "recall"  # or "mock": random tokens, loss on every token
     # Recall task (see recall.py): bindings per sequence, key/value/filler vocabularies.
-    # One binding learns in a few CPU minutes; several need far longer training.
-    pairs: int = 1
-    keys: int = 1
+    pairs: int = 4
+    keys: int = 8
     values: int = 8
-    filler: int = 1
+    filler: int = 8
     device: str = "auto"
     log_interval: int = 50
 
@@ -196,7 +197,37 @@ def reduce_gradients(model):
             g.copy_(part.view_as(g))
 
 
-def train(cfg: TrainConfig, log=print):
+def _log(message: str):
+    print(message, flush=True)  # progress must show up in redirected logs as it happens
+
+
+def grad_norm(model) -> torch.Tensor:
+    """Norm of the whole (TP-unsharded) gradient, the same on every rank (call after reduce_gradients)."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_group()
+    total = torch.zeros((), dtype=torch.float64, device=next(model.parameters()).device)
+    for p in model.parameters():  # TP-sharded gradients from every TP rank, replicated ones once
+        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp.rank() == 0):
+            total += p.grad.double().pow(2).sum()
+    dist.all_reduce(total, group=tp)
+    return total.sqrt()
+
+
+def lr_schedule(cfg: TrainConfig):
+    """Linear warm-up over 5% of the steps, then cosine decay to a tenth."""
+    warmup = max(1, cfg.steps // 20)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, cfg.steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def train(cfg: TrainConfig, log=_log):
     """Run the training loop; returns the list of per-step (loss, accuracy)."""
     from megatron.core import parallel_state
 
@@ -204,6 +235,7 @@ def train(cfg: TrainConfig, log=print):
     task = make_task(cfg)
     model = build_model(cfg, task.vocab_size, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     rank0 = dist.get_rank() == 0
     if rank0:
         log(f"megatron_zeco: GLA GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
@@ -217,7 +249,11 @@ def train(cfg: TrainConfig, log=print):
         loss, stats = loss_and_accuracy(model, batch, device)
         loss.backward()
         reduce_gradients(model)
+        norm = grad_norm(model)
+        if cfg.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.clip_grad, norm)
         optimizer.step()
+        scheduler.step()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         accuracy = float(stats[1] / stats[0])
@@ -228,6 +264,7 @@ def train(cfg: TrainConfig, log=print):
             steps_in_window = cfg.log_interval if step % cfg.log_interval == 0 else step % cfg.log_interval
             rate = steps_in_window * cfg.batch * cfg.seq_len / (now - window_start)
             log(f"step {step:5d}/{cfg.steps} | loss {history[-1][0]:.4f} | recall acc {accuracy:.3f} | "
+                f"grad norm {float(norm):.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
                 f"{rate:8.0f} tokens/s | {cfg.strategy}")
             window_start = now
     elapsed = time.time() - start

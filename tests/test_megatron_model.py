@@ -16,19 +16,6 @@ STEPS = 4
 BASE = dict(layers=2, hidden=32, heads=4, seq_len=48, batch=4, task="mock", lr=1e-2, log_interval=10**6)
 
 
-def _grad_norm(model):
-    """Norm of the full (unsharded) gradient, the same on every rank."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_group()
-    total = torch.zeros((), dtype=torch.float64)
-    for p in model.parameters():
-        if p.grad is not None and (getattr(p, "tensor_model_parallel", False) or tp.rank() == 0):
-            total += p.grad.double().pow(2).sum()
-    dist.all_reduce(total, group=tp)
-    return float(total.sqrt())
-
-
 def _train_steps(rank, world, overrides):
     """Per dtype: losses and gradient norms of STEPS SGD steps, and the step-1 gradients."""
     from megatron.core import parallel_state
@@ -51,7 +38,7 @@ def _train_steps(rank, world, overrides):
             T.reduce_gradients(model)
             if step == 1:
                 first = _full_grads(model)
-            norms.append(_grad_norm(model))
+            norms.append(float(T.grad_norm(model)))
             optimizer.step()
             total = loss.detach().double()
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))

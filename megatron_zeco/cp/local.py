@@ -25,3 +25,11 @@ class LocalGLA(torch.autograd.Function):
         dq, dk, dv, dg, dh0 = gla_bwd(q, k, v, g, ctx.scale, h0, do,
                                       dht if ctx.output_final_state else None)
         return dq, dk, dv, dg, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None
+
+
+def initial_state_grad(ctx, dh0, like):
+    """Gradient for a context-parallel op's ``initial_state`` input: the scan's result on the
+    rank where the state entered, zeros on the others (their sum over ranks is the gradient)."""
+    if not ctx.needs_input_grad[4]:
+        return None
+    return (torch.zeros_like(like) if dh0 is None else dh0).to(ctx.h0_dtype)

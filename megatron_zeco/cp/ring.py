@@ -9,6 +9,7 @@ import torch
 
 from ..comm import chain_scan
 from ..ops import gla_bwd, gla_fwd, state_dtype
+from .local import initial_state_grad
 
 
 class RingGLA(torch.autograd.Function):
@@ -46,10 +47,5 @@ class RingGLA(torch.autograd.Function):
         init = dht.to(S_in[0].dtype) if ctx.output_final_state else None
         _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.layout, group=ctx.group, reverse=True)
         dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
-        if not ctx.needs_input_grad[4]:
-            dh0 = None
-        elif dh0 is None:  # the initial state entered on another rank
-            dh0 = torch.zeros_like(S_in[0]).to(ctx.h0_dtype)
-        else:
-            dh0 = dh0.to(ctx.h0_dtype)
+        dh0 = initial_state_grad(ctx, dh0, S_in[0])
         return dq, dk, dv, dg, dh0, None, None, None, None

@@ -14,18 +14,15 @@ from ``S_in`` with final-state gradient ``D(p)`` gives exact dq, dk, dv, dg.
 import torch
 
 from ..comm import all_scan, gather_scan
-from ..ops import gla_bwd, gla_fwd, gla_state, gla_state_grad, state_dtype
-
-
-def _slots(x, n):
-    return x.chunk(n, dim=1)
+from ..ops import gla_bwd, gla_fwd, gla_state, gla_state_grad
+from .local import initial_state_grad
 
 
 class ScanGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state):
         n = len(layout.pieces(0, group.size()))
-        qs, ks, vs, gs = (_slots(x, n) for x in (q, k, v, g))
+        qs, ks, vs, gs = (x.chunk(n, dim=1) for x in (q, k, v, g))
         E, gamma = zip(*(gla_state(ks[s], vs[s], gs[s]) for s in range(n)))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E[0].dtype)
@@ -41,18 +38,13 @@ class ScanGLA(torch.autograd.Function):
         n = ctx.n
         q, k, v, g, *rest = ctx.saved_tensors
         S_in, gamma = rest[:n], rest[n:]
-        qs, ks, vs, gs, dos = (_slots(x, n) for x in (q, k, v, g, do))
+        qs, ks, vs, gs, dos = (x.chunk(n, dim=1) for x in (q, k, v, g, do))
         A = [gla_state_grad(qs[s], gs[s], dos[s], ctx.scale) for s in range(n)]
         dht = dht.to(A[0].dtype) if ctx.output_final_state else None
         D, dh0 = _scan(gamma, A, dht, *ctx.scan_args, reverse=True)
         grads = [gla_bwd(qs[s], ks[s], vs[s], gs[s], ctx.scale, S_in[s], dos[s], D[s])[:4] for s in range(n)]
         dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
-        if not ctx.needs_input_grad[4]:
-            dh0 = None
-        elif dh0 is None:  # the initial state entered on another rank
-            dh0 = torch.zeros_like(S_in[0]).to(ctx.h0_dtype)
-        else:
-            dh0 = dh0.to(ctx.h0_dtype)
+        dh0 = initial_state_grad(ctx, dh0, S_in[0])
         return dq, dk, dv, dg, dh0, None, None, None, None, None, None
 
 
