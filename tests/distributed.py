@@ -79,3 +79,16 @@ def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None):
 
 def _format(failures):
     return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+
+
+def host_as_cuda():
+    """megatron-core 0.16's dist-checkpointing and sequence-parallel collectives assume CUDA
+    (buffers on torch.cuda.current_device(), host copies followed by torch.cuda.synchronize()).
+    On a CPU-only machine, let the host stand in for the device; everything else runs unchanged."""
+    from contextlib import ExitStack
+    from unittest import mock
+
+    stack = ExitStack()
+    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
+    stack.enter_context(mock.patch("torch.cuda.synchronize", return_value=None))
+    return stack

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
+from distributed import host_as_cuda, run_ranks
 
 TOL = 1e-5
 STEPS = 4
@@ -237,10 +237,10 @@ def _checkpoint_worker(rank, world, overrides, path, save):
             loss.backward()
             T.reduce_gradients(model)
             optimizer.step()
-        with _host_as_cuda():
+        with host_as_cuda():
             dist_checkpointing.save(model.sharded_state_dict(), path)
     else:
-        with _host_as_cuda():
+        with host_as_cuda():
             model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), path))
     cfg.seed = 1234  # the same data as the saving run
     with torch.no_grad():
@@ -248,19 +248,6 @@ def _checkpoint_worker(rank, world, overrides, path, save):
     total = loss.double()
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
     return float(total)
-
-
-def _host_as_cuda():
-    """megatron-core 0.16's dist-checkpointing assumes CUDA (host copies with non_blocking and
-    torch.cuda.synchronize(), flags allocated on torch.cuda.current_device()). On a CPU-only
-    machine, let the host stand in for the device; everything else runs unchanged."""
-    from contextlib import ExitStack
-    from unittest import mock
-
-    stack = ExitStack()
-    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
-    stack.enter_context(mock.patch("torch.cuda.synchronize", return_value=None))
-    return stack
 
 
 @pytest.fixture(scope="module")
