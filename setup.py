@@ -18,7 +18,7 @@ setup(
     ],
     extras_require={
         # CPU test suite (Triton kernels run there under TRITON_INTERPRET=1).
-        "test": ["pytest>=8", "pytest-timeout", "hypothesis"],
+        "test": ["pytest>=8", "pytest-timeout", "hypothesis", "triton"],
         # GPU speed: fla's chunk kernels and our Triton kernels. Imported lazily.
         "gpu": ["triton", "flash-linear-attention"],
     },
