@@ -19,13 +19,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _state_kernel(k, v, g, E, gamma, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+def _program_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """This program's (batch x head, batch, head), key and value offsets, and their bounds masks."""
     i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    return i_bh, i_bh // H, i_bh % H, o_k, o_v, o_k < K, o_v < V
+
+
+@triton.jit
+def _state_kernel(k, v, g, E, gamma, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    i_bh, i_b, i_h, o_k, o_v, m_k, m_v = _program_tile(H, K, V, BK, BV)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     g_sum = tl.zeros([BK], dtype=tl.float32)
     o_c = tl.arange(0, BT)
@@ -45,18 +50,14 @@ def _state_kernel(k, v, g, E, gamma, T, H: tl.constexpr, K: tl.constexpr, V: tl.
         g_sum += g_chunk
     base = i_bh * K * V
     tl.store(E + base + o_k[:, None] * V + o_v[None, :], S, mask=m_k[:, None] & m_v[None, :])
-    if i_v == 0:
+    if tl.program_id(0) == 0:  # one value block writes gamma
         tl.store(gamma + i_bh * K + o_k, tl.exp(g_sum), mask=m_k)
 
 
 @triton.jit
 def _state_grad_kernel(q, g, do, A, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // H, i_bh % H
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    i_bh, i_b, i_h, o_k, o_v, m_k, m_v = _program_tile(H, K, V, BK, BV)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     g_before = tl.zeros([BK], dtype=tl.float32)  # log-decay from the piece start to this chunk
     for t0 in range(0, T, BT):
