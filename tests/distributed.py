@@ -1,4 +1,4 @@
-"""Run a function on N real processes joined in a gloo process group.
+"""Run a function on N real processes joined in a gloo (or NCCL) process group.
 
 ``run_ranks(fn, world, *args)`` spawns ``world`` processes; each initialises
 ``torch.distributed`` (gloo, file rendezvous) and calls ``fn(rank, world, *args)``.
@@ -20,14 +20,16 @@ import torch
 TIMEOUT = float(os.environ.get("ZECO_TEST_TIMEOUT", 300))
 
 
-def _entry(fn, rank, world, store, results, args, pg_timeout, timeout):
+def _entry(fn, rank, world, store, results, args, pg_timeout, timeout, backend):
     import torch
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(max(timeout - 5, 1))  # where a hung rank is stuck, in the log
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
         buffer = io.BytesIO()  # by value: tensors must outlive this process
         torch.save(fn(rank, world, *args), buffer)
@@ -39,13 +41,15 @@ def _entry(fn, rank, world, store, results, args, pg_timeout, timeout):
             dist.destroy_process_group()
 
 
-def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None):
-    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` run on real processes."""
+def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None, backend="gloo"):
+    """``[fn(0, world, *args), ..., fn(world-1, world, *args)]`` run on real processes
+    (``backend="nccl"``: rank r on GPU r)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, pg_timeout or timeout, timeout))
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, store, results, args, pg_timeout or timeout, timeout,
+                                                          backend))
                  for r in range(world)]
         for p in procs:
             p.start()

@@ -10,20 +10,38 @@ from megatron_zeco.ops import chunk_gla_state, chunk_gla_state_grad  # noqa: E40
 from reference import GATES, problem, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 inputs: products run on tensor cores in bf16 (k * decay and q * decay rounded once), as in fla.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # bf16: a few units of 2^-8
+
+
+def _strided(tensors):
+    """The same values as views of one packed buffer (how the layer's q, k, v arrive)."""
+    packed = torch.cat(tensors, dim=-1)
+    return packed.split([t.shape[-1] for t in tensors], dim=-1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", GATES)
-@pytest.mark.parametrize("T,K,V,chunk", [(37, 12, 20, 16), (64, 16, 16, 16), (5, 8, 8, 16)])
-def test_state_kernels_match_reference(seed, dtype, gate, T, K, V, chunk):
+@pytest.mark.parametrize("T,K,V,chunk,split,strided", [
+    (37, 12, 20, 16, 32, False),   # 2 splits, the last one partial; K, V not powers of 2
+    (64, 16, 16, 16, 16, True),    # 4 splits of one chunk each; strided views
+    (5, 8, 8, 16, 1024, False),    # shorter than a chunk
+    (200, 16, 8, 16, 48, True),    # 5 splits of 3 chunks, last chunk partial
+])
+def test_state_kernels_match_reference(seed, dtype, gate, T, K, V, chunk, split, strided):
     x = problem(seed, B=2, T=T, H=3, K=K, V=V, gate=gate)
     # The reference sees the same (rounded) inputs, in float64.
     q, k, v, g, do = (x[n].to(dtype) for n in ("q", "k", "v", "g", "do"))
     E_ref, gamma_ref = chunk_gla_state(k.double(), v.double(), g.double())
     A_ref = chunk_gla_state_grad(q.double(), g.double(), do.double(), 0.3)
-    E, gamma = chunk_state(*(t.to(DEVICE) for t in (k, v, g)), chunk_size=chunk)
-    A = chunk_state_grad(*(t.to(DEVICE) for t in (q, g, do)), 0.3, chunk_size=chunk)
+    q, k, v, g, do = (t.to(DEVICE) for t in (q, k, v, g, do))
+    if strided:
+        q, k, v, g = _strided([q, k, v, g])
+        do = do.transpose(0, 1).contiguous().transpose(0, 1)
+    E, gamma = chunk_state(k, v, g, chunk_size=chunk, split_size=split)
+    A = chunk_state_grad(q, g, do, 0.3, chunk_size=chunk, split_size=split)
     assert E.dtype == gamma.dtype == A.dtype == torch.float32
     for name, got, want in (("E", E, E_ref), ("gamma", gamma, gamma_ref), ("A", A, A_ref)):
         want = want.float()  # the outputs are float32: decays below its range are 0 (gamma ~1e-100)
-        assert rel_err(got.cpu(), want) < 1e-5, f"{name}: {rel_err(got.cpu(), want):.1e}"
+        tol = TOLERANCE[torch.float32 if name == "gamma" else dtype]  # gamma: fp32 sums, no products
+        assert rel_err(got.cpu(), want) < tol, f"{name}: {rel_err(got.cpu(), want):.1e}"

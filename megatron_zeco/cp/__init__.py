@@ -76,8 +76,6 @@ def zeco_gla(
         ``o`` ``[B, T, H, V]`` in the input dtype, and the final state
         ``[B, H, K, V]`` in float32 (float64 for float64 inputs) on every rank, or None.
     """
-    if group is not None and group.size() == 1 and strategy == "none":
-        group = None
     if validate:
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
                      num_blocks=num_blocks, output_final_state=output_final_state)
@@ -86,7 +84,7 @@ def zeco_gla(
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if group is None:
+    if group is None or group.size() == 1:  # one rank: every strategy is the local op, nothing to pass
         o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state)
         return o, (final if output_final_state else None)
     if strategy == "a2a":

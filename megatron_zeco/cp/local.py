@@ -12,18 +12,15 @@ class LocalGLA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, h0, scale, output_final_state):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(state_dtype(q.dtype))
-        o, ht = gla_fwd(q, k, v, g, scale, h0, output_final_state)
-        ctx.save_for_backward(q, k, v, g, h0)
-        ctx.scale, ctx.output_final_state = scale, output_final_state
+        o, ht, ctx.saved = gla_fwd(q, k, v, g, scale, h0, output_final_state)
+        ctx.output_final_state = output_final_state
         if ht is None:
             ht = q.new_zeros(0)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, h0 = ctx.saved_tensors
-        dq, dk, dv, dg, dh0 = gla_bwd(q, k, v, g, ctx.scale, h0, do,
-                                      dht if ctx.output_final_state else None)
+        dq, dk, dv, dg, dh0 = gla_bwd(ctx.saved, do, dht if ctx.output_final_state else None)
         return dq, dk, dv, dg, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None
 
 

@@ -20,28 +20,27 @@ class RingGLA(torch.autograd.Function):
         B, _, H, K = q.shape
         like = q.new_empty(B, H, K, v.shape[-1], dtype=state_dtype(q.dtype))
         ctx.h0_dtype = None if h0 is None else h0.dtype
-        outs = [None] * n
+        outs, ctx.saved = [None] * n, [None] * n
 
         def step(slot, rows, state):
-            outs[slot], final = gla_fwd(qs[slot], ks[slot], vs[slot], gs[slot], scale, state, True)
+            outs[slot], final, ctx.saved[slot] = gla_fwd(qs[slot], ks[slot], vs[slot], gs[slot], scale, state, True)
             return final
 
         h0 = None if h0 is None else h0.to(like.dtype)
         S_in, last = chain_scan(step, h0, like, layout=layout, group=group)
-        ctx.save_for_backward(q, k, v, g, *S_in)
-        ctx.n, ctx.scale, ctx.layout, ctx.group, ctx.output_final_state = n, scale, layout, group, output_final_state
+        ctx.save_for_backward(*S_in)
+        ctx.n, ctx.layout, ctx.group, ctx.output_final_state = n, layout, group, output_final_state
         return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
 
     @staticmethod
     def backward(ctx, do, dht):
         n = ctx.n
-        q, k, v, g, *S_in = ctx.saved_tensors
-        qs, ks, vs, gs, dos = (x.chunk(n, dim=1) for x in (q, k, v, g, do))
+        S_in = ctx.saved_tensors
+        dos = do.chunk(n, dim=1)
         grads = [None] * n
 
         def step(slot, rows, d_out):
-            *grads[slot], d_in = gla_bwd(qs[slot], ks[slot], vs[slot], gs[slot], ctx.scale,
-                                         S_in[slot], dos[slot], d_out)
+            *grads[slot], d_in = gla_bwd(ctx.saved[slot], dos[slot], d_out)
             return d_in
 
         init = dht.to(S_in[0].dtype) if ctx.output_final_state else None

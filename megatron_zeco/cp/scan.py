@@ -8,6 +8,9 @@ Backward runs the same scan in reverse on ``dL/dS_in = A_p + gamma_p * D(p)``
 (``A_p`` from q, g and the output gradient only), then the local GLA backward
 from ``S_in`` with final-state gradient ``D(p)`` gives exact dq, dk, dv, dg.
 
+A rank's pieces (two under zigzag) have equal lengths and run as one batch:
+one launch of each local operation per layer whatever the layout.
+
 ``zeco`` scans with the pipelined All-Scan; ``lasp2`` with an all-gather.
 """
 
@@ -22,30 +25,44 @@ class ScanGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state):
         n = len(layout.pieces(0, group.size()))
-        qs, ks, vs, gs = (x.chunk(n, dim=1) for x in (q, k, v, g))
-        E, gamma = zip(*(gla_state(ks[s], vs[s], gs[s]) for s in range(n)))
+        qb, kb, vb, gb = (_as_batch(x, n) for x in (q, k, v, g))
+        E, gamma = gla_state(kb, vb, gb)
         ctx.h0_dtype = None if h0 is None else h0.dtype
-        h0 = None if h0 is None else h0.to(E[0].dtype)
-        S_in, last = _scan(gamma, E, h0, layout, group, num_blocks, use_all_scan, reverse=False)
-        o = torch.cat([gla_fwd(qs[s], ks[s], vs[s], gs[s], scale, S_in[s])[0] for s in range(n)], dim=1)
-        ctx.save_for_backward(q, k, v, g, *S_in, *gamma)
+        h0 = None if h0 is None else h0.to(E.dtype)
+        S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, reverse=False)
+        o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, _batch(S_in), output_final_state=True)
+        ctx.save_for_backward(gamma)
         ctx.n, ctx.scale, ctx.output_final_state = n, scale, output_final_state
         ctx.scan_args = (layout, group, num_blocks, use_all_scan)
-        return o, (last if last is not None else torch.zeros_like(E[0]))
+        return o.reshape(*q.shape[:3], o.shape[-1]), (last if last is not None else E.new_zeros(q.shape[0], *E.shape[1:]))
 
     @staticmethod
     def backward(ctx, do, dht):
-        n = ctx.n
-        q, k, v, g, *rest = ctx.saved_tensors
-        S_in, gamma = rest[:n], rest[n:]
-        qs, ks, vs, gs, dos = (x.chunk(n, dim=1) for x in (q, k, v, g, do))
-        A = [gla_state_grad(qs[s], gs[s], dos[s], ctx.scale) for s in range(n)]
-        dht = dht.to(A[0].dtype) if ctx.output_final_state else None
-        D, dh0 = _scan(gamma, A, dht, *ctx.scan_args, reverse=True)
-        grads = [gla_bwd(qs[s], ks[s], vs[s], gs[s], ctx.scale, S_in[s], dos[s], D[s])[:4] for s in range(n)]
-        dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
-        dh0 = initial_state_grad(ctx, dh0, S_in[0])
+        n, (gamma,) = ctx.n, ctx.saved_tensors
+        qb, _, _, gb = ctx.saved.leaves[:4]
+        dob = _as_batch(do, n)
+        A = gla_state_grad(qb, gb, dob, ctx.scale)
+        dht = dht.to(A.dtype) if ctx.output_final_state else None
+        D, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True)
+        grads = gla_bwd(ctx.saved, dob, _batch(D))[:4]
+        dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
+        dh0 = initial_state_grad(ctx, dh0, D[0])
         return dq, dk, dv, dg, dh0, None, None, None, None, None, None
+
+
+def _as_batch(x, n):
+    """``[B, n*T', ...]`` -> ``[B*n, T', ...]``: the rank's n pieces as batch entries."""
+    return x.reshape(x.shape[0] * n, x.shape[1] // n, *x.shape[2:])
+
+
+def _slots(x, n):
+    """``[B*n, ...]`` -> per local slot ``[B, ...]``."""
+    return list(x.view(-1, n, *x.shape[1:]).unbind(1))
+
+
+def _batch(xs):
+    """Per local slot ``[B, ...]`` -> ``[B*n, ...]``."""
+    return torch.stack(xs, dim=1).flatten(0, 1)
 
 
 def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, reverse):

@@ -5,108 +5,193 @@
 * :func:`chunk_state_grad`: the piece's share of the gradient of the state entering it,
   ``A = scale * sum_t (q_t * exp(G_t)) do_t^T``.
 
-Both stream the piece once, chunk by chunk, with the state in fp32 registers: one
-program per (key block, value block, batch x head). Same contracts as
-``megatron_zeco.ops.chunk.chunk_gla_state`` / ``chunk_gla_state_grad``, which are the
-references in the tests (run on the CPU under ``TRITON_INTERPRET=1``).
+Both are one read of their inputs. The piece is cut into splits of ``split_size``
+tokens (default: enough splits to fill the GPU), one program per (key block x value
+block, split, batch x head) walks its
+split chunk by chunk with the state in fp32 registers; a second small kernel folds
+the per-split results, ``sum_s exp(w_s) X_s`` with ``w_s`` the log-decay between
+split s and the piece's end (``E``) or start (``A``). Products run on tensor cores
+in the input dtype (bf16/fp16, fp32 accumulation, as fla's chunk kernels do) and in
+full fp32 for fp32 inputs. Inputs may be strided views (last dim contiguous).
+
+References in the tests: ``megatron_zeco.ops.chunk.chunk_gla_state`` /
+``chunk_gla_state_grad`` in float64 (on the CPU under ``TRITON_INTERPRET=1``).
 """
 
+import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+PROGRAMS = 512  # splits x batch x heads to aim for: enough parallel walks to fill a GPU
 
-@triton.jit
-def _program_tile(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """This program's (batch x head, batch, head), key and value offsets, and their bounds masks."""
-    i_v, i_k, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_k = i_k * BK + tl.arange(0, BK)
-    o_v = i_v * BV + tl.arange(0, BV)
-    return i_bh, i_bh // H, i_bh % H, o_k, o_v, o_k < K, o_v < V
+
+FP32, TENSOR_CORES, EMULATED = 0, 1, 2  # how _dot_t multiplies
 
 
 @triton.jit
-def _state_kernel(k, v, g, E, gamma, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_bh, i_b, i_h, o_k, o_v, m_k, m_v = _program_tile(H, K, V, BK, BV)
+def _dot_t(a, b, DOT: tl.constexpr):
+    """``a^T b`` with fp32 accumulation for fp32 ``a`` and ``b`` of the input dtype: full fp32
+    for fp32 inputs, else on tensor cores with ``a`` rounded to ``b``'s dtype (EMULATED: the
+    same rounding, fp32 products; Triton's interpreter has no correct bf16 ``tl.dot``)."""
+    if DOT == 0:
+        return tl.dot(tl.trans(a), b.to(tl.float32), input_precision="ieee")
+    if DOT == 1:
+        return tl.dot(tl.trans(a.to(b.dtype)), b)
+    return tl.dot(tl.trans(a.to(b.dtype).to(tl.float32)), b.to(tl.float32), input_precision="ieee")
+
+
+def _configs():
+    """Tile and pipelining choices, tuned once per (K, V, dtype) on a GPU; one under the interpreter."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({"BK": 64, "BV": 64})]
+    return [triton.Config({"BK": bk, "BV": 64}, num_warps=w, num_stages=s)
+            for bk in (64, 128) for w in (4, 8) for s in (2, 3)]
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DOT"])
+@triton.jit
+def _state_kernel(k, v, g, E_part, g_part, T, NS, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h,
+                  TS, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                  BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+    i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
+    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    o_c = tl.arange(0, BT)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     g_sum = tl.zeros([BK], dtype=tl.float32)
-    o_c = tl.arange(0, BT)
-    after = (o_c[None, :] > o_c[:, None]).to(tl.float32)  # after[j, s] = 1 if s > j
-    for t0 in range(0, T, BT):
+    for t0 in range(i_s * TS, tl.minimum(i_s * TS + TS, T), BT):
+        o_t = t0 + o_c
+        m_t, m_next = o_t < T, (o_c < BT - 1) & (o_t + 1 < T)
+        p_g = g + i_b * sg_b + o_t[:, None] * sg_t + i_h * sg_h + o_k[None, :]
+        b_k = tl.load(k + i_b * sk_b + o_t[:, None] * sk_t + i_h * sk_h + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
+        b_v = tl.load(v + i_b * sv_b + o_t[:, None] * sv_t + i_h * sv_h + o_v[None, :],
+                      mask=m_t[:, None] & m_v[None, :], other=0)
+        b_g = tl.load(p_g, mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
+        b_g_next = tl.load(p_g + sg_t, mask=m_next[:, None] & m_k[None, :], other=0).to(tl.float32)
+        # Decay from each token to the chunk's end: a reversed cumulative sum of the *next*
+        # gates, i.e. the gates after the token summed directly. A difference of cumulative
+        # sums would cancel in fp32 for large gates.
+        b_kd = b_k * tl.exp(tl.cumsum(b_g_next, axis=0, reverse=True))
+        g_chunk = tl.sum(b_g, axis=0)
+        S = S * tl.exp(g_chunk)[:, None] + _dot_t(b_kd, b_v, DOT)
+        g_sum += g_chunk
+    part = i_s * tl.num_programs(2) + i_bh
+    tl.store(E_part + part * K * V + o_k[:, None] * V + o_v[None, :], S, mask=m_k[:, None] & m_v[None, :])
+    if i_kv % tl.cdiv(V, BV) == 0:  # one value block writes the split's log-decay
+        tl.store(g_part + part * K + o_k, g_sum, mask=m_k)
+
+
+@triton.autotune(configs=_configs(), key=["K", "V", "DOT"])
+@triton.jit
+def _state_grad_kernel(q, g, do, A_part, g_part, scale, T, NS, sq_b, sq_t, sq_h, sg_b, sg_t, sg_h,
+                       so_b, so_t, so_h, TS, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
+    i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // H, i_bh % H
+    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
+    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
+    acc = tl.zeros([BK, BV], dtype=tl.float32)
+    g_before = tl.zeros([BK], dtype=tl.float32)  # log-decay from the split's start to this chunk
+    for t0 in range(i_s * TS, tl.minimum(i_s * TS + TS, T), BT):
         o_t = t0 + tl.arange(0, BT)
         m_t = o_t < T
-        row = (i_b * T + o_t) * H + i_h  # [B, T, H, D] layout
-        b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
-        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
-        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0).to(tl.float32)
-        g_chunk = tl.sum(b_g, axis=0)
-        # Decay from each token to the chunk's end: the sum of the gates after it, summed
-        # directly (a difference of cumulative sums would cancel in fp32 for large gates).
-        b_k = b_k * tl.exp(tl.dot(after, b_g, input_precision="ieee"))
-        S = S * tl.exp(g_chunk)[:, None] + tl.dot(tl.trans(b_k), b_v, input_precision="ieee")
-        g_sum += g_chunk
-    base = i_bh * K * V
-    tl.store(E + base + o_k[:, None] * V + o_v[None, :], S, mask=m_k[:, None] & m_v[None, :])
-    if tl.program_id(0) == 0:  # one value block writes gamma
-        tl.store(gamma + i_bh * K + o_k, tl.exp(g_sum), mask=m_k)
+        b_q = tl.load(q + i_b * sq_b + o_t[:, None] * sq_t + i_h * sq_h + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
+        b_g = tl.load(g + i_b * sg_b + o_t[:, None] * sg_t + i_h * sg_h + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
+        b_do = tl.load(do + i_b * so_b + o_t[:, None] * so_t + i_h * so_h + o_v[None, :],
+                       mask=m_t[:, None] & m_v[None, :], other=0)
+        b_qd = b_q * tl.exp(g_before[None, :] + tl.cumsum(b_g, axis=0))
+        acc += _dot_t(b_qd, b_do, DOT)
+        g_before += tl.sum(b_g, axis=0)
+    part = i_s * tl.num_programs(2) + i_bh
+    tl.store(A_part + part * K * V + o_k[:, None] * V + o_v[None, :], acc * scale, mask=m_k[:, None] & m_v[None, :])
+    if i_kv % tl.cdiv(V, BV) == 0:
+        tl.store(g_part + part * K + o_k, g_before, mask=m_k)
 
 
 @triton.jit
-def _state_grad_kernel(q, g, do, A, scale, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    i_bh, i_b, i_h, o_k, o_v, m_k, m_v = _program_tile(H, K, V, BK, BV)
+def _fold_kernel(X_part, g_part, out, gamma, NS, BH, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, TO_END: tl.constexpr):
+    """``out = sum_s exp(w_s) X_s``; ``w_s`` sums the splits' log-decays after s (TO_END) or before s."""
+    i_kv, i_bh = tl.program_id(0), tl.program_id(1)
+    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
+    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < K, o_v < V
     acc = tl.zeros([BK, BV], dtype=tl.float32)
-    g_before = tl.zeros([BK], dtype=tl.float32)  # log-decay from the piece start to this chunk
-    for t0 in range(0, T, BT):
-        o_t = t0 + tl.arange(0, BT)
-        m_t = o_t < T
-        row = (i_b * T + o_t) * H + i_h
-        b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
-        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0).to(tl.float32)
-        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0).to(tl.float32)
-        b_q = b_q * tl.exp(g_before[None, :] + tl.cumsum(b_g, axis=0))
-        acc += tl.dot(tl.trans(b_q), b_do, input_precision="ieee")
-        g_before += tl.sum(b_g, axis=0)
-    tl.store(A + i_bh * K * V + o_k[:, None] * V + o_v[None, :], acc * scale, mask=m_k[:, None] & m_v[None, :])
+    w = tl.zeros([BK], dtype=tl.float32)
+    for i in range(NS):
+        s = NS - 1 - i if TO_END else i
+        part = s * BH + i_bh
+        X = tl.load(X_part + part * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0)
+        acc += tl.exp(w)[:, None] * X
+        w += tl.load(g_part + part * K + o_k, mask=m_k, other=0)
+    tl.store(out + i_bh * K * V + o_k[:, None] * V + o_v[None, :], acc, mask=m_k[:, None] & m_v[None, :])
+    if TO_END and i_kv % tl.cdiv(V, BV) == 0:
+        tl.store(gamma + i_bh * K + o_k, tl.exp(w), mask=m_k)
 
 
-def _blocks(K: int, V: int):
-    return min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+def _dot_mode(dtype: torch.dtype) -> int:
+    if dtype == torch.float32:
+        return FP32
+    return EMULATED if os.environ.get("TRITON_INTERPRET") == "1" else TENSOR_CORES
 
 
-def chunk_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+def _strides(x: torch.Tensor):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: Optional[int], to_end: bool):
+    """Run ``kernel`` per split into fp32 partials, then fold them; returns ``(out, gamma or None)``."""
+    B, T, H = inputs[0].shape[:3]
+    inputs = [_strides(x) for x in inputs]
+    if split_size is None:  # about PROGRAMS (split x batch x head) programs per key/value tile
+        split_size = triton.cdiv(T, max(1, PROGRAMS // (B * H)))
+    TS = triton.cdiv(max(split_size, 1), chunk_size) * chunk_size
+    NS = max(1, triton.cdiv(T, TS))
+    dev = inputs[0].device
+    X_part = torch.empty(NS, B * H, K, V, dtype=torch.float32, device=dev)
+    g_part = torch.empty(NS, B * H, K, dtype=torch.float32, device=dev)
+    strides = [s for x in inputs for s in x.stride()[:3]]
+
+    def grid(meta):
+        return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
+
+    kernel[grid](*inputs, X_part, g_part, *extra, T, NS, *strides, TS, H, K, V, BT=chunk_size,
+                 DOT=_dot_mode(inputs[0].dtype))
+    out = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
+    gamma = torch.empty(B, H, K, dtype=torch.float32, device=dev) if to_end else None
+    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    n_kv = triton.cdiv(K, BK) * triton.cdiv(V, BV)
+    _fold_kernel[(n_kv, B * H)](X_part, g_part, out, gamma, NS, B * H, K, V, BK=BK, BV=BV, TO_END=to_end)
+    return out, gamma
+
+
+def chunk_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64,
+                split_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Piece summary ``(E [B, H, K, V], gamma [B, H, K])`` in float32.
 
     Args:
-        k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; float32, bfloat16 or float16, contiguous.
+        k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; float32, bfloat16 or float16.
     """
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    E = torch.empty(B, H, K, V, dtype=torch.float32, device=k.device)
-    gamma = torch.empty(B, H, K, dtype=torch.float32, device=k.device)
-    BK, BV = _blocks(K, V)
-    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), B * H)
-    _state_kernel[grid](k, v, g, E, gamma, T, H, K, V, BT=chunk_size, BK=BK, BV=BV)
-    return E, gamma
+    return _launch(_state_kernel, [k, v, g], [], k.shape[-1], v.shape[-1], chunk_size, split_size, to_end=True)
 
 
 def chunk_state_grad(q: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: Optional[float] = None,
-                     chunk_size: int = 64) -> torch.Tensor:
+                     chunk_size: int = 64, split_size: Optional[int] = None) -> torch.Tensor:
     """``A = scale * sum_t (q_t * exp(G_t)) do_t^T``: ``[B, H, K, V]`` float32.
 
     Args:
-        q, g: ``[B, T, H, K]``; do: ``[B, T, H, V]``; float32, bfloat16 or float16, contiguous.
+        q, g: ``[B, T, H, K]``; do: ``[B, T, H, V]``; float32, bfloat16 or float16.
     """
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    if scale is None:
-        scale = K ** -0.5
-    A = torch.empty(B, H, K, V, dtype=torch.float32, device=q.device)
-    BK, BV = _blocks(K, V)
-    grid = (triton.cdiv(V, BV), triton.cdiv(K, BK), B * H)
-    _state_grad_kernel[grid](q, g, do, A, float(scale), T, H, K, V, BT=chunk_size, BK=BK, BV=BV)
-    return A
+    K = q.shape[-1]
+    scale = K ** -0.5 if scale is None else float(scale)
+    return _launch(_state_grad_kernel, [q, g, do], [scale], K, do.shape[-1], chunk_size, split_size,
+                   to_end=False)[0]

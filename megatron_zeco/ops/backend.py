@@ -1,80 +1,113 @@
-"""The four local GLA operations the context-parallel strategies are built from.
+"""The local GLA operations the context-parallel strategies are built from.
 
 Each rank runs these on its own piece of the sequence; only states cross ranks.
-The PyTorch chunked form serves every device and dtype; on CUDA the two per-piece
-reductions (``gla_state``, ``gla_state_grad``) run as Triton kernels (``kernels/state.py``).
+
+* ``gla_fwd`` / ``gla_bwd``: GLA over a piece from a given initial state, and its
+  gradient from the output gradient and the final-state gradient. On CUDA this is
+  flash-linear-attention's ``chunk_gla`` (fla-core); elsewhere, and for float64, the
+  PyTorch chunked form of ``chunk.py``. The forward keeps the backend's own autograd
+  record, so the backward costs what the backend's backward costs.
+* ``gla_state`` / ``gla_state_grad``: the two per-piece reductions ZeCO adds,
+  as this package's Triton kernels (``kernels/state.py``) on CUDA.
+
+``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (slow on GPUs;
+the same numbers up to rounding).
 """
 
 import functools
-import logging
-from typing import Optional, Tuple
+import os
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 
 Tensor = torch.Tensor
-logger = logging.getLogger(__name__)
+BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Saved(NamedTuple):
+    """What ``gla_bwd`` needs from ``gla_fwd``: its inputs as autograd leaves and its outputs."""
+    leaves: Tuple[Tensor, ...]
+    o: Tensor
+    ht: Optional[Tensor]
 
 
 def gla_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
     initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-) -> Tuple[Tensor, Optional[Tensor]]:
-    """Local GLA forward: ``(o [B, T, H, V], final state [B, H, K, V] or None)``."""
-    return chunk_gla(q, k, v, g, scale, initial_state, output_final_state)
+) -> Tuple[Tensor, Optional[Tensor], Saved]:
+    """Local GLA forward.
 
-
-def gla_bwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
-    initial_state: Optional[Tensor], do: Tensor, dht: Optional[Tensor],
-) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
-    """Local GLA backward from the output gradient ``do`` and the final-state gradient ``dht``.
-
-    Returns ``dq, dk, dv, dg`` and ``dh0`` (None when ``initial_state`` is None).
-    Recomputes the forward under autograd, so nothing but inputs is kept from it.
+    Args:
+        q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``, one floating dtype.
+        initial_state: ``[B, H, K, V]`` float32 (float64 for float64 inputs) or None.
+    Returns:
+        ``o [B, T, H, V]`` (input dtype), the final state ``[B, H, K, V]`` or None, and
+        what :func:`gla_bwd` takes.
     """
     with torch.enable_grad():
-        inputs = [x.detach().requires_grad_() for x in (q, k, v, g)]
-        h0 = None if initial_state is None else initial_state.detach().requires_grad_()
-        o, ht = chunk_gla(*inputs, scale, h0, output_final_state=dht is not None)
-        outputs, grads = [o], [do]
-        if dht is not None:
-            outputs.append(ht)
-            grads.append(dht)
-        leaves = inputs + ([h0] if h0 is not None else [])
-        result = torch.autograd.grad(outputs, leaves, grads)
-    return (*result[:4], result[4] if h0 is not None else None)
+        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v, g))
+        if initial_state is not None:
+            leaves += (initial_state.detach().requires_grad_(),)
+        h0 = leaves[4] if initial_state is not None else None
+        o, ht = _local_gla(q)(*leaves[:4], scale=scale, initial_state=h0, output_final_state=output_final_state)
+    return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht)
+
+
+def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Optional[Tensor]]:
+    """Local GLA backward from the output gradient ``do`` and the final-state gradient ``dht``
+    (None: the final state is not used; the forward must have output it otherwise).
+
+    Returns ``dq, dk, dv, dg`` and ``dh0`` (None when the forward had no initial state).
+    """
+    outputs, grads = [saved.o], [do]
+    if dht is not None:
+        outputs.append(saved.ht)
+        grads.append(dht)
+    result = torch.autograd.grad(outputs, saved.leaves, grads)
+    return (*result[:4], result[4] if len(result) == 5 else None)
 
 
 def gla_state(k: Tensor, v: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
     """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``."""
-    kernels = _triton_kernels(k)
-    if kernels is not None:
-        return kernels.chunk_state(k.contiguous(), v.contiguous(), g.contiguous())
+    if _use_kernels(k):
+        return _triton_state().chunk_state(k, v, g)
     return chunk_gla_state(k, v, g)
 
 
 def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float) -> Tensor:
     """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]``."""
-    kernels = _triton_kernels(q)
-    if kernels is not None:
-        return kernels.chunk_state_grad(q.contiguous(), g.contiguous(), do.contiguous(), scale)
+    if _use_kernels(q):
+        return _triton_state().chunk_state_grad(q, g, do, scale)
     return chunk_gla_state_grad(q, g, do, scale)
 
 
-def _triton_kernels(x: Tensor):
-    """This package's Triton kernels for CUDA tensors of a kernel dtype, else None (PyTorch path)."""
-    if not x.is_cuda or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return None
-    return _load_triton_kernels()
+def _use_kernels(x: Tensor) -> bool:
+    """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
+    return x.is_cuda and x.dtype in _KERNEL_DTYPES and os.environ.get(BACKEND_ENV, "auto") != "torch"
+
+
+def _local_gla(x: Tensor):
+    return _fla_chunk_gla() if _use_kernels(x) else chunk_gla
 
 
 @functools.lru_cache(maxsize=None)
-def _load_triton_kernels():
+def _fla_chunk_gla():
     try:
-        from ..kernels import state
-    except ImportError as e:  # same numbers either way; only speed differs
-        logger.warning("megatron_zeco: Triton unavailable (%s); using the PyTorch state passes", e)
-        return None
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+    except ImportError as e:
+        raise ImportError(
+            f"megatron_zeco: GLA on CUDA runs on flash-linear-attention, which failed to import ({e}). "
+            f"Install it with `pip install fla-core`, or set {BACKEND_ENV}=torch to run the (slow) "
+            "PyTorch reference forms on the GPU."
+        ) from e
+    return fla_chunk_gla
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_state():
+    from ..kernels import state  # Triton is a dependency of torch's CUDA builds
     return state

@@ -1,0 +1,235 @@
+"""Operator benchmark (issue 4): GLA fwd+bwd under every CP strategy, All-Scan alone, accuracy.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_op.py --out results/op.json
+    python benchmarks/plot_op.py results/op.json docs/img/op.png
+
+Three parts, all in one run so that the figures compare side by side:
+
+1. ``op``: forward + backward of the GLA operator at T tokens per GPU (H heads of D, bf16):
+   ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
+   CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts.
+   Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
+2. ``scan``: All-Scan of one state alone (K blocks) against the all-gather scan (LASP-2), a raw
+   NCCL all-gather of the state, and one send/recv hop, for fp32 states of 0.25-4 MiB.
+3. ``accuracy``: outputs and gradients of each strategy (bf16, CP=P) and of fla's bf16 chunk_gla on
+   one GPU, against an fp32 one-GPU reference over the whole sequence (this package's PyTorch
+   chunked GLA, TF32 off), as ||x - ref|| / ||ref||. Gates have per-channel time scales from 1 to
+   the whole sequence, so states matter across the rank boundary.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_zeco import zeco_gla
+from megatron_zeco.comm import all_scan, as_layout, gather_scan
+from megatron_zeco.ops import chunk_gla, gla_state, gla_state_grad
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--strategies", nargs="+", default=["zeco", "lasp1", "lasp2", "a2a"])
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--scan-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
+    p.add_argument("--scan-blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--accuracy-tokens", type=int, default=16384, help="tokens per GPU for part 3 (0: skip)")
+    p.add_argument("--out", default="op.json")
+    return p.parse_args()
+
+
+def log(*args):
+    if dist.get_rank() == 0:
+        print(*args, flush=True)
+
+
+def timed(fn, iters, warmup):
+    """Median over iterations of the slowest rank's CUDA time of ``fn`` in ms."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    t = torch.tensor(times, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
+
+
+def gates(B, N, H, K, device, generator):
+    """Log-gates with per-channel time scales log-spaced from 1 token to the whole sequence."""
+    rate = torch.exp(torch.empty(H, K, device=device).uniform_(-torch.log(torch.tensor(float(N))).item(), 0,
+                                                                 generator=generator))
+    noise = torch.randn(B, N, H, K, device=device, generator=generator).mul(0.3).exp()
+    return -(rate * noise)
+
+
+def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, do = (torch.randn(B, N, H, D, device="cuda", generator=gen) for _ in range(4))
+    k = F.normalize(k, dim=-1)  # fla's convention in its tests: bounded key norms
+    g = gates(B, N, H, D, "cuda", gen)
+    return {n: x.to(dtype) for n, x in zip("qkvgo", (q, k, v, g, do))}
+
+
+def op_fn(x, strategy, group, layout):
+    leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
+
+    def run():
+        if strategy == "fla":
+            from fla.ops.gla import chunk_gla as fla_chunk_gla
+            o, _ = fla_chunk_gla(*leaves)
+        else:
+            o, _ = zeco_gla(*leaves, group=group, strategy=strategy, layout=layout, validate=False)
+        return torch.autograd.grad(o, leaves, x["o"])
+
+    return run
+
+
+def bench_op(args, world, me, cp_group, self_group, rows):
+    for T in args.tokens:
+        x = inputs(1, T, args.heads, args.dim, seed=1000 + me)
+        cases = [("fla", None, "contiguous", 1), ("none", None, "contiguous", 1), ("zeco", self_group, "contiguous", 1)]
+        cases += [(s, cp_group, lay, world) for s in args.strategies for lay in args.layouts]
+        base = None
+        for strategy, group, layout, P in cases:
+            ms = timed(op_fn(x, strategy, group, layout), args.iters, args.warmup)
+            base = ms if strategy == "none" else base
+            row = {"part": "op", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "strategy": strategy,
+                       "cp": P, "layout": layout, "ms": ms, "vs_none": None if base is None else ms / base}
+            rows.append(row)
+            log(f"op  T/GPU={T:6d} {strategy:6s} CP={P} {layout:10s} {ms:8.3f} ms"
+                + ("" if row["vs_none"] is None else f"  x{row['vs_none']:.3f} of none"))
+        for name, fn in (("gla_state", lambda: gla_state(x["k"], x["v"], x["g"])),
+                         ("gla_state_grad", lambda: gla_state_grad(x["q"], x["g"], x["o"], 0.1))):
+            ms = timed(fn, args.iters, args.warmup)
+            rows.append({"part": "kernel", "tokens_per_gpu": T, "name": name, "ms": ms})
+            log(f"kernel T/GPU={T:6d} {name:15s} {ms:8.3f} ms")
+        del x
+        torch.cuda.empty_cache()
+
+
+def scan_cases(E, gamma, blocks, me, group):
+    """(name, fn) pairs passing the state ``E [1, H, 128, 128]`` from rank 0 onwards."""
+    layout = as_layout("contiguous")
+    gathered = torch.empty(group.size(), *E.shape, device=E.device)
+
+    def hop():
+        if me == 0:
+            dist.send(E, 1, group=group)
+        elif me == 1:
+            dist.recv(E, 0, group=group)
+
+    cases = [(f"all_scan K={b}", lambda b=b: all_scan([gamma], [E], None, layout=layout, group=group, num_blocks=b))
+             for b in blocks]
+    return cases + [
+        ("gather_scan", lambda: gather_scan([gamma], [E], None, layout=layout, group=group)),
+        ("nccl all_gather", lambda: dist.all_gather_into_tensor(gathered, E, group=group)),
+        ("nccl send/recv hop", hop),
+    ]
+
+
+def bench_scan(args, world, me, cp_group, rows):
+    for mib in args.scan_mib:
+        H = max(1, int(mib * 2 ** 20 / (128 * 128 * 4)))
+        size = H * 128 * 128 * 4 / 2 ** 20
+        E, gamma = torch.randn(1, H, 128, 128, device="cuda"), torch.rand(1, H, 128, device="cuda")
+        for name, fn in scan_cases(E, gamma, args.scan_blocks, me, cp_group):
+            ms = timed(fn, args.iters, args.warmup)
+            rows.append({"part": "scan", "state_mib": size, "cp": world, "method": name, "ms": ms})
+            log(f"scan {size:5.2f} MiB {name:20s} {ms * 1000:8.1f} us")
+
+
+def bench_accuracy(args, world, me, cp_group, rows):
+    T = args.accuracy_tokens
+    N, H, D = T * world, args.heads, args.dim
+    x = inputs(1, N, H, D, seed=7)  # the same whole sequence on every rank
+    names = ("o", "dq", "dk", "dv", "dg")
+
+    def whole(fn, dtype):
+        leaves = [x[n].to(dtype).requires_grad_() for n in "qkvg"]
+        o = fn(*leaves)
+        return [o.float(), *(d.float() for d in torch.autograd.grad(o, leaves, x["o"].to(dtype)))]
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    ref = whole(lambda q, k, v, g: chunk_gla(q, k, v, g)[0], torch.float32)
+
+    def record(strategy, layout, got):
+        errs = {n: float((a - b).norm() / b.norm()) for n, a, b in zip(names, got, ref)}
+        rows.append(dict(part="accuracy", tokens_per_gpu=T, strategy=strategy, cp=1 if strategy == "fla" else world,
+                         layout=layout, **errs))
+        log(f"acc {strategy:6s} {layout:10s} " + " ".join(f"{n} {e:.2e}" for n, e in errs.items()))
+
+    if me == 0:
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
+        record("fla", "-", whole(lambda q, k, v, g: fla_chunk_gla(q, k, v, g)[0], torch.bfloat16))
+    for strategy in args.strategies:
+        for name in args.layouts:
+            layout = as_layout(name)
+            leaves = [layout.shard(x[n], me, world, dim=1).detach().requires_grad_() for n in "qkvg"]
+            o, _ = zeco_gla(*leaves, group=cp_group, strategy=strategy, layout=layout)
+            local = [o, *torch.autograd.grad(o, leaves, layout.shard(x["o"], me, world, dim=1))]
+            got = []
+            for t in local:
+                parts = [torch.empty_like(t) for _ in range(world)]
+                dist.all_gather(parts, t.contiguous(), group=cp_group)
+                got.append(layout.unshard(parts, dim=1).float())
+            if me == 0:
+                record(strategy, name, got)
+
+
+def write(args, world, rows):
+    import triton
+    try:
+        import fla
+        fla_version = fla.__version__
+    except ImportError:
+        fla_version = None
+    meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/bench_op.py {' '.join(sys.argv[1:])}",
+            "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
+            "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+def main():
+    args = parse_args()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    world, me = dist.get_world_size(), dist.get_rank()
+    cp_group = dist.new_group(list(range(world)))
+    self_groups = [dist.new_group([r]) for r in range(world)]
+    rows = []
+    log(f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}")
+    parts = [lambda: bench_op(args, world, me, cp_group, self_groups[me], rows),
+             lambda: bench_scan(args, world, me, cp_group, rows)]
+    if args.accuracy_tokens:
+        parts.append(lambda: bench_accuracy(args, world, me, cp_group, rows))
+    for part in parts:
+        part()
+        if me == 0:  # after each part: a run cut short keeps what it measured
+            write(args, world, rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
