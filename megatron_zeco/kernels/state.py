@@ -6,8 +6,7 @@
   ``A = scale * sum_t (q_t * exp(G_t)) do_t^T``.
 
 Both are one read of their inputs. The piece is cut into splits of ``split_size``
-tokens (default: enough splits to fill the GPU), one program per (key block x value
-block, split, batch x head) walks its
+tokens, one program per (key block x value block, split, batch x head) walks its
 split chunk by chunk with the state in fp32 registers; a second small kernel folds
 the per-split results, ``sum_s exp(w_s) X_s`` with ``w_s`` the log-decay between
 split s and the piece's end (``E``) or start (``A``). Products run on tensor cores
@@ -25,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-PROGRAMS = 512  # splits x batch x heads to aim for: enough parallel walks to fill a GPU
+DEFAULT_SPLIT_SIZE = 2048  # tokens per program; benchmarks/tune_state.py measures the choice
 
 
 FP32, TENSOR_CORES, EMULATED = 0, 1, 2  # how _dot_t multiplies
@@ -148,12 +147,10 @@ def _strides(x: torch.Tensor):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: Optional[int], to_end: bool):
+def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: int, to_end: bool):
     """Run ``kernel`` per split into fp32 partials, then fold them; returns ``(out, gamma or None)``."""
     B, T, H = inputs[0].shape[:3]
     inputs = [_strides(x) for x in inputs]
-    if split_size is None:  # about PROGRAMS (split x batch x head) programs per key/value tile
-        split_size = triton.cdiv(T, max(1, PROGRAMS // (B * H)))
     TS = triton.cdiv(max(split_size, 1), chunk_size) * chunk_size
     NS = max(1, triton.cdiv(T, TS))
     dev = inputs[0].device
@@ -175,7 +172,7 @@ def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: 
 
 
 def chunk_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64,
-                split_size: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                split_size: int = DEFAULT_SPLIT_SIZE) -> Tuple[torch.Tensor, torch.Tensor]:
     """Piece summary ``(E [B, H, K, V], gamma [B, H, K])`` in float32.
 
     Args:
@@ -185,7 +182,7 @@ def chunk_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: i
 
 
 def chunk_state_grad(q: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: Optional[float] = None,
-                     chunk_size: int = 64, split_size: Optional[int] = None) -> torch.Tensor:
+                     chunk_size: int = 64, split_size: int = DEFAULT_SPLIT_SIZE) -> torch.Tensor:
     """``A = scale * sum_t (q_t * exp(G_t)) do_t^T``: ``[B, H, K, V]`` float32.
 
     Args:
