@@ -168,7 +168,7 @@ class GatedLinearAttention(MegatronModule):
             group=self.cp_group if cp else None,
             strategy=self.cp_strategy if cp else "none",
             layout=self.cp_layout, num_blocks=self.cp_num_blocks,
-            validate=not self._validated,
+            validate=not self._validated, name=f"GatedLinearAttention (layer {self.layer_number})",
         )
         self._validated = True
 

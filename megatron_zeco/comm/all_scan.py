@@ -19,6 +19,7 @@ Both take the group explicitly and address peers through it (global ranks from
 ``dist.get_global_rank``), so any Megatron context-parallel group works.
 """
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -69,6 +70,7 @@ def chain_scan(
     group,
     num_blocks: int = 1,
     reverse: bool = False,
+    what: str = "chain scan",
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Walk the pieces in order, passing a state from each to the next, block by block.
 
@@ -81,6 +83,8 @@ def chain_scan(
         layout, group: where the pieces live.
         num_blocks: blocks of rows sent separately (must divide K).
         reverse: walk from the last piece to the first.
+        what: names the operation in errors (a failed or timed-out transfer raises a
+            ``RuntimeError`` naming it, this rank, the peer and the piece).
 
     Returns:
         The state entering each local slot, and the state leaving the walk's last
@@ -107,21 +111,34 @@ def chain_scan(
                 x = like.new_zeros(block_shape) if init is None else init[..., r, :]
             elif link.src is not None:
                 x = like.new_empty(block_shape)
-                dist.recv(x, link.src, group=group, tag=tag(link.piece - shift, b))
+                with _naming_failures(what, f"receiving block {b} of the state leaving piece "
+                                            f"{link.piece - shift} from global rank {link.src}"):
+                    dist.recv(x, link.src, group=group, tag=tag(link.piece - shift, b))
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
             y = step(link.slot, r, x)
             if link.dst is not None:
-                sends.append(dist.isend(y.contiguous(), link.dst, group=group, tag=tag(link.piece, b)))
+                sends.append((link, dist.isend(y.contiguous(), link.dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
         inputs[link.slot] = torch.cat(xs, dim=-2)
         carried = ys
         if link.last:
             last = torch.cat(ys, dim=-2)
-    for work in sends:
-        work.wait()
+    for link, work in sends:
+        with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {link.dst}"):
+            work.wait()
     return inputs, last
+
+
+@contextlib.contextmanager
+def _naming_failures(what: str, doing: str):
+    """Re-raise a communication failure (dead peer, timeout) with what was being done, and by whom."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise RuntimeError(f"{what}: global rank {dist.get_rank()} failed {doing} "
+                           f"(the peer died, stalled past the process group's timeout, or diverged): {e}") from e
 
 
 def all_scan(
@@ -133,6 +150,7 @@ def all_scan(
     group,
     num_blocks: int = 1,
     reverse: bool = False,
+    what: str = "All-Scan",
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
 
@@ -150,7 +168,7 @@ def all_scan(
         return gamma[slot][..., r].unsqueeze(-1) * x + delta[slot][..., r, :]
 
     return chain_scan(combine, init, delta[0], layout=layout, group=group,
-                      num_blocks=num_blocks, reverse=reverse)
+                      num_blocks=num_blocks, reverse=reverse, what=what)
 
 
 def gather_scan(
@@ -161,6 +179,7 @@ def gather_scan(
     layout: Layout,
     group,
     reverse: bool = False,
+    what: str = "all-gather scan",
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Same result as :func:`all_scan` by one all-gather and a local fold (LASP-2)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
@@ -174,7 +193,8 @@ def gather_scan(
         mine.append(torch.cat([d, gamma[slot].unsqueeze(-1)], dim=-1))
     mine = torch.stack(mine)
     gathered = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(gathered, mine.contiguous(), group=group)
+    with _naming_failures(what, f"all-gathering the pieces' states over a group of {world}"):
+        dist.all_gather(gathered, mine.contiguous(), group=group)
 
     zeros = torch.zeros_like(delta[0])
     inputs: List[Optional[Tensor]] = [None] * len(delta)

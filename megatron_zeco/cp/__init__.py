@@ -40,6 +40,7 @@ def zeco_gla(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     validate: bool = True,
+    name: str = "zeco_gla",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Gated linear attention over a sequence split across the ranks of ``group``.
 
@@ -71,6 +72,7 @@ def zeco_gla(
         validate: all-gather a description of every rank's inputs and raise the
             same ``ValueError`` on all ranks if any is unusable (costs one small
             collective; turn off after a first validated call).
+        name: names the caller in communication errors (the layer passes its number).
 
     Returns:
         ``o`` ``[B, T, H, V]`` in the input dtype, and the final state
@@ -90,10 +92,10 @@ def zeco_gla(
     if strategy == "a2a":
         return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state)
     if strategy == "lasp1":
-        o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state)
+        o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
     else:
         o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", output_final_state)
+                                 strategy == "zeco", output_final_state, name)
     if not output_final_state:
         return o, None
     world = group.size()

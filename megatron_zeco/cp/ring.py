@@ -14,7 +14,7 @@ from .local import initial_state_grad
 
 class RingGLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, output_final_state):
+    def forward(ctx, q, k, v, g, h0, scale, layout, group, output_final_state, name):
         n = len(layout.pieces(0, group.size()))
         qs, ks, vs, gs = (x.chunk(n, dim=1) for x in (q, k, v, g))
         B, _, H, K = q.shape
@@ -27,9 +27,9 @@ class RingGLA(torch.autograd.Function):
             return final
 
         h0 = None if h0 is None else h0.to(like.dtype)
-        S_in, last = chain_scan(step, h0, like, layout=layout, group=group)
+        S_in, last = chain_scan(step, h0, like, layout=layout, group=group, what=f"{name}: lasp1 ring (forward)")
         ctx.save_for_backward(*S_in)
-        ctx.n, ctx.layout, ctx.group, ctx.output_final_state = n, layout, group, output_final_state
+        ctx.n, ctx.layout, ctx.group, ctx.output_final_state, ctx.name = n, layout, group, output_final_state, name
         return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
 
     @staticmethod
@@ -44,7 +44,8 @@ class RingGLA(torch.autograd.Function):
             return d_in
 
         init = dht.to(S_in[0].dtype) if ctx.output_final_state else None
-        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.layout, group=ctx.group, reverse=True)
+        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.layout, group=ctx.group, reverse=True,
+                            what=f"{ctx.name}: lasp1 ring (backward)")
         dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
         dh0 = initial_state_grad(ctx, dh0, S_in[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None

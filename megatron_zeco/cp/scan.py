@@ -23,17 +23,18 @@ from .local import initial_state_grad
 
 class ScanGLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state):
+    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state, name):
         n = len(layout.pieces(0, group.size()))
         qb, kb, vb, gb = (_as_batch(x, n) for x in (q, k, v, g))
         E, gamma = gla_state(kb, vb, gb)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
-        S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, reverse=False)
+        S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
+                           reverse=False)
         o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, _batch(S_in), output_final_state=True)
         ctx.save_for_backward(gamma)
         ctx.n, ctx.scale, ctx.output_final_state = n, scale, output_final_state
-        ctx.scan_args = (layout, group, num_blocks, use_all_scan)
+        ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
         return o.reshape(*q.shape[:3], o.shape[-1]), (last if last is not None else E.new_zeros(q.shape[0], *E.shape[1:]))
 
     @staticmethod
@@ -47,7 +48,7 @@ class ScanGLA(torch.autograd.Function):
         grads = gla_bwd(ctx.saved, dob, _batch(D))[:4]
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None
 
 
 def _as_batch(x, n):
@@ -65,7 +66,10 @@ def _batch(xs):
     return torch.stack(xs, dim=1).flatten(0, 1)
 
 
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, reverse):
+def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, name, reverse):
+    what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
+           f"({'backward' if reverse else 'forward'})"
     if use_all_scan:
-        return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse)
-    return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse)
+        return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
+                        what=what)
+    return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what)
