@@ -91,10 +91,11 @@ def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
 
 def op_fn(x, strategy, group, layout):
     leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
+    if strategy == "fla":
+        from fla.ops.gla import chunk_gla as fla_chunk_gla
 
     def run():
         if strategy == "fla":
-            from fla.ops.gla import chunk_gla as fla_chunk_gla
             o, _ = fla_chunk_gla(*leaves)
         else:
             o, _ = zeco_gla(*leaves, group=group, strategy=strategy, layout=layout, validate=False)

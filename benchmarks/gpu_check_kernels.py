@@ -1,5 +1,5 @@
 """On a GPU: the Triton state kernels against the float64 reference, and zeco_gla on one GPU
-(CUDA path: Triton state passes + PyTorch chunked GLA) against the CPU float64 result.
+(CUDA path: Triton state passes + fla's chunk_gla) against the CPU float64 result.
 
     python benchmarks/gpu_check_kernels.py
 """

@@ -35,11 +35,19 @@ def _dot_t(a, b, DOT: tl.constexpr):
     """``a^T b`` with fp32 accumulation for fp32 ``a`` and ``b`` of the input dtype: full fp32
     for fp32 inputs, else on tensor cores with ``a`` rounded to ``b``'s dtype (EMULATED: the
     same rounding, fp32 products; Triton's interpreter has no correct bf16 ``tl.dot``)."""
-    if DOT == 0:
+    if DOT == 0:  # FP32
         return tl.dot(tl.trans(a), b.to(tl.float32), input_precision="ieee")
-    if DOT == 1:
+    if DOT == 1:  # TENSOR_CORES
         return tl.dot(tl.trans(a.to(b.dtype)), b)
     return tl.dot(tl.trans(a.to(b.dtype).to(tl.float32)), b.to(tl.float32), input_precision="ieee")
+
+
+@triton.jit
+def _tile(i_kv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """Key and value offsets of tile ``i_kv`` (key blocks outer) and their bounds masks."""
+    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
+    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
+    return o_k, o_v, o_k < K, o_v < V
 
 
 def _configs():
@@ -52,14 +60,12 @@ def _configs():
 
 @triton.autotune(configs=_configs(), key=["K", "V", "DOT"])
 @triton.jit
-def _state_kernel(k, v, g, E_part, g_part, T, NS, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h,
+def _state_kernel(k, v, g, E_part, g_part, T, sk_b, sk_t, sk_h, sv_b, sv_t, sv_h, sg_b, sg_t, sg_h,
                   TS, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                   BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
-    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    o_k, o_v, m_k, m_v = _tile(i_kv, K, V, BK, BV)
     o_c = tl.arange(0, BT)
     S = tl.zeros([BK, BV], dtype=tl.float32)
     g_sum = tl.zeros([BK], dtype=tl.float32)
@@ -88,14 +94,12 @@ def _state_kernel(k, v, g, E_part, g_part, T, NS, sk_b, sk_t, sk_h, sv_b, sv_t, 
 
 @triton.autotune(configs=_configs(), key=["K", "V", "DOT"])
 @triton.jit
-def _state_grad_kernel(q, g, do, A_part, g_part, scale, T, NS, sq_b, sq_t, sq_h, sg_b, sg_t, sg_h,
+def _state_grad_kernel(q, g, do, A_part, g_part, scale, T, sq_b, sq_t, sq_h, sg_b, sg_t, sg_h,
                        so_b, so_t, so_h, TS, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT: tl.constexpr):
     i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_b, i_h = i_bh // H, i_bh % H
-    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
-    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    o_k, o_v, m_k, m_v = _tile(i_kv, K, V, BK, BV)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     g_before = tl.zeros([BK], dtype=tl.float32)  # log-decay from the split's start to this chunk
     for t0 in range(i_s * TS, tl.minimum(i_s * TS + TS, T), BT):
@@ -121,9 +125,7 @@ def _fold_kernel(X_part, g_part, out, gamma, NS, BH, K: tl.constexpr, V: tl.cons
                  BK: tl.constexpr, BV: tl.constexpr, TO_END: tl.constexpr):
     """``out = sum_s exp(w_s) X_s``; ``w_s`` sums the splits' log-decays after s (TO_END) or before s."""
     i_kv, i_bh = tl.program_id(0), tl.program_id(1)
-    o_k = (i_kv // tl.cdiv(V, BV)) * BK + tl.arange(0, BK)
-    o_v = (i_kv % tl.cdiv(V, BV)) * BV + tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
+    o_k, o_v, m_k, m_v = _tile(i_kv, K, V, BK, BV)
     acc = tl.zeros([BK, BV], dtype=tl.float32)
     w = tl.zeros([BK], dtype=tl.float32)
     for i in range(NS):
@@ -161,7 +163,7 @@ def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: 
     def grid(meta):
         return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
 
-    kernel[grid](*inputs, X_part, g_part, *extra, T, NS, *strides, TS, H, K, V, BT=chunk_size,
+    kernel[grid](*inputs, X_part, g_part, *extra, T, *strides, TS, H, K, V, BT=chunk_size,
                  DOT=_dot_mode(inputs[0].dtype))
     out = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
     gamma = torch.empty(B, H, K, dtype=torch.float32, device=dev) if to_end else None
