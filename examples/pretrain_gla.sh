@@ -22,7 +22,7 @@ case "$MODEL" in
 esac
 
 export PYTHONPATH="$HERE:$MEGATRON_LM:${PYTHONPATH:-}"
-export CUDA_DEVICE_MAX_CONNECTIONS=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 
 cd "$MEGATRON_LM"
 exec torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
@@ -36,5 +36,6 @@ exec torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
   ${PRECISION---bf16} --attention-dropout 0 --hidden-dropout 0 --disable-bias-linear \
   --transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+  --no-create-attention-mask-in-dataloader \
   --split 100,0,0 --eval-iters 0 --eval-interval 1000 --log-interval 5 --seed 1234 \
   "$@"
