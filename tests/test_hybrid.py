@@ -10,9 +10,12 @@ import torch
 from distributed import host_as_cuda, run_ranks
 from test_megatron_model import _check_training_matches, _train_steps
 
-HYBRID = dict(pattern="G*")  # layer 1 GLA, layer 2 softmax attention
-# RoPE needs Megatron's zigzag split under CP; the contiguous layout trains without positions.
-CONFIGS = [dict(HYBRID, position_embedding="rope"), dict(HYBRID, layout="contiguous")]
+# Layer 1 GLA, layer 2 softmax attention. RoPE needs Megatron's zigzag split under CP; the
+# contiguous layout trains without positions.
+MODELS = {"zigzag-rope": dict(pattern="G*", position_embedding="rope"),
+          "contiguous": dict(pattern="G*", layout="contiguous")}
+RUNS = {2: [("zigzag-rope", dict(cp=2)), ("contiguous", dict(cp=2))],
+        4: [("zigzag-rope", dict(cp=4)), ("contiguous", dict(cp=4)), ("zigzag-rope", dict(tp=2, cp=2))]}
 
 
 # --- the softmax attention alone ----------------------------------------------------------------
@@ -92,26 +95,34 @@ def _cpu_rope_pos_emb(pos_emb, seq_dim, cp_group):
     return Layout.ZIGZAG.shard(pos_emb, cp_group.rank(), cp_group.size(), dim=seq_dim)
 
 
+def _host_rope():
+    """megatron-core 0.16's rotary embedding assumes CUDA (its tables and CP split): the host stands in."""
+    stack = host_as_cuda()
+    stack.enter_context(mock.patch(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank", _cpu_rope_pos_emb))
+    return stack
+
+
 def _train_configs(rank, world, configs):
-    """tests/test_megatron_model.py's _train_steps for each config, on CP = world ranks. megatron-core
-    0.16's rotary embedding assumes CUDA; the host stands in for it."""
-    target = "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank"
-    with host_as_cuda(), mock.patch(target, _cpu_rope_pos_emb):
-        return [_train_steps(rank, world, dict(config, cp=world)) for config in configs]
+    """tests/test_megatron_model.py's _train_steps for each config in turn."""
+    with _host_rope():
+        return [_train_steps(rank, world, config) for config in configs]
 
 
 @pytest.fixture(scope="module")
 def hybrid_reference():
-    return run_ranks(_train_configs, 1, CONFIGS)[0]
+    results = run_ranks(_train_configs, 1, [dict(model, cp=1) for model in MODELS.values()])[0]
+    return dict(zip(MODELS, results))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", sorted(RUNS))
 def test_hybrid_training_matches_single_process(hybrid_reference, world):
-    """GLA + softmax layers, zigzag with RoPE and contiguous without positions: losses and
-    gradients of 4 SGD steps as one process (float64 to 1e-10, float32 to 1e-5)."""
-    results = run_ranks(_train_configs, world, CONFIGS)
-    for i, reference in enumerate(hybrid_reference):
-        _check_training_matches([r[i] for r in results], reference)
+    """GLA + softmax layers at CP = world (and TP 2 x CP 2): losses and gradients of 4 SGD steps
+    as one process (float64 to 1e-10, float32 to 1e-5)."""
+    results = run_ranks(_train_configs, world, [dict(MODELS[model], **parallel) for model, parallel in RUNS[world]])
+    for i, (model, parallel) in enumerate(RUNS[world]):
+        print(model, parallel)
+        _check_training_matches([r[i] for r in results], hybrid_reference[model])
 
 
 # --- the pattern over pipeline stages, and the layer spec -----------------------------------------
@@ -143,19 +154,18 @@ def _structure_worker(rank, world):
         cfg = config(num_layers=layers, pipeline_model_parallel_size=world, pipeline_dtype=torch.float32, **extra)
         layers_here = []
         for vp_stage in range(vpp or 1):
+            stage = dict(ignore_virtual=False, vp_stage=vp_stage)
             model = GPTModel(cfg, hybrid_layer_spec(pattern), vocab_size=32, max_sequence_length=8,
                              position_embedding_type="none", vp_stage=vp_stage if vpp else None,
-                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+                             pre_process=parallel_state.is_pipeline_first_stage(**stage),
+                             post_process=parallel_state.is_pipeline_last_stage(**stage))
             layers_here += [(layer.layer_number, type(layer.self_attention).__name__) for layer in model.decoder.layers]
         built.append(layers_here)
         parallel_state.destroy_model_parallel()
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
     spec = hybrid_layer_spec("G*", cp_layout="contiguous")
-    with host_as_cuda(), mock.patch(
-            "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank",
-            _cpu_rope_pos_emb):
+    with _host_rope():
         model = GPTModel(config(num_layers=2, context_parallel_size=world), spec, vocab_size=32, max_sequence_length=8,
                          position_embedding_type="rope")
         try:
