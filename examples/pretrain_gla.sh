@@ -5,14 +5,15 @@
 #
 # Environment (all optional): MEGATRON_LM (checkout with pretrain_gpt.py), GPUS (processes on this
 # node), CP, TP, PP, SPEC (a name from megatron_zeco/specs.py), MODEL (small | gla-1b), SEQ, ITERS,
-# PRECISION (default --bf16; empty for fp32).
+# PRECISION (default --bf16; empty for fp32), POS (--position-embedding-type: none; rope for the
+# softmax layers of hybrid specs, see examples/pretrain_hybrid.sh).
 # The spec name picks the CP strategy: gla_local_spec (ZeCO), gla_local_{lasp1,lasp2,a2a}_spec;
 # gla_te_* with TransformerEngine. No patch to Megatron-LM is needed.
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (core_v0.19.0 tested)}"
 GPUS=${GPUS:-2} CP=${CP:-2} TP=${TP:-1} PP=${PP:-1}
-SPEC=${SPEC:-gla_local_spec} MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60}
+SPEC=${SPEC:-gla_local_spec} MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60} POS=${POS:-none}
 
 case "$MODEL" in
   small)  ARCH=(--num-layers 4 --hidden-size 1024 --num-attention-heads 8) ;;
@@ -28,7 +29,7 @@ cd "$MEGATRON_LM"
 exec torchrun --nproc-per-node "$GPUS" pretrain_gpt.py \
   "${ARCH[@]}" \
   --spec megatron_zeco.specs "$SPEC" \
-  --position-embedding-type none \
+  --position-embedding-type "$POS" --no-rope-fusion \
   --context-parallel-size "$CP" --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
   --micro-batch-size 1 --global-batch-size 8 --train-iters "$ITERS" \

@@ -9,13 +9,20 @@ NAME                       layer
 ``gla_te_spec``            TransformerEngine linears and norms, ZeCO CP
 ``gla_local_<s>_spec``     local, CP strategy ``<s>`` in lasp1, lasp2, a2a
 ``gla_te_<s>_spec``        TE, CP strategy ``<s>``
+``hybrid_local_spec``      GLA with softmax attention every 4th layer
+                           (pattern ``GGG*``), Megatron-Core linears; the
+                           softmax layers all-gather K/V over CP
+``hybrid_te_spec``         the same with TE: the softmax layers are
+                           Megatron's TE attention with its own CP
 =========================  ================================================
 
-In your own model code, call :func:`gla_layer_spec` instead. Everything but the
-token mixer (norms, MLP, bias-dropout-add) is whatever Megatron's own GPT spec
-of the installed version builds, so the specs follow Megatron-Core releases.
+In your own model code, call :func:`gla_layer_spec` or :func:`hybrid_layer_spec`
+instead. Everything but the token mixer (norms, MLP, bias-dropout-add) is whatever
+Megatron's own GPT spec of the installed version builds, so the specs follow
+Megatron-Core releases.
 """
 
+import functools
 from dataclasses import replace
 from typing import Optional
 
@@ -26,6 +33,9 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from .attention import AllGatherDotProductAttention
+from .comm import Layout, as_layout
+from .hybrid import HybridLayerSubmodules, HybridTransformerLayer, check_pattern
 from .layer import GatedLinearAttention, GatedLinearAttentionSubmodules
 
 try:
@@ -44,11 +54,10 @@ except ImportError:
 class _TransformerEngineMissing:
     """Stands in for TE modules when TransformerEngine is not installed: fails at model build."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, local_spec: str = "gla_local_spec", **kwargs):
         raise ImportError(
             "megatron_zeco: this layer spec uses TransformerEngine, which is not installed. "
-            "Install transformer-engine, or use --spec megatron_zeco.specs gla_local_spec "
-            "(or gla_layer_spec(use_te=False))."
+            f"Install transformer-engine, or use --spec megatron_zeco.specs {local_spec} (or use_te=False)."
         )
 
 
@@ -101,6 +110,66 @@ def gla_layer_spec(
                                             sharded_state_dict_keys_map=keys_map, **extra))
 
 
+def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag",
+                       normalization: Optional[str] = None) -> ModuleSpec:
+    """Megatron's GPT TransformerLayer spec (causal softmax self-attention) that runs under CP.
+
+    With TE it is Megatron's own TE spec: TEDotProductAttention does context parallelism
+    itself (``--cp-comm-type``), on Megatron's zigzag split only. Without TE, Megatron's local
+    spec with :class:`~megatron_zeco.attention.AllGatherDotProductAttention` as core attention
+    (Megatron's DotProductAttention refuses CP), for either layout.
+    """
+    layout = as_layout(cp_layout)
+    if use_te:
+        if layout is not Layout.ZIGZAG:
+            raise ValueError("softmax layers with TransformerEngine: TE's context parallelism takes Megatron's "
+                             "zigzag split only; use cp_layout='zigzag' or use_te=False")
+        if not HAVE_TE:
+            return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "hybrid_local_spec"})
+        return get_gpt_layer_with_transformer_engine_spec()
+    base = get_gpt_layer_local_spec(normalization=normalization)
+    attention = base.submodules.self_attention
+    core = functools.partial(AllGatherDotProductAttention, cp_layout=layout.value)
+    attention = replace(attention, submodules=replace(attention.submodules, core_attention=core))
+    return replace(base, submodules=replace(base.submodules, self_attention=attention))
+
+
+def hybrid_layer_spec(
+    pattern: str = "GGG*",
+    use_te: bool = False,
+    cp_strategy: str = "zeco",
+    cp_layout: str = "zigzag",
+    cp_num_blocks: int = 1,
+    gate_low_rank_dim: int = 16,
+    gate_timescales=None,
+    normalization: Optional[str] = None,
+) -> ModuleSpec:
+    """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
+
+    Args:
+        pattern: ``G`` (GLA) and ``*`` (softmax attention), repeated over the layers: layer n
+            (1-based, over all pipeline stages) is ``pattern[(n - 1) % len(pattern)]``, so
+            ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.hybrid).
+        use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
+        cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
+        cp_strategy, cp_num_blocks, gate_low_rank_dim, gate_timescales: the GLA layers'
+            (:func:`gla_layer_spec`).
+        normalization: as in :func:`gla_layer_spec`.
+
+    Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
+    zigzag layout under CP) or none; GLA layers ignore them.
+    """
+    check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
+    attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, normalization=normalization)
+    if use_te and not HAVE_TE:
+        return attention  # fails at build, naming hybrid_local_spec
+    gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
+                         gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales,
+                         normalization=normalization)
+    return ModuleSpec(module=HybridTransformerLayer, params={"pattern": pattern, "cp_layout": cp_layout},
+                      submodules=HybridLayerSubmodules(gla=gla.submodules, attention=attention.submodules))
+
+
 gla_local_spec = gla_layer_spec(use_te=False)
 gla_te_spec = gla_layer_spec(use_te=True)
 gla_local_lasp1_spec = gla_layer_spec(use_te=False, cp_strategy="lasp1")
@@ -109,3 +178,5 @@ gla_local_a2a_spec = gla_layer_spec(use_te=False, cp_strategy="a2a")
 gla_te_lasp1_spec = gla_layer_spec(use_te=True, cp_strategy="lasp1")
 gla_te_lasp2_spec = gla_layer_spec(use_te=True, cp_strategy="lasp2")
 gla_te_a2a_spec = gla_layer_spec(use_te=True, cp_strategy="a2a")
+hybrid_local_spec = hybrid_layer_spec(use_te=False)
+hybrid_te_spec = hybrid_layer_spec(use_te=True)

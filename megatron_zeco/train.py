@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 4 -m megatron_zeco.train               # CPU, gloo, CP = 4
     torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2        # TP 2 x CP 4
+    torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
 
 Uses megatron-core directly (parallel_state, GPTModel, the layer spec of this
 package); gradients of the parameters, replicated over data and context
@@ -33,6 +34,8 @@ class TrainConfig:
     strategy: str = "zeco"
     layout: str = "zigzag"
     num_blocks: int = 1
+    pattern: str = "G"  # layer symbols, repeated: G = GLA, * = softmax attention (megatron_zeco.hybrid)
+    position_embedding: str = "none"  # or "rope" (softmax layers only; under CP > 1 megatron-core needs CUDA)
     layers: int = 2
     hidden: int = 64
     heads: int = 4
@@ -83,12 +86,14 @@ def init_distributed(cfg: TrainConfig):
 
 
 def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
-    """GPTModel with the GLA layer spec; identical initial weights for any TP/CP layout."""
+    """GPTModel with the GLA (or hybrid) layer spec; identical initial weights for any TP/CP layout."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from .specs import gla_layer_spec
+    from .specs import gla_layer_spec, hybrid_layer_spec
 
+    if cfg.position_embedding not in ("none", "rope"):
+        raise ValueError(f"--position-embedding must be none or rope, got {cfg.position_embedding!r}")
     torch.manual_seed(cfg.seed)
     config = TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
@@ -96,10 +101,11 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
     )
-    spec = gla_layer_spec(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
-                          gate_timescales=(1.0, 4.0 * cfg.seq_len))
+    gla = dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
+               gate_timescales=(1.0, 4.0 * cfg.seq_len))
+    spec = gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
-                     max_sequence_length=cfg.seq_len, position_embedding_type="none")
+                     max_sequence_length=cfg.seq_len, position_embedding_type=cfg.position_embedding)
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))  # some norms ignore params_dtype
 
 
@@ -238,7 +244,8 @@ def train(cfg: TrainConfig, log=_log):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
     rank0 = dist.get_rank() == 0
     if rank0:
-        log(f"megatron_zeco: GLA GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
+        kind = "GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})"
+        log(f"megatron_zeco: {kind} GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
             f"layout {cfg.layout} | seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")

@@ -92,9 +92,12 @@ def reference():
     (4, dict(dp=2, cp=2)),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))
 def test_training_steps_match_single_process(reference, world, overrides):
+    _check_training_matches(run_ranks(_train_steps, world, overrides), reference)
+
+
+def _check_training_matches(results, reference):
     """float64: every loss and gradient element to 1e-10 (the CP model is exact). float32: every
     step's loss and the first step's gradient to 1e-5; later gradient norms to 1e-4 (rounding)."""
-    results = run_ranks(_train_steps, world, overrides)
     for dtype, tol in (("float64", 1e-10), ("float32", TOL)):
         ref_losses, ref_norms, ref_grads = reference[dtype]
         for rank, result in enumerate(results):

@@ -52,10 +52,11 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        mine = grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)[dist.get_rank(ctx.group)]
-        return mine, None, None
+        # Every rank used every part: this rank's part of the sum over ranks (reduce-scatter).
+        blocks = grad.movedim(ctx.dim, 0).contiguous()  # rank r's part is the r-th block of rows
+        mine = blocks.new_empty((blocks.shape[0] // dist.get_world_size(ctx.group), *blocks.shape[1:]))
+        dist.reduce_scatter_tensor(mine, blocks, group=ctx.group)
+        return mine.movedim(0, ctx.dim), None, None
 
 
 def broadcast(x: Tensor, src: int, group) -> Tensor:
@@ -69,5 +70,6 @@ def all_to_all(xs: List[Tensor], group) -> List[Tensor]:
 
 
 def all_gather(x: Tensor, dim: int, group) -> Tensor:
-    """Concatenation along ``dim`` of every rank's ``x`` (same shape on all ranks)."""
+    """Concatenation along ``dim`` of every rank's ``x`` (same shape on all ranks); backward
+    reduce-scatters the gradient."""
     return _AllGather.apply(x, dim, group)

@@ -1,0 +1,81 @@
+"""Causal softmax attention under context parallelism without TransformerEngine.
+
+Megatron-Core's own ``DotProductAttention`` refuses context parallelism (only
+TransformerEngine's attention implements it). :class:`AllGatherDotProductAttention`
+takes its place as the ``core_attention`` of Megatron's ``SelfAttention`` in the
+softmax layers of hybrid models (``megatron_zeco.specs.hybrid_layer_spec``): each CP
+rank all-gathers K and V, as LASP-2H does for its softmax layers, and attends its
+own queries to every key at or before their global position, which the layout
+(Megatron's zigzag split or contiguous) gives. The backward reduce-scatters dK and dV.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import parallel_state
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+
+from .comm import as_layout
+from .comm.functional import all_gather
+
+
+class AllGatherDotProductAttention(MegatronModule):
+    """Core attention (Megatron's ``CoreAttention`` interface), causal, with K and V all-gathered over CP.
+
+    Args:
+        config: the model's TransformerConfig (``kv_channels``, ``attention_dropout``).
+        layer_number, attention_type, cp_comm_type: as Megatron passes them; K and V are
+            always all-gathered, whatever ``cp_comm_type`` (``--cp-comm-type``) says.
+        attn_mask_type: must be ``causal``.
+        softmax_scale: None for ``1 / sqrt(kv_channels)``.
+        pg_collection: Megatron's process groups (``cp`` used); ``parallel_state`` when absent.
+        cp_layout: ``zigzag`` (Megatron's ``get_batch_on_this_cp_rank`` split) or ``contiguous``.
+    """
+
+    def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
+                 cp_comm_type=None, softmax_scale=None, pg_collection=None, cp_layout: str = "zigzag"):
+        super().__init__(config=config)
+        name = f"AllGatherDotProductAttention (layer {layer_number})"
+        if attn_mask_type != AttnMaskType.causal or attention_type != "self":
+            raise ValueError(f"{name}: only causal self-attention is supported, got {attn_mask_type.name} "
+                             f"{attention_type}-attention")
+        if config.attention_dropout:
+            raise ValueError(f"{name}: attention dropout is not supported; pass --attention-dropout 0")
+        self.name = name
+        self.cp_group = pg_collection.cp if pg_collection is not None \
+            else parallel_state.get_context_parallel_group()
+        self.layout = as_layout(cp_layout)
+        self.softmax_scale = config.kv_channels ** -0.5 if softmax_scale is None else softmax_scale
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        """``query: [s, b, np, hn]``, ``key, value: [s, b, ng, hn]`` (``np`` a multiple of ``ng``), this
+        rank's ``s`` tokens -> ``[s, b, np * hn]``.
+
+        Causal by global position, like TransformerEngine's causal attention: ``attention_mask``
+        (the dataloader's causal mask) is not read.
+        """
+        if packed_seq_params is not None:
+            raise NotImplementedError(f"{self.name}: packed sequences (THD, packed_seq_params) are not supported")
+        if attention_bias is not None:
+            raise NotImplementedError(f"{self.name}: attention_bias is not supported")
+        if attn_mask_type not in (None, AttnMaskType.causal):
+            raise ValueError(f"{self.name}: only causal attention is supported, got {attn_mask_type.name}")
+        s, b, heads, _ = query.shape
+        world = self.cp_group.size()
+        if s % len(self.layout.pieces(0, world)):
+            raise ValueError(f"{self.name}: {s} local tokens do not split into the {self.layout.value} "
+                             f"layout's pieces; --seq-length must be a multiple of 2 x --context-parallel-size")
+        if world > 1:
+            kv = all_gather(torch.cat([key, value], dim=-1), 0, self.cp_group)  # rank order
+            key, value = kv.split([key.shape[-1], value.shape[-1]], dim=-1)
+        positions = torch.arange(world * s, device=query.device)
+        q_pos = self.layout.shard(positions, self.cp_group.rank(), world, dim=0)
+        k_pos = torch.cat([self.layout.shard(positions, r, world, dim=0) for r in range(world)])
+        # [b, heads, seq, hn]; K and V heads repeated for their query groups, as Megatron's
+        # DotProductAttention does (so CUDA can use its memory-efficient masked kernel).
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=k_pos <= q_pos[:, None], scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)

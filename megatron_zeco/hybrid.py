@@ -1,0 +1,87 @@
+"""Hybrid models: GLA layers and softmax-attention layers in one stack, chosen by a layer pattern.
+
+A pattern is a string of Megatron's hybrid-model layer symbols, ``G`` for a GLA layer
+and ``*`` for a softmax-attention layer, repeated over the depth: layer n (1-based,
+counted over the whole model, all pipeline stages) is ``pattern[(n - 1) % len(pattern)]``.
+``GGG*`` makes layers 4, 8, 12, ... softmax attention and the rest GLA.
+
+:class:`HybridTransformerLayer` is one ``ModuleSpec`` for every layer (so it passes
+through ``pretrain_gpt.py --spec`` and Megatron's per-stage fan-out unchanged); each
+layer builds the GLA or the softmax TransformerLayer by its global layer number.
+"""
+
+from dataclasses import dataclass
+
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
+from megatron.core.utils import get_pg_rank
+
+from .comm import Layout, as_layout
+
+GLA, ATTENTION = "G", "*"
+
+
+def check_pattern(pattern: str):
+    """ValueError unless ``pattern`` is a non-empty string of layer symbols."""
+    if not isinstance(pattern, str) or not pattern or set(pattern) - {GLA, ATTENTION}:
+        raise ValueError(f"hybrid layer pattern {pattern!r}: use the symbols {GLA!r} (GLA) and {ATTENTION!r} "
+                         f"(softmax attention), e.g. 'GGG*'")
+
+
+def layer_kinds(pattern: str, num_layers: int) -> str:
+    """The symbol of each of ``num_layers`` layers: ``pattern`` repeated."""
+    check_pattern(pattern)
+    if len(pattern) > num_layers:
+        raise ValueError(f"hybrid layer pattern {pattern!r} is longer than --num-layers ({num_layers})")
+    return (pattern * num_layers)[:num_layers]
+
+
+@dataclass
+class HybridLayerSubmodules:
+    """The two layer kinds of a hybrid model."""
+
+    gla: TransformerLayerSubmodules
+    attention: TransformerLayerSubmodules
+
+
+class HybridTransformerLayer(TransformerLayer):
+    """A TransformerLayer built as GLA or softmax attention by its global layer number.
+
+    Args:
+        config, layer_number, pg_collection, vp_stage, **kwargs: as TransformerLayer.
+        submodules: the GLA layer's and the softmax layer's submodules.
+        pattern: layer symbols (see the module docstring).
+        cp_layout: the CP layout of the hidden states (``zigzag`` or ``contiguous``).
+
+    Rotary embeddings reach only the softmax layers (GLA layers carry no positions).
+    Megatron-Core splits them over CP in its zigzag order, so under a contiguous
+    layout with CP > 1 they are refused rather than applied at the wrong positions.
+    """
+
+    def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, pattern: str = "GGG*",
+                 cp_layout: str = "zigzag", pg_collection=None, vp_stage=None, **kwargs):
+        kinds = layer_kinds(pattern, config.num_layers)
+        # TransformerLayer's own rule for the global number (it adds the stage offset unless told not to).
+        offset = 0 if kwargs.get("is_mtp_layer") or not kwargs.get("add_layer_offset", True) else \
+            get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp) if pg_collection else None)
+        kind = kinds[layer_number + offset - 1]
+        super().__init__(config, submodules.gla if kind == GLA else submodules.attention, layer_number=layer_number,
+                         pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
+        if self.layer_number != layer_number + offset:  # a future Megatron-Core numbering layers otherwise
+            raise RuntimeError(f"HybridTransformerLayer: layer {self.layer_number} was built as layer "
+                               f"{layer_number + offset} of pattern {pattern!r}")
+        self.kind = kind
+        self.cp_layout = as_layout(cp_layout)
+
+    def forward(self, *args, **kwargs):
+        if self.kind == GLA:
+            kwargs["rotary_pos_emb"] = None
+        elif (kwargs.get("rotary_pos_emb") is not None and self.cp_layout is Layout.CONTIGUOUS
+              and self.pg_collection.cp.size() > 1):
+            raise ValueError("hybrid model: rotary embeddings under context parallelism need the zigzag layout "
+                             "(Megatron-Core splits them zigzag); use cp_layout='zigzag' or "
+                             "--position-embedding-type none")
+        return super().forward(*args, **kwargs)

@@ -1,0 +1,217 @@
+"""Hybrid GLA / softmax-attention models: the all-gather softmax attention against a full-sequence
+reference, a hybrid GPTModel (megatron-core) trained under CP against one process, and the layer
+pattern over pipeline stages."""
+
+from unittest import mock
+
+import pytest
+import torch
+
+from distributed import host_as_cuda, run_ranks
+from test_megatron_model import _check_training_matches, _train_steps
+
+# Layer 1 GLA, layer 2 softmax attention. RoPE needs Megatron's zigzag split under CP; the
+# contiguous layout trains without positions.
+MODELS = {"zigzag-rope": dict(pattern="G*", position_embedding="rope"),
+          "contiguous": dict(pattern="G*", layout="contiguous")}
+RUNS = {2: [("zigzag-rope", dict(cp=2)), ("contiguous", dict(cp=2))],
+        4: [("zigzag-rope", dict(cp=4)), ("contiguous", dict(cp=4)), ("zigzag-rope", dict(tp=2, cp=2))]}
+
+
+# --- the softmax attention alone ----------------------------------------------------------------
+
+def _full_attention(q, k, v):
+    """Causal softmax attention over the whole sequence: q [T, B, H, D], k, v [T, B, G, D] ->
+    [T, B, H * D]; query head h reads key/value group h // (H / G)."""
+    T, B, H, D = q.shape
+    group = torch.arange(H) // (H // k.shape[2])
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k[:, :, group]) * D ** -0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v[:, :, group]).reshape(T, B, H * D)
+
+
+def _attention_worker(rank, world, seed):
+    """This rank's output and input gradients, for each layout (float64, GQA: 4 query heads, 2 groups)."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_zeco import Layout
+    from megatron_zeco.attention import AllGatherDotProductAttention
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0, context_parallel_size=world, use_cpu_initialization=True)
+    gen = torch.Generator().manual_seed(seed)
+    T, B = 12, 2
+    q, k, v = (torch.randn(T, B, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
+    dout = torch.randn(T, B, 32, generator=gen, dtype=torch.float64)
+    out = {}
+    for layout in Layout:
+        attention = AllGatherDotProductAttention(config, 1, AttnMaskType.causal, cp_layout=layout.value)
+        local = [layout.shard(t, rank, world, dim=0).requires_grad_() for t in (q, k, v)]
+        o = attention(*local, None)
+        (o * layout.shard(dout, rank, world, dim=0)).sum().backward()
+        out[layout] = (o.detach(), *(t.grad for t in local))
+    return (q, k, v, dout), out
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_attention_matches_full_sequence_reference(seed, world):
+    """Output and dq, dk, dv of every rank's tokens to 1e-10, both layouts."""
+    results = run_ranks(_attention_worker, world, seed)
+    (q, k, v, dout), _ = results[0]
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = _full_attention(q, k, v)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    for rank, (_, out) in enumerate(results):
+        for layout, got in out.items():
+            for name, g, r in zip(("output", "dq", "dk", "dv"), got, (ref, *ref_grads)):
+                r = layout.shard(r.detach(), rank, world, dim=0)
+                assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), \
+                    f"{layout.value} rank {rank}: {name} off by {float((g - r).abs().max()):.1e}"
+
+
+def test_attention_refuses_what_it_does_not_compute():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_zeco.attention import AllGatherDotProductAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="--attention-dropout 0"):  # Megatron's default is 0.1
+        AllGatherDotProductAttention(config, 1, AttnMaskType.causal)
+    config.attention_dropout = 0.0
+    with pytest.raises(ValueError, match="only causal self-attention"):
+        AllGatherDotProductAttention(config, 1, AttnMaskType.padding)
+
+
+# --- a hybrid GPTModel under context parallelism ------------------------------------------------
+
+def _cpu_rope_pos_emb(pos_emb, seq_dim, cp_group):
+    """megatron-core 0.16's get_pos_emb_on_this_cp_rank without its CUDA copy: this rank's zigzag pieces."""
+    from megatron_zeco import Layout
+
+    return Layout.ZIGZAG.shard(pos_emb, cp_group.rank(), cp_group.size(), dim=seq_dim)
+
+
+def _host_rope():
+    """megatron-core 0.16's rotary embedding assumes CUDA (its tables and CP split): the host stands in."""
+    stack = host_as_cuda()
+    stack.enter_context(mock.patch(
+        "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank", _cpu_rope_pos_emb))
+    return stack
+
+
+def _train_configs(rank, world, configs):
+    """tests/test_megatron_model.py's _train_steps for each config in turn."""
+    with _host_rope():
+        return [_train_steps(rank, world, config) for config in configs]
+
+
+@pytest.fixture(scope="module")
+def hybrid_reference():
+    results = run_ranks(_train_configs, 1, [dict(model, cp=1) for model in MODELS.values()])[0]
+    return dict(zip(MODELS, results))
+
+
+@pytest.mark.parametrize("world", sorted(RUNS))
+def test_hybrid_training_matches_single_process(hybrid_reference, world):
+    """GLA + softmax layers at CP = world (and TP 2 x CP 2): losses and gradients of 4 SGD steps
+    as one process (float64 to 1e-10, float32 to 1e-5)."""
+    results = run_ranks(_train_configs, world, [dict(MODELS[model], **parallel) for model, parallel in RUNS[world]])
+    for i, (model, parallel) in enumerate(RUNS[world]):
+        print(model, parallel)
+        _check_training_matches([r[i] for r in results], hybrid_reference[model])
+
+
+# --- the pattern over pipeline stages, and the layer spec -----------------------------------------
+
+PP_CASES = [  # (layers, pattern, TransformerConfig extras): the GPTModel chunks a rank builds
+    (4, "GG*", {}),
+    (4, "GG*", dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=3)),
+    (8, "GGG*", dict(virtual_pipeline_model_parallel_size=2)),
+]
+
+
+def _structure_worker(rank, world):
+    """Per PP case, the (global layer number, mixer) of every layer this rank builds; then the
+    error of RoPE under a contiguous CP layout."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_zeco.specs import hybrid_layer_spec
+
+    def config(**kw):
+        return TransformerConfig(hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                                 use_cpu_initialization=True, **kw)
+
+    built = []
+    for layers, pattern, extra in PP_CASES:
+        vpp = extra.get("virtual_pipeline_model_parallel_size")
+        parallel_state.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=vpp)
+        cfg = config(num_layers=layers, pipeline_model_parallel_size=world, pipeline_dtype=torch.float32, **extra)
+        layers_here = []
+        for vp_stage in range(vpp or 1):
+            stage = dict(ignore_virtual=False, vp_stage=vp_stage)
+            model = GPTModel(cfg, hybrid_layer_spec(pattern), vocab_size=32, max_sequence_length=8,
+                             position_embedding_type="none", vp_stage=vp_stage if vpp else None,
+                             pre_process=parallel_state.is_pipeline_first_stage(**stage),
+                             post_process=parallel_state.is_pipeline_last_stage(**stage))
+            layers_here += [(layer.layer_number, type(layer.self_attention).__name__) for layer in model.decoder.layers]
+        built.append(layers_here)
+        parallel_state.destroy_model_parallel()
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    spec = hybrid_layer_spec("G*", cp_layout="contiguous")
+    with _host_rope():
+        model = GPTModel(config(num_layers=2, context_parallel_size=world), spec, vocab_size=32, max_sequence_length=8,
+                         position_embedding_type="rope")
+        try:
+            model(torch.zeros(1, 8 // world, dtype=torch.long), None, None)
+            rope_error = None
+        except ValueError as e:
+            rope_error = str(e)
+    return built, rope_error
+
+
+@pytest.fixture(scope="module")
+def structure():
+    return run_ranks(_structure_worker, 2)
+
+
+@pytest.mark.parametrize("case", range(len(PP_CASES)), ids=["even", "uneven", "virtual"])
+def test_pattern_follows_global_layer_numbers_over_pipeline_stages(structure, case):
+    """Every layer is built once over the stages, with the mixer its global number gives."""
+    layers, pattern, _ = PP_CASES[case]
+    built = sorted(entry for stage, _ in structure for entry in stage[case])
+    expected = [(n, "GatedLinearAttention" if pattern[(n - 1) % len(pattern)] == "G" else "SelfAttention")
+                for n in range(1, layers + 1)]
+    assert built == expected
+
+
+def test_rope_under_contiguous_cp_layout_is_refused(structure):
+    for _, error in structure:
+        assert error is not None and "zigzag" in error and "--position-embedding-type none" in error, error
+
+
+def test_named_specs_and_their_errors():
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module, import_module
+
+    from megatron_zeco.hybrid import HybridTransformerLayer
+    from megatron_zeco.specs import HAVE_TE, hybrid_layer_spec
+
+    spec = import_module(["megatron_zeco.specs", "hybrid_local_spec"])  # as pretrain_gpt.py --spec does
+    assert spec.module is HybridTransformerLayer and spec.params["pattern"] == "GGG*"
+    with pytest.raises(ValueError, match="symbols 'G' .GLA. and '\\*'"):
+        hybrid_layer_spec("GA")
+    with pytest.raises(ValueError, match="zigzag split only"):
+        hybrid_layer_spec(use_te=True, cp_layout="contiguous")
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    with pytest.raises(ValueError, match="longer than --num-layers"):
+        build_module(spec, config=config, layer_number=1)
+    if not HAVE_TE:
+        with pytest.raises(ImportError, match="hybrid_local_spec"):
+            build_module(import_module(["megatron_zeco.specs", "hybrid_te_spec"]), config=config)
