@@ -128,15 +128,14 @@ def global_batch(cfg: TrainConfig, task: RecallTask, step: int) -> dict:
 def local_batch(cfg: TrainConfig, batch: dict) -> dict:
     """This rank's share: its data-parallel rows, then its context-parallel tokens."""
     from megatron.core import parallel_state
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     if cfg.batch % cfg.dp:
         raise ValueError(f"--batch {cfg.batch} must be divisible by --dp {cfg.dp}")
     dp_rank = parallel_state.get_data_parallel_rank()
     rows = slice(dp_rank * cfg.batch // cfg.dp, (dp_rank + 1) * cfg.batch // cfg.dp)
     batch = {k: v[rows] for k, v in batch.items()}
-    if cfg.layout == "zigzag":  # Megatron's own CP split, unpatched
-        return get_batch_on_this_cp_rank(batch)
+    # zigzag is exactly Megatron's get_batch_on_this_cp_rank split (tests/test_megatron_model.py),
+    # whose signature changes between megatron-core releases.
     cp_rank = parallel_state.get_context_parallel_rank()
     return {k: Layout(cfg.layout).shard(v, cp_rank, cfg.cp, dim=1) for k, v in batch.items()}
 
