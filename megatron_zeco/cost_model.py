@@ -19,7 +19,7 @@ points by :func:`calibrate` (``docs/results/*.json``; a new measured point is a 
 and :func:`target`, the design issue 4 describes (device-side All-Scan, state passes fused into
 the chunk kernels, scan overlapped with the local op), with stated figures.
 
-Standard library only: the plots and tests read it without a GPU.
+Standard library only: this module needs no torch and no GPU.
 """
 
 import glob
@@ -106,7 +106,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Software:
-    """Costs of an implementation beyond the wire, in seconds (per byte where named so)."""
+    """Costs of an implementation beyond the wire: seconds, seconds per byte (passes, copies), shares."""
 
     message: float  # per chain message: issue, slicing, combine, on the critical path
     scan_call: float  # fixed per All-Scan (or ring) call
@@ -173,7 +173,7 @@ def best_blocks(w: Workload, c: Cluster, sw: Software) -> tuple[int, float]:
 
 
 def efficiency(strategy: str, w: Workload, c: Cluster, sw: Software) -> float:
-    """``t(none) / t(strategy)`` at the same tokens per GPU (zeco at its best K)."""
+    """``t(none) / t(strategy)`` at the same tokens per GPU (zeco at its best K), ``w.other_ms`` added to both."""
     t = best_blocks(w, c, sw)[1] if strategy == "zeco" else layer_time(strategy, w, c, sw)
     return (w.op_ms * 1e-3 + w.other_ms * 1e-3) / (t + w.other_ms * 1e-3)
 
