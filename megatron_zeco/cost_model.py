@@ -331,7 +331,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     res += [Residual(f"scan {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],  # NCCL's call + one message
                      (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
             for r in by(part="scan", method="nccl send/recv hop")]
-    res += [Residual(f"op {r['strategy']} CP={r['cp']} {r['layout']} T={r['tokens_per_gpu']}", r["ms"],
+    res += [Residual(f"op {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} T={r['tokens_per_gpu']}", r["ms"],
                      layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3, r["strategy"] == "a2a")
             for r in by(part="op") if r["strategy"] in STRATEGIES[1:]]
 
@@ -343,7 +343,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
             if key not in other_ms:
                 raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape")
             model = r["layers"] * (other_ms[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
-            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {r['layout']} T={r['tokens_per_gpu']} "
+            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} T={r['tokens_per_gpu']} "
                                 f"L={r['layers']}", _model_ms(r), model, False))
     return Calibration(sw, nccl_call, op_ms, other_ms, res)
 
