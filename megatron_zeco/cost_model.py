@@ -343,8 +343,8 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
             if key not in other_ms:
                 raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape")
             model = r["layers"] * (other_ms[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
-            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} T={r['tokens_per_gpu']} "
-                                f"L={r['layers']}", _model_ms(r), model, False))
+            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
+                                f"T={r['tokens_per_gpu']} L={r['layers']}", _model_ms(r), model, False))
     return Calibration(sw, nccl_call, op_ms, other_ms, res)
 
 
