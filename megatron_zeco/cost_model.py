@@ -1,0 +1,363 @@
+"""Cost model of GLA context parallelism: time of one layer per strategy as P grows (issue 5).
+
+Times are seconds of one GLA layer, forward + backward, on each of P GPUs holding ``tokens``
+tokens each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens per GPU.
+The equations, the stated figures and their sources are in ``docs/scaling.md``; in short:
+
+* ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
+* ``zeco``:  ``t_op (1 + extra) + passes + sum over fwd/bwd of max(0, chain - overlap * t_dir)``;
+  the All-Scan chain of K blocks over hops with per-block times ``tau_i`` takes
+  ``scan_call + sum_i tau_i + (K - 1) max_i tau_i`` (the paper's ``tau(S) + (P-1) tau(S)/K`` up
+  to one block stage), ``tau = message + latency + (S / K) / bandwidth``.
+* ``lasp2``: as zeco with an all-gather of every piece's state, ``(P-1)(latency + S/bandwidth)``
+  on the slowest link, and a local fold over all pieces.
+* ``lasp1``: the ranks run one after another: ``P t_op`` plus two K=1 chains.
+* ``a2a``:   all-to-all of q, k, v, g and o (and their gradients) plus the copies around it.
+
+Two sets of implementation costs (:class:`Software`): the code as built, fitted to the measured
+points by :func:`calibrate` (``docs/results/*.json``; a new measured point is a new JSON row),
+and :func:`target`, the design issue 4 describes (device-side All-Scan, state passes fused into
+the chunk kernels, scan overlapped with the local op), with stated figures.
+
+Standard library only: this module needs no torch and no GPU.
+"""
+
+import glob
+import json
+import math
+import os
+from dataclasses import dataclass, replace
+
+STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
+
+# Stated hardware figures (docs/scaling.md says why).
+HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
+FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200 (BRIEF section 3)
+ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FOLD_LAUNCH_BUILT = 10e-6  # as built, per folded piece: two eager kernels (multiply, add), ~5 us each
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of one GPU's link: a message of n bytes takes ``latency + n / bandwidth``."""
+
+    latency: float  # s
+    bandwidth: float  # B/s
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: NCCL all-to-all measured on the 2 H200 (BRIEF 3)
+INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Ranks placed node-major: rank r on node r // gpus_per_node."""
+
+    intra: Link = NVLINK
+    inter: Link = INFINIBAND
+    gpus_per_node: int = 8
+
+    def chain_hops(self, P: int, layout: str) -> tuple[int, int, int]:
+        """(intra-node, inter-node, same-rank) hops of the chain visiting every piece in order."""
+        inter = math.ceil(P / self.gpus_per_node) - 1
+        if layout == "contiguous":
+            return P - 1 - inter, inter, 0
+        if layout == "zigzag":  # up the ranks, turn on the last one, back down
+            return 2 * (P - 1 - inter), 2 * inter, 1
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+
+    def slowest(self, P: int) -> Link:
+        return self.inter if P > self.gpus_per_node else self.intra
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GLA layer on each of P GPUs: q, k, g [tokens, heads, k_dim], v [tokens, heads, v_dim]."""
+
+    P: int
+    tokens: int  # per GPU
+    heads: int
+    k_dim: int
+    v_dim: int
+    op_ms: float  # measured one-GPU fwd+bwd of the local op at these tokens, heads and dims
+    act_bytes: int = 2
+    layout: str = "contiguous"
+    other_ms: float = 0.0  # per-layer time outside GLA (model level); 0 = the operator alone
+
+    @property
+    def pieces(self) -> int:
+        return 1 if self.layout == "contiguous" else 2
+
+    @property
+    def state_bytes(self) -> int:  # one fp32 state
+        return self.heads * self.k_dim * self.v_dim * 4
+
+    @property
+    def pass_bytes(self) -> int:  # read by one state pass: k, v, g (or q, g, dO)
+        return self.tokens * self.heads * (2 * self.k_dim + self.v_dim) * self.act_bytes
+
+    @property
+    def a2a_bytes(self) -> int:  # q, k, v, g, o and their gradients: what a2a reorders
+        return 2 * self.tokens * self.heads * (3 * self.k_dim + 2 * self.v_dim) * self.act_bytes
+
+
+@dataclass(frozen=True)
+class Software:
+    """Costs of an implementation beyond the wire: seconds, seconds per byte (passes, copies), shares."""
+
+    message: float  # per chain message: issue, slicing, combine, on the critical path
+    scan_call: float  # fixed per All-Scan (or ring) call
+    gather_call: float  # fixed per all-gather scan call, the collective's own call included
+    fold_launch: float  # per piece folded after the all-gather, beyond reading its state
+    state_pass: float  # per byte read by the separate state pass (0: fused into fla's kernels)
+    state_grad_pass: float  # per byte read by the separate state-gradient pass
+    a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
+    overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
+    extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
+
+
+def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
+    """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
+    intra, inter, local = c.chain_hops(w.P, w.layout)
+    block = w.state_bytes / K
+    taus = [(intra, sw.message + c.intra.time(block)), (inter, sw.message + c.inter.time(block)),
+            (local, sw.message)]
+    taus = [(n, tau) for n, tau in taus if n]
+    return sw.scan_call + sum(n * tau for n, tau in taus) + (K - 1) * max(tau for _, tau in taus)
+
+
+def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
+    """(communication, fold) of LASP-2's all-gather scan: every piece's (state | gamma) to all."""
+    nbytes = w.pieces * w.heads * w.k_dim * (w.v_dim + 1) * 4
+    comm = sw.gather_call + (w.P - 1) * c.slowest(w.P).time(nbytes)
+    fold = w.pieces * w.P * (sw.fold_launch + 3 * nbytes / w.pieces / HBM_BANDWIDTH)
+    return comm, fold
+
+
+def _a2a_wire(w: Workload, c: Cluster) -> float:
+    """Four all-to-alls (q,k,v,g | o | dO | dq,dk,dv,dg); on- and off-node parts run together."""
+    on_node = min(w.P, c.gpus_per_node)
+    return 4 * c.slowest(w.P).latency + max((on_node - 1) / w.P * w.a2a_bytes / c.intra.bandwidth,
+                                            (w.P - on_node) / w.P * w.a2a_bytes / c.inter.bandwidth)
+
+
+def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1) -> float:
+    """Seconds of one GLA layer, fwd + bwd, under ``strategy`` (K: All-Scan blocks, zeco only)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if w.k_dim % K:
+        raise ValueError(f"K (All-Scan blocks, {K}) must divide k_dim ({w.k_dim})")
+    t_op = w.op_ms * 1e-3
+    if strategy == "none" or w.P == 1:
+        return t_op
+    if strategy == "lasp1":
+        return w.P * t_op + 2 * chain_time(w, c, sw, 1)
+    if strategy == "a2a":
+        if w.heads % w.P:
+            raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
+        return t_op + w.a2a_bytes * sw.a2a_copy + _a2a_wire(w, c)
+    passes = w.pass_bytes * (sw.state_pass + sw.state_grad_pass)
+    comm, after = (chain_time(w, c, sw, K), 0.0) if strategy == "zeco" else gather_time(w, c, sw)
+    exposed = sum(max(0.0, comm - sw.overlap * t) + after for t in (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op))
+    return t_op * (1 + sw.extra) + passes + exposed
+
+
+def best_blocks(w: Workload, c: Cluster, sw: Software) -> tuple[int, float]:
+    """(K, seconds): the All-Scan block count (a divisor of k_dim) with the fastest zeco layer."""
+    times = {K: layer_time("zeco", w, c, sw, K) for K in range(1, w.k_dim + 1) if w.k_dim % K == 0}
+    K = min(times, key=times.get)
+    return K, times[K]
+
+
+def efficiency(strategy: str, w: Workload, c: Cluster, sw: Software) -> float:
+    """``t(none) / t(strategy)`` at the same tokens per GPU (zeco at its best K), ``w.other_ms`` added to both."""
+    t = best_blocks(w, c, sw)[1] if strategy == "zeco" else layer_time(strategy, w, c, sw)
+    return (w.op_ms * 1e-3 + w.other_ms * 1e-3) / (t + w.other_ms * 1e-3)
+
+
+# ---------------------------------------------------------------- calibration from measured JSON
+
+@dataclass(frozen=True)
+class Residual:
+    what: str
+    measured_ms: float
+    model_ms: float
+    fitted: bool  # the row was used to fit a parameter (else it is a prediction)
+
+    @property
+    def rel(self) -> float:
+        return self.model_ms / self.measured_ms - 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    software: Software  # the code as built
+    nccl_call: float  # NCCL's own all-gather call at P = 2 (used by :func:`target`'s lasp2)
+    op_ms: dict[tuple[int, int, int], float]  # (tokens, heads, dim) -> one-GPU fwd+bwd of the local op
+    other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
+    residuals: list[Residual]
+
+
+def target(cal: Calibration, overlapped: bool = True, message: float = 2e-6, scan_call: float = 5e-6,
+           overlap: float = 0.5, extra: float = 0.03) -> Software:
+    """The design of issue 4 (not built): calibrated costs where unchanged, stated figures elsewhere.
+
+    All-Scan on the device: ``message`` per block (a signal wait and the combine) and one launch
+    (``scan_call``) instead of host-issued NCCL messages; the state passes fused into fla's chunk
+    kernels (no extra pass). ``overlapped``: the correction form, the scan in flight while the
+    ``overlap`` share of each direction's local op runs, corrections costing ``extra`` * t_op;
+    else the initial-state form (nothing overlapped, no corrections). lasp2 gets the same fused
+    passes, overlap and corrections, NCCL's own all-gather call and a fused fold; lasp1's ring the
+    same device-side messages; a2a is unchanged.
+    """
+    return replace(cal.software, message=message, scan_call=scan_call, gather_call=cal.nccl_call, fold_launch=0.0,
+                   state_pass=0.0, state_grad_pass=0.0, overlap=overlap if overlapped else 0.0,
+                   extra=extra if overlapped else 0.0)
+
+
+def load_rows(pattern: str) -> list[dict]:
+    """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
+
+    ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
+    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures).
+    """
+    rows = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            file_rows = json.load(f)["rows"]
+        shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
+        for r in file_rows:
+            if "heads" not in r and r["part"] == "kernel":
+                if len(shapes) != 1:
+                    raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")
+                r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
+            rows.append(dict(r, file=os.path.basename(path)))
+    if not rows:
+        raise ValueError(f"no measured rows in {pattern!r}")
+    return rows
+
+
+def _workload(r: dict, op_ms: float) -> Workload:
+    """The workload a measured row describes (its op time given)."""
+    return Workload(P=r.get("cp", 1), tokens=r["tokens_per_gpu"], heads=r["heads"], k_dim=r["dim"],
+                    v_dim=r["dim"], op_ms=op_ms, act_bytes=ACT_BYTES[r.get("dtype", "bf16")],
+                    layout=r.get("layout", "contiguous"))
+
+
+def _scan_workload(r: dict) -> Workload:
+    """bench_op's scan part: one fp32 state [heads, 128, 128] of ``state_mib`` between ``cp`` ranks."""
+    heads = round(r["state_mib"] * 2 ** 20 / (128 * 128 * 4))
+    return Workload(P=r["cp"], tokens=0, heads=heads, k_dim=128, v_dim=128, op_ms=0.0)
+
+
+def _weighted_fit(xs: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares of ``y ~ sum_j p_j x_j`` in relative error (weights 1/y^2), by normal equations."""
+    n = len(xs[0])
+    a = [[sum(x[i] * x[j] / y ** 2 for x, y in zip(xs, ys)) for j in range(n)] for i in range(n)]
+    b = [sum(x[i] * y / y ** 2 for x, y in zip(xs, ys)) for i in range(n)]
+    for i in range(n):  # Gauss-Jordan; n <= 2
+        for k in range(n):
+            if k != i:
+                f = a[k][i] / a[i][i]
+                a[k] = [u - f * v for u, v in zip(a[k], a[i])]
+                b[k] -= f * b[i]
+    return [b[i] / a[i][i] for i in range(n)]
+
+
+def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
+    """Fit the as-built costs on the measured rows; predict every other row; return both.
+
+    Fitted, each on its own rows: the state passes' cost per byte (``kernel`` rows), the All-Scan
+    call and per-message costs (``scan`` rows ``all_scan K=*``), the all-gather scan's call
+    (``gather_scan``), NCCL's all-gather call (``nccl all_gather``) and the a2a copies (``a2a`` op
+    rows). Inputs: the ``none`` op rows (one-GPU op time per shape) and the CP = 1 ``model`` rows
+    (per-layer time outside GLA). Predicted: the other ``op`` rows, the ``nccl send/recv hop``
+    rows and the CP > 1 ``model`` rows.
+    """
+    def by(**kv):
+        return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
+
+    op_ms: dict[tuple[int, int, int], list[float]] = {}
+    for r in by(part="op", strategy="none"):
+        op_ms.setdefault(_shape(r), []).append(r["ms"])
+    op_ms = {k: sum(v) / len(v) for k, v in op_ms.items()}
+
+    def t_op(r):
+        if _shape(r) not in op_ms:
+            raise ValueError(f"{r['file']}: no 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
+        return op_ms[_shape(r)]
+
+    def fit_constant(rs, known):  # y = constant + known(row)
+        return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
+
+    kernels = {name: by(part="kernel", name=name) for name in ("gla_state", "gla_state_grad")}
+    if not all(kernels.values()):
+        raise ValueError("calibration needs 'kernel' rows for gla_state and gla_state_grad")
+    per_byte = {name: _weighted_fit([[_workload(r, 0.0).pass_bytes] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
+                for name, rs in kernels.items()}
+    sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT,
+                  state_pass=per_byte["gla_state"], state_grad_pass=per_byte["gla_state_grad"], a2a_copy=0.0)
+
+    # All-Scan = scan_call + messages * message + wire (stated links): messages = hops + K - 1.
+    scans = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
+             for r in by(part="scan") if r["method"].startswith("all_scan K=")]
+    scan_call, message = _weighted_fit(
+        [[1.0, sum(cluster.chain_hops(w.P, w.layout)) + K - 1] for _, w, K in scans],
+        [r["ms"] * 1e-3 - chain_time(w, cluster, sw, K) for r, w, K in scans])
+    sw = replace(sw, scan_call=scan_call, message=message)
+    gathers = by(part="scan", method="gather_scan")
+    sw = replace(sw, gather_call=fit_constant(gathers, lambda r: sum(gather_time(_scan_workload(r), cluster, sw))))
+    ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
+    nccl_gathers = by(part="scan", method="nccl all_gather")
+    nccl_call = fit_constant(nccl_gathers, ring)
+    a2a = [r for r in by(part="op", strategy="a2a") if r["cp"] > 1]
+    if a2a:
+        sw = replace(sw, a2a_copy=_weighted_fit(
+            [[_workload(r, 0.0).a2a_bytes] for r in a2a],
+            [(r["ms"] - t_op(r)) * 1e-3 - _a2a_wire(_workload(r, t_op(r)), cluster) for r in a2a])[0])
+
+    res = [Residual(f"kernel {r['name']} T={r['tokens_per_gpu']}", r["ms"],
+                    per_byte[r["name"]] * _workload(r, 0.0).pass_bytes * 1e3, True)
+           for rs in kernels.values() for r in rs]
+    res += [Residual(f"scan {r['state_mib']:g} MiB all_scan K={K}", r["ms"], chain_time(w, cluster, sw, K) * 1e3, True)
+            for r, w, K in scans]
+    res += [Residual(f"scan {r['state_mib']:g} MiB gather_scan", r["ms"],
+                     sum(gather_time(_scan_workload(r), cluster, sw)) * 1e3, True) for r in gathers]
+    res += [Residual(f"scan {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3, True)
+            for r in nccl_gathers]
+    res += [Residual(f"scan {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],  # NCCL's call + one message
+                     (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
+            for r in by(part="scan", method="nccl send/recv hop")]
+    res += [Residual(f"op {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} T={r['tokens_per_gpu']}", r["ms"],
+                     layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3, r["strategy"] == "a2a")
+            for r in by(part="op") if r["strategy"] in STRATEGIES[1:]]
+
+    models = by(part="model")
+    other_ms = {(*_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r) for r in models if r["cp"] == 1}
+    for r in models:
+        if r["cp"] > 1:
+            key = (*_shape(r), r["layers"])
+            if key not in other_ms:
+                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape")
+            model = r["layers"] * (other_ms[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
+            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
+                                f"T={r['tokens_per_gpu']} L={r['layers']}", _model_ms(r), model, False))
+    return Calibration(sw, nccl_call, op_ms, other_ms, res)
+
+
+def _shape(r: dict) -> tuple[int, int, int]:
+    return r["tokens_per_gpu"], r["heads"], r["dim"]
+
+
+def _model_ms(r: dict) -> float:
+    """ms per tokens_per_gpu tokens on one GPU, from a model row's measured tokens/s/GPU."""
+    return r["tokens_per_gpu"] / r["tokens_per_s_per_gpu"] * 1e3
+
+
+def default_rows() -> list[dict]:
+    """Every measured row committed in ``docs/results/*.json``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return load_rows(os.path.join(here, os.pardir, "docs", "results", "*.json"))
