@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
+from distributed import host_as_cuda, run_ranks
 from megatron_zeco import packed_positions, zeco_gla
 from reference import problem, reference, rel_err
 
@@ -128,3 +128,107 @@ def test_bad_packed_input_fails_on_every_rank():
             assert expected in messages[name, validate], f"{name}: rank {rank}: {messages[name, validate]}"
         if validate:
             assert results[1][name, validate] == message, name  # the same message everywhere
+
+
+def test_positions_are_transformer_engines_thd_split():
+    """per_document + zigzag gives each rank the tokens TE's thd_get_partitioned_indices gives it
+    (its CUDA kernel, transcribed: token i of rank r's part of a document of length L lies in the
+    first half-piece at rank r's piece, else at piece 2P-1-r)."""
+    cu = torch.tensor([0, 8, 40, 48, 72])
+    for world in (1, 2, 4):
+        for rank in range(world):
+            want = []
+            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+                half = (b - a) // (2 * world)
+                for i in range(2 * half):
+                    piece = rank if i < half else 2 * world - 2 - rank
+                    want.append(a + half * piece + i)
+            assert packed_positions(cu, "zigzag", world, rank, True).tolist() == want, (world, rank)
+
+
+def _mixer(rank, world, seed):
+    """The GLA mixer on a packed batch (float64) under each packed split, at CP = world: this rank's
+    output and input gradient, and every parameter's gradient summed over CP; at CP = 1 also each
+    document alone through the unpacked mixer."""
+    from megatron.core import parallel_state
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_zeco.specs import gla_local_spec
+
+    with host_as_cuda():
+        parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                   hidden_dropout=0.0, attention_dropout=0.0, context_parallel_size=world)
+        base = gla_local_spec.submodules.self_attention
+        gen = torch.Generator().manual_seed(seed)
+        x, dy = (torch.randn(48, 1, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+        out = {}
+        # Per document: real lengths 5, 13, 8 and 17 padded to multiples of 4 (2 * CP) at the end of each.
+        real = torch.tensor([0, 5, 18, 26, 43], dtype=torch.int32)
+        padded = torch.tensor([0, 8, 24, 32, 48], dtype=torch.int32)
+        whole = torch.tensor([0, 1, 7, 30, 31, 48], dtype=torch.int32)
+        cases = {"document": (padded, PackedSeqParams(qkv_format="thd", cu_seqlens_q=real, cu_seqlens_kv=real,
+                                                      cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=padded)),
+                 "sequence": (whole, PackedSeqParams(qkv_format="thd", cu_seqlens_q=whole, cu_seqlens_kv=whole))}
+        cases["auto"] = cases["document"]  # without Megatron-LM's arguments: megatron.core's THD split
+        for split, (cu, params) in cases.items():
+            torch.manual_seed(0)
+            spec = ModuleSpec(module=base.module, params={**base.params, "cp_packed_split": split},
+                              submodules=base.submodules)
+            layer = build_module(spec, config=config, layer_number=1).double()
+            mine = packed_positions(cu, "zigzag", world, rank, split != "sequence")
+            x_local = x[mine].requires_grad_()
+            y, _ = layer(x_local, packed_seq_params=params)
+            (y * dy[mine]).sum().backward()
+            grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+            for g in grads.values():
+                dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+            out[split] = (mine, y.detach(), x_local.grad, grads)
+            if world == 1:  # the reference: every document alone, no packing
+                layer.zero_grad()
+                x_ref = x.clone().requires_grad_()
+                y_ref = torch.cat([layer(x_ref[a:b])[0] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+                (y_ref * dy).sum().backward()
+                out[split, "alone"] = (y_ref.detach(), x_ref.grad, {n: p.grad.clone() for n, p in
+                                                                    layer.named_parameters()})
+        return out
+
+
+def test_layer_with_packed_seq_params_matches_each_document_alone(seed):
+    (ref,) = run_ranks(_mixer, 1, seed)
+    for world, results in ((1, [ref]), (2, run_ranks(_mixer, 2, seed))):
+        for rank, result in enumerate(results):
+            for split in ("document", "sequence", "auto"):
+                y_ref, dx_ref, grads_ref = ref[split, "alone"]
+                mine, y, dx, grads = result[split]
+                where = f"CP={world} rank {rank} split={split}"
+                assert rel_err(y, y_ref[mine]) < TOL and rel_err(dx, dx_ref[mine]) < TOL, where
+                for name, g in grads.items():
+                    assert rel_err(g, grads_ref[name]) < TOL, f"{where}: grad of {name}"
+
+
+def test_layer_packed_split_follows_megatron_lm_arguments(monkeypatch):
+    """cp_packed_split='auto' reads pretrain_gpt.py's flags; --reset-attention-mask alone is refused."""
+    import sys
+    import types
+    from argparse import Namespace
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_zeco.layer import GatedLinearAttention
+
+    cu = torch.tensor([0, 4, 8])
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    layer = types.SimpleNamespace(cp_packed_split="auto", _validated=False)
+    global_vars = types.ModuleType("megatron.training.global_vars")
+    monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
+    for flags, per_document in (({"sft": True}, True), ({"dataloader_inter_document_masking": True}, False),
+                                ({"dataloader_inter_document_masking": True, "sft": True}, True), ({}, True)):
+        global_vars.get_args = lambda: Namespace(**flags)
+        assert GatedLinearAttention._packed(layer, params)["per_document"] is per_document, flags
+    global_vars.get_args = lambda: Namespace(reset_attention_mask=True)
+    with pytest.raises(ValueError, match="--dataloader-inter-document-masking"):
+        GatedLinearAttention._packed(layer, None)
