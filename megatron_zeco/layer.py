@@ -192,7 +192,6 @@ class GatedLinearAttention(MegatronModule):
         o = o.transpose(0, 1).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.out_proj(o)
 
-
     def _packed(self, packed_seq_params):
         """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
         if packed_seq_params is None:

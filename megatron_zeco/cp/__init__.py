@@ -9,6 +9,9 @@ lasp1      one state per piece, sequential ring            ring.py
 a2a        q, k, v, g and o by all-to-all over heads       a2a.py
 none       nothing (one rank)                              local.py
 =========  =============================================  ==========================
+
+Packed sequences (``cu_seqlens``, Megatron's THD format): packed.py maps a rank's
+tokens to pieces and document segments for zeco, lasp2 and a2a.
 """
 
 from typing import Optional, Tuple, Union
