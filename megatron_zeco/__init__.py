@@ -7,7 +7,7 @@ Where things live:
 """
 
 from .comm import Layout
-from .cp import STRATEGIES, zeco_gla
+from .cp import STRATEGIES, packed_positions, zeco_gla
 
-__all__ = ["zeco_gla", "Layout", "STRATEGIES"]
+__all__ = ["zeco_gla", "packed_positions", "Layout", "STRATEGIES"]
 __version__ = "0.1.0"

@@ -10,6 +10,12 @@ The same layer as fla's ``GatedLinearAttention`` (expand_k = expand_v = 1), with
 the sequence split over Megatron's CP group: hidden states arrive as
 ``[s, b, h]`` holding this CP rank's tokens (``[s/tp, b, h]`` under sequence
 parallelism) in Megatron's zigzag order, or contiguous order if configured.
+
+Packed sequences (``packed_seq_params`` in the THD format: ``[t, 1, h]``, document
+offsets in ``cu_seqlens_q_padded`` or ``cu_seqlens_q``) restart the state at every
+document. Under CP the documents are split as Megatron splits them: per document
+(its THD split, ``--sft``) or over the whole packed sequence (Megatron-LM's
+``--dataloader-inter-document-masking``); see ``cp_packed_split``.
 """
 
 import logging
@@ -50,6 +56,12 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: ``zeco``, ``lasp2``, ``lasp1`` or ``a2a`` (see :func:`megatron_zeco.zeco_gla`).
         cp_layout: ``zigzag`` (Megatron's CP batch split) or ``contiguous``.
         cp_num_blocks: All-Scan pipeline blocks (a divisor of ``kv_channels``).
+        cp_packed_split: how packed sequences (THD) are split over CP ranks: ``document``
+            (each document cut by ``cp_layout``: Megatron's THD split,
+            ``get_thd_batch_on_this_cp_rank`` / ``--sft``), ``sequence`` (the whole packed
+            sequence cut by ``cp_layout``: ``--dataloader-inter-document-masking`` without
+            ``--sft``), or ``auto``: that rule applied to Megatron-LM's arguments when they
+            are set (``pretrain_gpt.py``), else ``document``.
         gate_low_rank_dim, gate_normalizer: GLA's forget-gate parameterisation.
         gate_timescales: ``(shortest, longest)`` memory in tokens: initialise the gate
             bias so that channel decays start at ``exp(-1/tau)``, tau log-uniform in
@@ -68,6 +80,7 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: str = "zeco",
         cp_layout: str = "zigzag",
         cp_num_blocks: int = 1,
+        cp_packed_split: str = "auto",
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
         gate_timescales: Optional[Tuple[float, float]] = None,
@@ -85,9 +98,10 @@ class GatedLinearAttention(MegatronModule):
 
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
-        _check_config(config, cp_strategy, cp_layout, cp_num_blocks, tp, cp)
+        _check_config(config, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, tp, cp)
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
+        self.cp_packed_split = cp_packed_split
         self.gate_normalizer = gate_normalizer
         self._validated = False
         self._warned_rotary = False
@@ -138,13 +152,12 @@ class GatedLinearAttention(MegatronModule):
                 packed_seq_params=None, inference_context=None, inference_params=None, **kwargs):
         """``[s, b, h]`` -> (``[s, b, h]``, bias or None), as Megatron's attention modules.
 
-        GLA is causal by construction: ``attention_mask`` is not used. Rotary
-        embeddings are ignored (GLA layers carry no positions; use
-        ``--position-embedding-type none``).
+        GLA is causal by construction: ``attention_mask`` is not used (document
+        boundaries come with ``packed_seq_params``; Megatron-LM's ``--reset-attention-mask``
+        alone, which only builds a dense mask, is refused). Rotary embeddings are ignored
+        (GLA layers carry no positions; use ``--position-embedding-type none``).
         """
-        if packed_seq_params is not None:
-            raise NotImplementedError("GatedLinearAttention: packed sequences (THD, packed_seq_params) "
-                                      "are not supported yet; train without --reset-attention-mask / SFT packing")
+        packed = self._packed(packed_seq_params)
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("GatedLinearAttention: inference with a KV cache is not supported yet")
         if rotary_pos_emb is not None and not self._warned_rotary:
@@ -168,7 +181,7 @@ class GatedLinearAttention(MegatronModule):
             group=self.cp_group if cp else None,
             strategy=self.cp_strategy if cp else "none",
             layout=self.cp_layout, num_blocks=self.cp_num_blocks,
-            validate=not self._validated, name=f"GatedLinearAttention (layer {self.layer_number})",
+            validate=not self._validated, name=f"GatedLinearAttention (layer {self.layer_number})", **packed,
         )
         self._validated = True
 
@@ -179,10 +192,47 @@ class GatedLinearAttention(MegatronModule):
         o = o.transpose(0, 1).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.out_proj(o)
 
+    def _packed(self, packed_seq_params):
+        """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
+        if packed_seq_params is None:
+            if not self._validated and _megatron_lm_arg("reset_attention_mask"):
+                raise ValueError("GatedLinearAttention: --reset-attention-mask gives document boundaries only as a "
+                                 "dense attention mask, which GLA cannot use; pass them as cu_seqlens with "
+                                 "--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
+            return {}
+        if packed_seq_params.qkv_format != "thd":
+            raise NotImplementedError(f"GatedLinearAttention: packed_seq_params.qkv_format "
+                                      f"{packed_seq_params.qkv_format!r} is not supported; only 'thd'")
+        if packed_seq_params.cp_group is not None:
+            raise NotImplementedError("GatedLinearAttention: hybrid context parallelism (a CP group per batch "
+                                      "in packed_seq_params) is not supported; train without --hybrid-context-parallel")
+        padded = packed_seq_params.cu_seqlens_q_padded
+        cu_seqlens = packed_seq_params.cu_seqlens_q if padded is None else padded
+        if cu_seqlens is None:
+            raise ValueError("GatedLinearAttention: packed_seq_params (THD) carries no document offsets "
+                             "(cu_seqlens_q / cu_seqlens_q_padded)")
+        split = self.cp_packed_split
+        if split == "auto":
+            split = "sequence" if _megatron_lm_arg("dataloader_inter_document_masking") \
+                and not _megatron_lm_arg("sft") else "document"
+        return dict(cu_seqlens=cu_seqlens, per_document=split == "document")
 
-def _check_config(config, strategy, layout, num_blocks, tp, cp):
+
+def _megatron_lm_arg(name):
+    """A flag of Megatron-LM's parsed arguments (``pretrain_gpt.py``); False without them."""
+    try:
+        from megatron.training.global_vars import get_args
+        return bool(getattr(get_args(), name, False))
+    except (ImportError, AssertionError):  # megatron-core alone, or arguments not parsed
+        return False
+
+
+def _check_config(config, strategy, layout, num_blocks, packed_split, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
+    if packed_split not in ("auto", "document", "sequence"):
+        raise ValueError(f"GatedLinearAttention: cp_packed_split {packed_split!r} is not one of "
+                         "auto, document, sequence")
     if strategy not in STRATEGIES or strategy == "none":
         raise ValueError(f"GatedLinearAttention: cp_strategy {strategy!r} is not one of "
                          f"{', '.join(s for s in STRATEGIES if s != 'none')}")

@@ -66,3 +66,40 @@ def test_two_gpus_every_strategy_matches_float64(seed):
     errors = run_ranks(_two_ranks, 2, seed, backend="nccl")[0]
     bad = {case: e for case, e in errors.items() if max(e.values()) > TOLERANCE[torch.bfloat16]}
     assert not bad, bad
+
+
+def _packed(rank, world, seed):
+    """Packed documents (fla's varlen chunk_gla, the varlen state kernels) against every document
+    alone in float64; both splits, zeco / lasp2 / a2a (one rank: the local varlen op)."""
+    from megatron_zeco import packed_positions
+
+    group = dist.new_group(list(range(world)))
+    out = {}
+    lengths = {False: [1, 70, 300, 5, 100, 164], True: [4 * 30, 4 * 2, 4 * 100, 4 * 28]}  # sum 640
+    x = problem(seed, B=1, T=640, H=4, K=64, V=64)
+    for per_document, docs in lengths.items():
+        cu = torch.tensor([0, *torch.tensor(docs).cumsum(0).tolist()])
+        ref = {n: [] for n in ("o", "dq", "dk", "dv", "dg")}
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            alone = reference({**{n: x[n][:, a:b] for n in SEQUENCE}, "h0": None}, output_final_state=False)
+            for n in ref:
+                ref[n].append(alone[n])
+        mine = packed_positions(cu, "zigzag", world, rank, per_document)
+        for strategy in ("zeco", "lasp2", "a2a"):
+            leaves = {n: x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in ("q", "k", "v", "g")}
+            o, _ = zeco_gla(*leaves.values(), group=group, strategy=strategy if world > 1 else "none",
+                            layout="zigzag", cu_seqlens=cu.cuda(), per_document=per_document)
+            grads = torch.autograd.grad((o.float() * x["do"][:, mine].cuda()).sum(), list(leaves.values()))
+            got = dict(zip(("o", "dq", "dk", "dv", "dg"), (o, *grads)))
+            out[per_document, strategy] = {n: rel_err(got[n].cpu(), torch.cat(ref[n], 1)[:, mine]) for n in ref}
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_packed_documents_on_gpus_match_float64(seed, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    errors = run_ranks(_packed, world, seed, backend="nccl")
+    bad = {(r, case): e for r, each in enumerate(errors) for case, e in each.items()
+           if max(e.values()) > TOLERANCE[torch.bfloat16]}
+    assert not bad, bad

@@ -45,3 +45,24 @@ def test_state_kernels_match_reference(seed, dtype, gate, T, K, V, chunk, split,
         want = want.float()  # the outputs are float32: decays below its range are 0 (gamma ~1e-100)
         tol = TOLERANCE[torch.float32 if name == "gamma" else dtype]  # gamma: fp32 sums, no products
         assert rel_err(got.cpu(), want) < tol, f"{name}: {rel_err(got.cpu(), want):.1e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["normal", "mixed"])
+def test_state_kernels_packed_segments(seed, dtype, gate):
+    """cu_seqlens: one E, gamma and A per segment (empty, shorter than a chunk, several splits)."""
+    lengths = [0, 5, 16, 1, 70, 0, 33]  # chunk 16, splits of 32 tokens
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = problem(seed, B=1, T=int(cu[-1]), H=2, K=12, V=20, gate=gate)
+    q, k, v, g, do = (x[n].to(dtype) for n in ("q", "k", "v", "g", "do"))
+    E_ref, gamma_ref = chunk_gla_state(k.double(), v.double(), g.double(), cu_seqlens=cu)
+    A_ref = chunk_gla_state_grad(q.double(), g.double(), do.double(), 0.3, cu_seqlens=cu)
+    q, k, v, g, do = _strided([t.to(DEVICE) for t in (q, k, v, g, do)])
+    E, gamma = chunk_state(k, v, g, chunk_size=16, split_size=32, cu_seqlens=cu.to(DEVICE))
+    A = chunk_state_grad(q, g, do, 0.3, chunk_size=16, split_size=32, cu_seqlens=cu.to(DEVICE))
+    assert E.shape == (len(lengths), 2, 12, 20) and gamma.shape == (len(lengths), 2, 12)
+    for name, got, want in (("E", E, E_ref), ("gamma", gamma, gamma_ref), ("A", A, A_ref)):
+        tol = TOLERANCE[torch.float32 if name == "gamma" else dtype]
+        for n in range(len(lengths)):  # rel_err is exact zero against the empty segments' zeros
+            err = rel_err(got[n].cpu(), want[n].float())
+            assert err < tol, f"{name} of segment {n}: {err:.1e}"

@@ -49,3 +49,31 @@ def test_low_precision_inputs_keep_fp32_states(seed):
     assert o.dtype == torch.bfloat16 and ht.dtype == E.dtype == gamma.dtype == torch.float32
     ref = reference({**x, "q": q, "k": k, "v": v, "g": g})
     assert rel_err(o, ref["o"]) < 1e-2
+
+
+@pytest.mark.parametrize("gate", ["normal", "mixed"])
+def test_packed_segments_match_each_alone(seed, gate):
+    """cu_seqlens: each segment runs alone from its own initial state (empty, one token, several chunks)."""
+    lengths = [3, 0, 1, 40, 17]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = problem(seed, B=1, T=int(cu[-1]), H=2, K=8, V=4, gate=gate)
+    h0 = torch.randn(len(lengths), 2, 8, 4, dtype=torch.float64)
+    dht = torch.randn_like(h0)
+    scale = 8 ** -0.5
+    o, ht, saved = gla_fwd(x["q"], x["k"], x["v"], x["g"], scale, h0, True, cu_seqlens=cu)
+    grads = gla_bwd(saved, x["do"], dht)
+    E, gamma = gla_state(x["k"], x["v"], x["g"], cu_seqlens=cu)
+    A = gla_state_grad(x["q"], x["g"], x["do"], scale, cu_seqlens=cu)
+    for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:  # an empty segment passes its state through
+            assert torch.equal(ht[n], h0[n]) and torch.equal(grads[4][n], dht[n]) and (E[n] == 0).all()
+            continue
+        alone = {name: x[name][:, a:b] for name in ("q", "k", "v", "g", "do")}
+        alone.update(h0=h0[n:n + 1], dht=dht[n:n + 1])
+        ref = reference(alone)
+        assert rel_err(o[:, a:b], ref["o"]) < TOL and rel_err(ht[n], ref["ht"][0]) < TOL, n
+        for name, grad in zip(("q", "k", "v", "g"), grads[:4]):
+            assert rel_err(grad[:, a:b], ref["d" + name]) < TOL, (n, name)
+        assert rel_err(grads[4][n], ref["dh0"][0]) < TOL, n
+        assert rel_err(gamma[n].unsqueeze(-1) * h0[n] + E[n], ref["ht"][0]) < TOL, n
+        assert rel_err(A[n] + gamma[n].unsqueeze(-1) * dht[n], ref["dh0"][0]) < TOL, n

@@ -76,10 +76,11 @@ def _layer_interface(rank, world):
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    try:
-        layer(x, attention_mask=None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
-    except NotImplementedError as e:
-        results["packed"] = str(e)
+    for fmt in ("thd", "sbhd"):
+        try:
+            layer(x, attention_mask=None, packed_seq_params=PackedSeqParams(qkv_format=fmt))
+        except (ValueError, NotImplementedError) as e:
+            results[fmt] = str(e)
     return results
 
 
@@ -87,7 +88,7 @@ def test_layer_accepts_transformer_layer_keywords():
     (r,) = run_ranks(_layer_interface, 1)
     assert r["shape"] == (12, 2, 32) and r["bias"] is None
     assert r["rotary_ignored"] and r["rotary_warnings"] == 1
-    assert "packed sequences" in r["packed"]
+    assert "no document offsets" in r["thd"] and "only 'thd'" in r["sbhd"]  # packed: tests/test_packed.py
 
 
 def _config_error(rank, world, tp, cp, kwargs, params):
@@ -111,6 +112,7 @@ def _config_error(rank, world, tp, cp, kwargs, params):
     (1, 1, {}, {"cp_num_blocks": 3}, "cp_num_blocks (3) must divide --kv-channels (8)"),
     (1, 1, {}, {"cp_strategy": "ring"}, "cp_strategy 'ring'"),
     (1, 1, {}, {"cp_layout": "diagonal"}, "unknown context-parallel layout"),
+    (1, 1, {}, {"cp_packed_split": "docs"}, "cp_packed_split 'docs'"),
 ])
 def test_bad_configuration_fails_at_build_naming_the_flag(tp, cp, kwargs, params, message):
     for error in run_ranks(_config_error, tp * cp, tp, cp, kwargs, params):

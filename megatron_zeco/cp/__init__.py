@@ -9,6 +9,9 @@ lasp1      one state per piece, sequential ring            ring.py
 a2a        q, k, v, g and o by all-to-all over heads       a2a.py
 none       nothing (one rank)                              local.py
 =========  =============================================  ==========================
+
+Packed sequences (``cu_seqlens``, Megatron's THD format): packed.py maps a rank's
+tokens to pieces and document segments for zeco, lasp2 and a2a.
 """
 
 from typing import Optional, Tuple, Union
@@ -18,12 +21,13 @@ import torch
 from ..comm import Layout, as_layout
 from ..comm.functional import broadcast
 from .a2a import a2a_gla
-from .checks import STRATEGIES, check_inputs
+from .checks import STRATEGIES, check_inputs, packed_problems
 from .local import LocalGLA
+from .packed import Packing, packed_positions
 from .ring import RingGLA
 from .scan import ScanGLA
 
-__all__ = ["zeco_gla", "STRATEGIES"]
+__all__ = ["zeco_gla", "packed_positions", "STRATEGIES"]
 
 
 def zeco_gla(
@@ -39,6 +43,8 @@ def zeco_gla(
     num_blocks: int = 1,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    per_document: bool = False,
     validate: bool = True,
     name: str = "zeco_gla",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -69,6 +75,19 @@ def zeco_gla(
             every rank; its gradient is split over the ranks (their sum is the
             gradient), as Megatron's CP gradient reduction expects.
         output_final_state: also return the state after the last token.
+        cu_seqlens: packed documents (Megatron's THD format): ``[N+1]`` integer offsets
+            (any integer dtype and device; read on the host) of N documents in the whole
+            packed sequence, all ranks' tokens together in sequence order, from 0 to
+            ``P*T``; the same on every rank; B must be 1. Each document starts from a
+            zero state (empty documents are skipped). Not with ``initial_state`` or
+            ``output_final_state``; strategies zeco, lasp2, a2a.
+        per_document: with ``cu_seqlens``: ``layout`` cuts each document rather than the
+            whole packed sequence, and a rank holds its pieces of every document, one
+            document after another. ``layout="zigzag", per_document=True`` is Megatron's
+            THD CP split (documents padded to multiples of 2P, ``cu_seqlens_padded``);
+            ``per_document=False`` is Megatron-LM's split of a packed sequence with
+            ``--dataloader-inter-document-masking``. :func:`packed_positions` gives a
+            rank's tokens under either.
         validate: all-gather a description of every rank's inputs and raise the
             same ``ValueError`` on all ranks if any is unusable (costs one small
             collective; turn off after a first validated call).
@@ -80,24 +99,32 @@ def zeco_gla(
     """
     if validate:
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
-                     num_blocks=num_blocks, output_final_state=output_final_state)
+                     num_blocks=num_blocks, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     per_document=per_document)
     layout = as_layout(layout)
+    world = 1 if group is None else group.size()
     if strategy not in STRATEGIES:  # reached only with validate=False
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if not validate and (cu_seqlens is not None or per_document):  # local and cheap: never skipped
+        problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
+        if problems:
+            raise ValueError("zeco_gla: invalid input: " + "; ".join(problems))
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    if group is None or group.size() == 1:  # one rank: every strategy is the local op, nothing to pass
-        o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state)
+    packing = None if cu_seqlens is None else Packing(cu_seqlens, layout, world, 0 if world == 1 else group.rank(),
+                                                      q.shape[1], per_document, q.device)
+    if world == 1:  # one rank: every strategy is the local op, nothing to pass
+        o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state,
+                                  None if packing is None else packing.documents)
         return o, (final if output_final_state else None)
     if strategy == "a2a":
-        return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state)
+        return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state, packing)
     if strategy == "lasp1":
         o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
     else:
         o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", output_final_state, name)
+                                 strategy == "zeco", output_final_state, name, packing)
     if not output_final_state:
         return o, None
-    world = group.size()
     last_piece = layout.num_pieces(world) - 1
     return o, broadcast(final, layout.owner(last_piece, world)[0], group)

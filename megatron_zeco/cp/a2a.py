@@ -12,15 +12,24 @@ from ..comm.functional import all_gather, all_to_all
 from .local import LocalGLA
 
 
-def a2a_gla(q, k, v, g, h0, scale, layout, group, output_final_state):
+def a2a_gla(q, k, v, g, h0, scale, layout, group, output_final_state, packing=None):
     world, me = group.size(), group.rank()
     K, V = q.shape[-1], v.shape[-1]
     heads = q.shape[2] // world
-    packed = torch.cat([q, k, v, g], dim=-1)
-    parts = all_to_all(list(packed.split(heads, dim=2)), group)  # rank r's piece of my heads
-    q_, k_, v_, g_ = layout.unshard(parts, dim=1).split([K, K, V, K], dim=-1)
+    fused = torch.cat([q, k, v, g], dim=-1)
+    parts = all_to_all(list(fused.split(heads, dim=2)), group)  # rank r's tokens of my heads
+    if packing is None:
+        whole = layout.unshard(parts, dim=1)
+    else:  # packed: tokens go back to their global positions (documents may be split one by one)
+        positions = [packing.positions(r) for r in range(world)]
+        whole = torch.cat(parts, dim=1)[:, torch.cat(positions).argsort()]
+    q_, k_, v_, g_ = whole.split([K, K, V, K], dim=-1)
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
-    o, final = LocalGLA.apply(q_, k_, v_, g_, h0, scale, output_final_state)
-    back = all_to_all([layout.shard(o, r, world, dim=1) for r in range(world)], group)
+    o, final = LocalGLA.apply(q_, k_, v_, g_, h0, scale, output_final_state,
+                              None if packing is None else packing.documents)
+    if packing is None:
+        back = all_to_all([layout.shard(o, r, world, dim=1) for r in range(world)], group)
+    else:
+        back = all_to_all([o[:, p] for p in positions], group)
     o = torch.cat(back, dim=2)
     return o, (all_gather(final, 1, group) if output_final_state else None)

@@ -59,11 +59,57 @@ def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> L
     return problems
 
 
+def document_pieces(layout: Layout, world: int, per_document: bool) -> int:
+    """Equal pieces every document of a packed sequence is cut into (1: documents are not cut)."""
+    return layout.num_pieces(world) if per_document and world > 1 else 1
+
+
+def cu_seqlens_problems(cu: List[int], total: int, pieces: int) -> List[str]:
+    """What is wrong with document offsets ``cu`` of a packed sequence of ``total`` tokens
+    whose documents are each cut into ``pieces`` equal pieces (1: not cut)."""
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != total:
+        return [f"cu_seqlens must run from 0 to the whole packed sequence's length (the group's "
+                f"tokens, {total}); got {_short(cu)}"]
+    if any(b < a for a, b in zip(cu, cu[1:])):
+        return [f"cu_seqlens must be nondecreasing; got {_short(cu)}"]
+    uneven = [b - a for a, b in zip(cu, cu[1:]) if (b - a) % pieces]
+    if uneven:
+        return [f"per_document splits each document into {pieces} equal pieces, but some lengths are not "
+                f"multiples of {pieces}: {_short(uneven)} (pad each document, as Megatron's THD CP split "
+                "does with cu_seqlens_padded, or split the whole sequence: per_document=False)"]
+    return []
+
+
+def _short(values, limit=12):
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)})"
+
+
+def packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world) -> List[str]:
+    """This rank's problems with the packed-sequence arguments (not the offsets' values)."""
+    if cu_seqlens is None:
+        return ["per_document applies to packed sequences: pass cu_seqlens"] if per_document else []
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
+            or cu_seqlens.is_complex():
+        got = f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}" if isinstance(cu_seqlens, torch.Tensor) \
+            else type(cu_seqlens).__name__
+        return [f"cu_seqlens must be a 1-D integer tensor, got {got}"]
+    problems = []
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != 1:
+        problems.append(f"packed sequences (cu_seqlens) have batch size 1, got B = {q.shape[0]}")
+    if initial_state is not None or output_final_state:
+        problems.append("packed sequences (cu_seqlens) start every document from a zero state: "
+                        "initial_state and output_final_state are not supported with them")
+    if strategy == "lasp1" and world > 1:
+        problems.append("strategy 'lasp1' does not support packed sequences (cu_seqlens); use zeco, lasp2 or a2a")
+    return problems
+
+
 def _describe(x: Optional[torch.Tensor]):
     return None if not isinstance(x, torch.Tensor) else (tuple(x.shape), str(x.dtype), x.device.type)
 
 
-def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state):
+def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
+                 cu_seqlens=None, per_document=False):
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
     world = 1 if group is None else dist.get_world_size(group)
     problems = []
@@ -74,9 +120,17 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         layout = Layout.CONTIGUOUS
     if strategy not in STRATEGIES:
         problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    problems += _local_problems(q, k, v, g, initial_state, num_blocks, len(layout.pieces(0, world)))
+    # Per document, each document is cut into pieces, not each rank's tokens.
+    problems += _local_problems(q, k, v, g, initial_state, num_blocks,
+                                1 if per_document else len(layout.pieces(0, world)))
+    packed = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
+    cu = None
+    if cu_seqlens is not None and not packed:
+        cu = [int(c) for c in cu_seqlens.tolist()]
+        if not problems:
+            packed = cu_seqlens_problems(cu, world * q.shape[1], document_pieces(layout, world, per_document))
     row = {
-        "problems": problems,
+        "problems": problems + packed, "cu_seqlens": cu, "per_document": bool(per_document),
         "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
         "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks,
         "output_final_state": bool(output_final_state),
@@ -92,10 +146,12 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
                       ("v", "v's shape, dtype and device"),
                       ("initial_state", "initial_state (given or not, shape, dtype)"),
                       ("strategy", "strategy"), ("layout", "layout"), ("num_blocks", "num_blocks"),
-                      ("output_final_state", "output_final_state")):
+                      ("output_final_state", "output_final_state"), ("cu_seqlens", "cu_seqlens"),
+                      ("per_document", "per_document")):
         values = [each[key] for each in rows]
         if any(val != values[0] for val in values):
-            listing = "; ".join(f"rank {r}: {val}" for r, val in enumerate(values))
+            listing = "; ".join(f"rank {r}: {_short(val) if isinstance(val, list) else val}"
+                                for r, val in enumerate(values))
             errors.append(f"{what} must be the same on every rank of the context-parallel group ({listing})")
     if strategy == "none" and world > 1:
         errors.append(f"strategy 'none' runs on one rank, but the group has {world}; "

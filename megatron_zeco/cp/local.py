@@ -9,10 +9,10 @@ class LocalGLA(torch.autograd.Function):
     """Differentiable local GLA; ``final`` is a zero tensor when not requested."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, output_final_state):
+    def forward(ctx, q, k, v, g, h0, scale, output_final_state, cu_seqlens=None):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(state_dtype(q.dtype))
-        o, ht, ctx.saved = gla_fwd(q, k, v, g, scale, h0, output_final_state)
+        o, ht, ctx.saved = gla_fwd(q, k, v, g, scale, h0, output_final_state, cu_seqlens=cu_seqlens)
         ctx.output_final_state = output_final_state
         if ht is None:
             ht = q.new_zeros(0)
@@ -21,7 +21,7 @@ class LocalGLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         dq, dk, dv, dg, dh0 = gla_bwd(ctx.saved, do, dht if ctx.output_final_state else None)
-        return dq, dk, dv, dg, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None
+        return dq, dk, dv, dg, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None
 
 
 def initial_state_grad(ctx, dh0, like):

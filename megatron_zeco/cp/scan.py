@@ -9,7 +9,10 @@ Backward runs the same scan in reverse on ``dL/dS_in = A_p + gamma_p * D(p)``
 from ``S_in`` with final-state gradient ``D(p)`` gives exact dq, dk, dv, dg.
 
 A rank's pieces (two under zigzag) have equal lengths and run as one batch:
-one launch of each local operation per layer whatever the layout.
+one launch of each local operation per layer whatever the layout. Packed
+sequences (``packed.Packing``) run as one varlen launch over the pieces' document
+segments instead, and the scan carries one chain per document where each
+document is split on its own.
 
 ``zeco`` scans with the pipelined All-Scan; ``lasp2`` with an all-gather.
 """
@@ -23,32 +26,60 @@ from .local import initial_state_grad
 
 class ScanGLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state, name):
+    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state, name,
+                packing=None):
         n = len(layout.pieces(0, group.size()))
-        qb, kb, vb, gb = (_as_batch(x, n) for x in (q, k, v, g))
-        E, gamma = gla_state(kb, vb, gb)
+        pieces = _Pieces(n) if packing is None else packing
+        qb, kb, vb, gb = (pieces.local(x) for x in (q, k, v, g))
+        E, gamma = pieces.summaries(*gla_state(kb, vb, gb, cu_seqlens=pieces.cu))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
                            reverse=False)
-        o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, _batch(S_in), output_final_state=True)
+        o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, pieces.initial_states(_batch(S_in)),
+                                  output_final_state=True, cu_seqlens=pieces.cu)
         ctx.save_for_backward(gamma)
-        ctx.n, ctx.scale, ctx.output_final_state = n, scale, output_final_state
+        ctx.n, ctx.pieces, ctx.scale, ctx.output_final_state = n, pieces, scale, output_final_state
         ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
         return o.reshape(*q.shape[:3], o.shape[-1]), (last if last is not None else E.new_zeros(q.shape[0], *E.shape[1:]))
 
     @staticmethod
     def backward(ctx, do, dht):
-        n, (gamma,) = ctx.n, ctx.saved_tensors
+        n, pieces, (gamma,) = ctx.n, ctx.pieces, ctx.saved_tensors
         qb, _, _, gb = ctx.saved.leaves[:4]
-        dob = _as_batch(do, n)
-        A = gla_state_grad(qb, gb, dob, ctx.scale)
+        dob = pieces.local(do)
+        A = pieces.entering_grads(gla_state_grad(qb, gb, dob, ctx.scale, cu_seqlens=pieces.cu))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True)
-        grads = gla_bwd(ctx.saved, dob, _batch(D))[:4]
+        grads = gla_bwd(ctx.saved, dob, pieces.final_grads(_batch(D)))[:4]
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None
+
+
+class _Pieces:
+    """A rank's n equal pieces of B sequences as B*n batch entries of the local operations
+    (the dense counterpart of ``packed.Packing``: one segment per piece, no resets)."""
+
+    cu = None
+
+    def __init__(self, n):
+        self.n = n
+
+    def local(self, x):
+        return _as_batch(x, self.n)
+
+    def summaries(self, E, gamma):
+        return E, gamma
+
+    def initial_states(self, S_in):
+        return S_in
+
+    def entering_grads(self, A):
+        return A
+
+    def final_grads(self, D):
+        return D
 
 
 def _as_batch(x, n):

@@ -10,6 +10,9 @@ Each rank runs these on its own piece of the sequence; only states cross ranks.
 * ``gla_state`` / ``gla_state_grad``: the two per-piece reductions ZeCO adds,
   as this package's Triton kernels (``kernels/state.py``) on CUDA.
 
+All four take fla's ``cu_seqlens`` for packed input (``[1, T, ...]`` holding N segments,
+one state each, in and out).
+
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (slow on GPUs;
 the same numbers up to rounding).
 """
@@ -37,12 +40,14 @@ class Saved(NamedTuple):
 def gla_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
     initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Saved]:
     """Local GLA forward.
 
     Args:
         q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``, one floating dtype.
         initial_state: ``[B, H, K, V]`` float32 (float64 for float64 inputs) or None.
+        cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); states are then ``[N, H, K, V]``.
     Returns:
         ``o [B, T, H, V]`` (input dtype), the final state ``[B, H, K, V]`` or None, and
         what :func:`gla_bwd` takes.
@@ -52,7 +57,9 @@ def gla_fwd(
         if initial_state is not None:
             leaves += (initial_state.detach().requires_grad_(),)
         h0 = leaves[4] if initial_state is not None else None
-        o, ht = _local_gla(q)(*leaves[:4], scale=scale, initial_state=h0, output_final_state=output_final_state)
+        varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        o, ht = _local_gla(q)(*leaves[:4], scale=scale, initial_state=h0, output_final_state=output_final_state,
+                              **varlen)
     return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht)
 
 
@@ -71,18 +78,19 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
     return (*result[:4], result[4] if len(result) == 5 else None)
 
 
-def gla_state(k: Tensor, v: Tensor, g: Tensor) -> Tuple[Tensor, Tensor]:
-    """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``."""
+def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``
+    (one per segment, ``[N, ...]``, with ``cu_seqlens``)."""
     if _use_kernels(k):
-        return _triton_state().chunk_state(k, v, g)
-    return chunk_gla_state(k, v, g)
+        return _triton_state().chunk_state(k, v, g, cu_seqlens=cu_seqlens)
+    return chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
 
 
-def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float) -> Tensor:
-    """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]``."""
+def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+    """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]`` (``[N, ...]`` with ``cu_seqlens``)."""
     if _use_kernels(q):
-        return _triton_state().chunk_state_grad(q, g, do, scale)
-    return chunk_gla_state_grad(q, g, do, scale)
+        return _triton_state().chunk_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
+    return chunk_gla_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
 
 
 def _use_kernels(x: Tensor) -> bool:

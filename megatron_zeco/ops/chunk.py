@@ -13,6 +13,12 @@ ZeCO needs per rank: the local output, the local state E and the decay gamma.
 
 Computation runs in float64 for float64 inputs and in float32 otherwise; states
 are always float32 or float64. Differentiable with torch.autograd.
+
+Variable-length (packed) input, as fla's ``cu_seqlens``: ``[1, T, ...]`` holding N
+segments one after another, each with its own initial and final state. The segments
+run as a zero-padded batch ``[N, L, ...]``: padding after a segment's end (k = v = g = 0)
+leaves its state unchanged, so every result is exact (memory grows with N times the
+longest segment: this is the CPU and reference path).
 """
 
 from typing import Optional, Tuple
@@ -26,6 +32,32 @@ DEFAULT_CHUNK_SIZE = 32
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
     """Dtype in which states are accumulated and passed between ranks."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class _Segments:
+    """The segments of a packed ``[1, T, ...]`` sequence as a zero-padded batch ``[N, L, ...]`` and back."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, T: int, batch: int):
+        cu = cu_seqlens.to(device="cpu", dtype=torch.long)
+        if batch != 1 or cu.dim() != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or (cu.diff() < 0).any():
+            raise ValueError(f"cu_seqlens must be nondecreasing offsets from 0 to T = {T} over a batch of "
+                             f"one sequence, got {cu.tolist()} for batch size {batch}")
+        lengths = cu.diff()
+        pos = torch.arange(int(lengths.max()))
+        device = cu_seqlens.device
+        self.mask = (pos < lengths[:, None]).to(device)  # [N, L]
+        self.index = (cu[:-1, None] + pos).clamp(max=max(T - 1, 0)).to(device)
+        self.segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)  # [T]
+        self.offset = (torch.arange(T) - cu[:-1].repeat_interleave(lengths)).to(device)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, T, ...]`` -> ``[N, L, ...]``, zeros after each segment's end."""
+        mask = self.mask.view(*self.mask.shape, *(1,) * (x.dim() - 2))
+        return torch.where(mask, x[0][self.index], 0)
+
+    def merge(self, y: torch.Tensor) -> torch.Tensor:
+        """``[N, L, ...]`` -> ``[1, T, ...]``."""
+        return y[self.segment, self.offset].unsqueeze(0)
 
 
 def _chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -68,6 +100,7 @@ def chunk_gla(
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """GLA over a whole sequence, chunk by chunk; same call as fla's ``chunk_gla``.
 
@@ -75,13 +108,21 @@ def chunk_gla(
         q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` log-gates (<= 0),
             all of one floating dtype. T need not be a multiple of ``chunk_size``.
         scale: output scale, default ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` (float32/float64) or None for zeros.
-        output_final_state: also return the state after the last token.
+        initial_state: ``[B, H, K, V]`` (float32/float64) or None for zeros
+            (``[N, H, K, V]``, one per segment, with ``cu_seqlens``).
+        output_final_state: also return the state after the last token (of each segment).
+        cu_seqlens: ``[N+1]`` integer offsets of N independent segments packed in one
+            sequence (B = 1), from 0 to T; None: B independent sequences of length T.
 
     Returns:
         ``o`` ``[B, T, H, V]`` in the dtype of ``v``, and the final state
-        ``[B, H, K, V]`` in :func:`state_dtype` (or None).
+        ``[B, H, K, V]`` (``[N, H, K, V]``) in :func:`state_dtype` (or None).
     """
+    if cu_seqlens is not None:
+        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        o, ht = chunk_gla(*(segments.split(x) for x in (q, k, v, g)), scale, initial_state,
+                          output_final_state, chunk_size)
+        return segments.merge(o), ht
     B, T, H, K = q.shape
     if scale is None:
         scale = K ** -0.5
@@ -108,7 +149,8 @@ def chunk_gla(
 
 
 def chunk_gla_state(
-    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """What a piece of sequence does to a state passing through it.
 
@@ -116,11 +158,16 @@ def chunk_gla_state(
 
     Args:
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g: ``[B, T, H, K]``.
+        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1): one summary per segment.
 
     Returns:
         ``E`` ``[B, H, K, V]`` (the final state from a zero initial state) and
-        ``gamma`` ``[B, H, K]`` (``exp(sum_t g_t)``), both in :func:`state_dtype`.
+        ``gamma`` ``[B, H, K]`` (``exp(sum_t g_t)``), both in :func:`state_dtype`
+        (``[N, ...]`` with ``cu_seqlens``).
     """
+    if cu_seqlens is not None:
+        segments = _Segments(cu_seqlens, k.shape[1], k.shape[0])
+        return chunk_gla_state(*(segments.split(x) for x in (k, v, g)), chunk_size)
     dt = state_dtype(k.dtype)
     kc, vc, graw = (_chunked(x.to(dt), chunk_size) for x in (k, v, g))
     E, g_last = _chunk_summaries(kc, vc, graw)
@@ -129,7 +176,8 @@ def chunk_gla_state(
 
 
 def chunk_gla_state_grad(
-    q: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: Optional[float] = None
+    q: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: Optional[float] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gradient of a piece's outputs with respect to the state entering it.
 
@@ -139,10 +187,14 @@ def chunk_gla_state_grad(
 
     Args:
         q, g: ``[B, T, H, K]``; do: ``[B, T, H, V]``.
+        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1): one result per segment.
 
     Returns:
-        ``[B, H, K, V]`` in :func:`state_dtype`.
+        ``[B, H, K, V]`` (``[N, H, K, V]``) in :func:`state_dtype`.
     """
+    if cu_seqlens is not None:
+        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        return chunk_gla_state_grad(*(segments.split(x) for x in (q, g, do)), scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5
     dt = state_dtype(q.dtype)
