@@ -69,7 +69,8 @@ def run(args, cp, T, strategy, logdir):
     times = [ms for _, (_, ms) in sorted(points.items())][args.skip:]
     memory = [float(m) for m in MEMORY.findall(open(log_path, errors="replace").read())]
     ms = statistics.median(times) if times else None
-    row = {"run": name, "cp": cp, "strategy": strategy, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
+    row = {"part": "model", "run": name, "cp": cp, "strategy": strategy, "layout": "zigzag",  # the specs' layout
+           "layers": 20, "heads": 16, "dim": 128, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
            "wall_s": round(time.time() - start, 1),
            "ms_per_iter": ms, "tokens_per_s_per_gpu": None if ms is None else T / ms * 1000,
            "max_allocated_gib": max(memory) / 1024 if memory else None,
