@@ -32,6 +32,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .comm import as_layout
 from .cp import STRATEGIES, zeco_gla
+from .cp.checks import check_inputs
+from .ops import require_backend
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,9 @@ class GatedLinearAttention(MegatronModule):
 
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
-        _check_config(config, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, tp, cp)
+        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, tp, cp)
+        if not config.use_cpu_initialization:  # parameters, so the layer, live on the GPU
+            require_backend("cuda", config.params_dtype)
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split = cp_packed_split
@@ -176,14 +180,12 @@ class GatedLinearAttention(MegatronModule):
         g = g.view(s, b, self.heads_per_rank, self.head_dim).transpose(0, 1).to(q.dtype)
 
         cp = self.cp_group.size() > 1
-        o, _ = zeco_gla(
-            q, k, v, g,
-            group=self.cp_group if cp else None,
-            strategy=self.cp_strategy if cp else "none",
-            layout=self.cp_layout, num_blocks=self.cp_num_blocks,
-            validate=not self._validated, name=f"GatedLinearAttention (layer {self.layer_number})", **packed,
-        )
-        self._validated = True
+        group, strategy = (self.cp_group, self.cp_strategy) if cp else (None, "none")
+        name = f"GatedLinearAttention (layer {self.layer_number})"
+        if not self._validated:
+            self._validate(q, k, v, g, group, strategy, name, packed)
+        o, _ = zeco_gla(q, k, v, g, group=group, strategy=strategy, layout=self.cp_layout,
+                        num_blocks=self.cp_num_blocks, validate=False, name=name, **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight
@@ -191,6 +193,19 @@ class GatedLinearAttention(MegatronModule):
         o = (o * F.silu(r.to(fp))).to(r.dtype)
         o = o.transpose(0, 1).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.out_proj(o)
+
+    def _validate(self, q, k, v, g, group, strategy, name, packed):
+        """First call: the op's input checks (the same error on every CP rank, before any
+        transfer), naming the Megatron flags that set what they check."""
+        try:
+            check_inputs(q, k, v, g, None, group=group, strategy=strategy, layout=self.cp_layout,
+                         num_blocks=self.cp_num_blocks, output_final_state=False, **packed)
+        except ValueError as e:
+            raise ValueError(
+                f"{name}: {e}\n  (through Megatron, each context-parallel rank gets --seq-length / "
+                "--context-parallel-size tokens: --seq-length must be a multiple of 2 x --context-parallel-size "
+                "for the zigzag layout, of --context-parallel-size for the contiguous one)") from None
+        self._validated = True
 
     def _packed(self, packed_seq_params):
         """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
@@ -227,7 +242,7 @@ def _megatron_lm_arg(name):
         return False
 
 
-def _check_config(config, strategy, layout, num_blocks, packed_split, tp, cp):
+def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
     if packed_split not in ("auto", "document", "sequence"):
@@ -236,9 +251,26 @@ def _check_config(config, strategy, layout, num_blocks, packed_split, tp, cp):
     if strategy not in STRATEGIES or strategy == "none":
         raise ValueError(f"GatedLinearAttention: cp_strategy {strategy!r} is not one of "
                          f"{', '.join(s for s in STRATEGIES if s != 'none')}")
-    H, D = config.num_attention_heads, config.kv_channels  # TransformerConfig checks H % tp
+    H, D = config.num_attention_heads, config.kv_channels
+    if H % tp:  # TransformerConfig checks its own tensor_model_parallel_size; this is the group's
+        raise ValueError(f"GatedLinearAttention: --num-attention-heads ({H}) must be divisible by "
+                         f"--tensor-model-parallel-size ({tp}): each TP rank holds whole heads")
     if strategy == "a2a" and cp > 1 and (H // tp) % cp:
         raise ValueError(f"GatedLinearAttention: the a2a strategy splits each TP rank's {H // tp} heads over "
-                         f"--context-parallel-size ({cp}); use more heads or the zeco strategy")
+                         f"--context-parallel-size ({cp}): make --num-attention-heads / "
+                         f"--tensor-model-parallel-size a multiple of --context-parallel-size, or use the zeco "
+                         f"strategy (--spec megatron_zeco.specs gla_local_spec)")
     if D % num_blocks:
         raise ValueError(f"GatedLinearAttention: cp_num_blocks ({num_blocks}) must divide --kv-channels ({D})")
+    fmt, flag = (config.fp8, "--fp8-format") if config.fp8 else (config.fp4, "--fp4-format")
+    megatron_linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    local = [n for n in ("in_proj", "gate_up", "out_proj") if _is_subclass(getattr(submodules, n), megatron_linears)]
+    if fmt and local:
+        raise ValueError(f"GatedLinearAttention: {flag} {fmt} runs GEMMs in low precision only in TransformerEngine "
+                         f"linears; {', '.join(local)} here are Megatron-Core's, which would ignore it. "
+                         f"Use --spec megatron_zeco.specs gla_te_spec, or drop {flag}")
+
+
+def _is_subclass(spec, classes) -> bool:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return isinstance(module, type) and issubclass(module, classes)

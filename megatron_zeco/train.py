@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .comm import Layout
+from .comm import Layout, as_layout
 from .recall import RecallTask
 
 
@@ -55,6 +55,7 @@ class TrainConfig:
     filler: int = 8
     device: str = "auto"
     log_interval: int = 50
+    deterministic: bool = False  # Megatron's --deterministic-mode: deterministic_mode + torch's deterministic algorithms
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -62,8 +63,10 @@ def parse_args(argv=None) -> TrainConfig:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, default in vars(TrainConfig()).items():
         flag = "--" + name.replace("_", "-")
-        kind = int if name == "cp" else type(default)
-        parser.add_argument(flag, type=kind, default=default)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=int if name == "cp" else type(default), default=default)
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
@@ -72,6 +75,12 @@ def init_distributed(cfg: TrainConfig):
     from megatron.core import parallel_state
 
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    if cfg.deterministic:
+        # As Megatron-LM's --deterministic-mode (megatron/training/determinism.py); NCCL and cuBLAS
+        # read these once, at their start.
+        os.environ.setdefault("NCCL_ALGO", "Ring")
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,6 +90,10 @@ def init_distributed(cfg: TrainConfig):
         cfg.cp = world // (cfg.tp * cfg.dp)
     if cfg.tp * cfg.cp * cfg.dp != world:
         raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
+    pieces = as_layout(cfg.layout).num_pieces(cfg.cp)
+    if cfg.cp > 1 and cfg.seq_len % pieces:
+        raise ValueError(f"--seq-len {cfg.seq_len} must be a multiple of {pieces}: the {cfg.layout} layout cuts "
+                         f"each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks")
     parallel_state.initialize_model_parallel(cfg.tp, 1, context_parallel_size=cfg.cp)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
@@ -100,6 +113,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
+        deterministic_mode=cfg.deterministic,
     )
     gla = dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
                gate_timescales=(1.0, 4.0 * cfg.seq_len))

@@ -4,6 +4,9 @@
 ``torch.distributed`` (gloo, file rendezvous) and calls ``fn(rank, world, *args)``.
 It returns every rank's result, or raises with every failing rank's traceback.
 A hang becomes a failure after ``timeout`` seconds: no test can stall CI.
+
+``RankPool(world)`` keeps ``world`` such processes alive and runs many small calls
+on them (property-based tests), without paying a spawn per call.
 """
 
 import datetime
@@ -20,25 +23,63 @@ import torch
 TIMEOUT = float(os.environ.get("ZECO_TEST_TIMEOUT", 300))
 
 
+def _init(rank, world, store, pg_timeout, backend):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=pg_timeout))
+
+
+def _call(results, rank, fn, *args):
+    """Put ``(rank, True, fn(*args) serialised)`` or ``(rank, False, traceback)`` on ``results``."""
+    try:
+        buffer = io.BytesIO()  # by value: tensors must outlive this process
+        torch.save(fn(*args), buffer)
+        results.put((rank, True, buffer.getvalue()))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, False, traceback.format_exc()))
+
+
 def _entry(fn, rank, world, store, results, args, pg_timeout, timeout, backend):
-    import torch
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(max(timeout - 5, 1))  # where a hung rank is stuck, in the log
-    torch.set_num_threads(1)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout))
-        buffer = io.BytesIO()  # by value: tensors must outlive this process
-        torch.save(fn(rank, world, *args), buffer)
-        results.put((rank, True, buffer.getvalue()))
-    except BaseException:  # report everything, including assertion failures
+        _init(rank, world, store, pg_timeout, backend)
+        _call(results, rank, fn, rank, world, *args)
+    except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _collect(results, ranks, timeout):
+    """Every rank's result from ``results``: ``{rank: value}``, or AssertionError with the tracebacks
+    of the failed ranks and the names of the ranks that did not answer within ``timeout`` s."""
+    out, failures = {}, {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    while len(out) + len(failures) < len(ranks):
+        left = (deadline - datetime.datetime.now()).total_seconds()
+        try:
+            rank, ok, value = results.get(timeout=max(left, 0.1))
+        except queue.Empty:
+            missing = sorted(set(ranks) - set(out) - set(failures))
+            raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
+                                 + _format(failures)) from None
+        if ok:
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            failures[rank] = value
+        if failures and len(out) + len(failures) < len(ranks):
+            # Peers of a failed rank may wait forever on it: give them a moment, then stop.
+            deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=20))
+    if failures:
+        raise AssertionError(_format(failures))
+    return out
 
 
 def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None, backend="gloo"):
@@ -53,36 +94,99 @@ def run_ranks(fn, world, *args, timeout=TIMEOUT, pg_timeout=None, backend="gloo"
                  for r in range(world)]
         for p in procs:
             p.start()
-        out, failures = {}, {}
-        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         try:
-            while len(out) + len(failures) < world:
-                left = (deadline - datetime.datetime.now()).total_seconds()
-                try:
-                    rank, ok, value = results.get(timeout=max(left, 0.1))
-                except queue.Empty:
-                    missing = sorted(set(range(world)) - set(out) - set(failures))
-                    raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
-                                         + _format(failures)) from None
-                if ok:
-                    out[rank] = torch.load(io.BytesIO(value), weights_only=False)
-                else:
-                    failures[rank] = value
-                if failures and len(out) + len(failures) < world:
-                    # Peers of a failed rank may wait forever on it: give them a moment, then stop.
-                    deadline = min(deadline, datetime.datetime.now() + datetime.timedelta(seconds=20))
+            out = _collect(results, range(world), timeout)
         finally:
-            for p in procs:
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
-    if failures:
-        raise AssertionError(_format(failures))
+            _stop(procs)
     return [out[r] for r in range(world)]
+
+
+def _stop(procs):
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
 
 
 def _format(failures):
     return "".join(f"\n--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+
+
+def _pool_worker(rank, world, store, tasks, results, pg_timeout):
+    import torch.distributed as dist
+
+    _init(rank, world, store, pg_timeout, "gloo")
+    # One group per size, over the first ranks (new_group is collective: every rank makes each).
+    groups = {size: dist.new_group(list(range(size))) for size in range(2, world + 1)}
+    groups[1] = None
+    while (task := tasks.get()) is not None:
+        fn, size, args = task
+        _call(results, rank, fn, groups[size], *args)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` long-lived processes in one gloo process group.
+
+    ``pool.run(fn, size, *args)`` runs ``fn(group, *args)`` on ranks ``0 .. size-1``, where
+    ``group`` is a gloo group of exactly those ranks (None for size 1), and returns their
+    results in rank order; the other ranks wait. A call that fails or hangs on any rank
+    raises (with every failing rank's traceback) and restarts the processes, so the next
+    call starts clean. Use as a context manager.
+    """
+
+    def __init__(self, world, timeout=TIMEOUT, pg_timeout=60.0):
+        self.world, self.timeout, self.pg_timeout = world, timeout, pg_timeout
+        self._procs = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _start(self):
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._results = ctx.Queue()
+        store = os.path.join(self._tmp.name, "store")
+        self._procs = [ctx.Process(target=_pool_worker, daemon=True,
+                                   args=(r, self.world, store, self._tasks[r], self._results, self.pg_timeout))
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, size, *args):
+        if not 1 <= size <= self.world:
+            raise ValueError(f"RankPool of {self.world} processes cannot run on {size}")
+        if self._procs is None:
+            self._start()
+        for r in range(size):
+            self._tasks[r].put((fn, size, args))
+        try:
+            out = _collect(self._results, range(size), self.timeout)
+        except BaseException:
+            self._kill()
+            raise
+        return [out[r] for r in range(size)]
+
+    def _kill(self):
+        for p in self._procs:
+            p.kill()
+        _stop(self._procs)
+        self._tmp.cleanup()
+        self._procs = None
+
+    def close(self):
+        """Stop the processes (a no-op if none run)."""
+        if self._procs is None:
+            return
+        for q in self._tasks:
+            q.put(None)
+        _stop(self._procs)
+        self._tmp.cleanup()
+        self._procs = None
 
 
 def host_as_cuda():

@@ -70,3 +70,14 @@ def test_one_rank_groups_validate_locally():
         zeco_gla(q, k, v, g, strategy="ring")
     with pytest.raises(ValueError, match="unknown strategy"):
         zeco_gla(q, k, v, g, strategy="ring", validate=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.complex64])
+def test_unsupported_dtypes_are_named(dtype):
+    """The op runs float64, float32, bfloat16 and float16; anything else fails before any work."""
+    q, k, v, g = (t.to(dtype) for t in _inputs())
+    with pytest.raises(ValueError, match=f"q must be float64, float32, bfloat16 or float16, got {dtype}"):
+        zeco_gla(q, k, v, g)
+    q, k, v, g = _inputs()
+    with pytest.raises(ValueError, match=f"initial_state must be float64, float32, bfloat16 or float16, got {dtype}"):
+        zeco_gla(q, k, v, g, initial_state=torch.zeros(1, 2, 8, 4).to(dtype))

@@ -1,4 +1,5 @@
-"""Two separate launches of the same CP=2 forward + backward give bit-identical results."""
+"""Two separate launches give bit-identical results: the CP=2 op (forward + backward), and a few
+training steps of the GLA GPTModel under Megatron's deterministic settings."""
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
 from reference import problem
+from test_megatron_model import _train_steps
 
 
 def _once(rank, world, strategy, layout, dtype):
@@ -26,3 +28,23 @@ def test_two_launches_are_bit_identical(strategy, layout):
     for rank in range(2):
         for a, b in zip(first[rank], second[rank]):
             assert torch.equal(a, b)
+
+
+def _deterministic_steps(rank, world):
+    steps = _train_steps(rank, world, dict(cp=2, strategy="zeco", layout="zigzag", deterministic=True), ("float32",))
+    assert torch.are_deterministic_algorithms_enabled()
+    return steps["float32"]
+
+
+def test_megatron_training_is_bit_identical_across_launches():
+    """GPTModel with the GLA spec at CP=2 (zeco, zigzag), TransformerConfig(deterministic_mode=True)
+    and torch's deterministic algorithms (train.py --deterministic, as Megatron-LM's
+    --deterministic-mode): every step's loss and gradient norm, the step-1 gradients and the
+    final parameters agree to the bit across two launches."""
+    first, second = (run_ranks(_deterministic_steps, 2) for _ in range(2))
+    for rank in range(2):
+        (losses, norms, grads, params), (losses2, norms2, grads2, params2) = first[rank], second[rank]
+        assert losses == losses2 and norms == norms2, (rank, losses, losses2)
+        for name in grads:
+            assert torch.equal(grads[name], grads2[name]), f"rank {rank}: step-1 gradient of {name}"
+            assert torch.equal(params[name], params2[name]), f"rank {rank}: final {name}"

@@ -16,14 +16,15 @@ STEPS = 4
 BASE = dict(layers=2, hidden=32, heads=4, seq_len=48, batch=4, task="mock", lr=1e-2, log_interval=10**6)
 
 
-def _train_steps(rank, world, overrides):
-    """Per dtype: losses and gradient norms of STEPS SGD steps, and the step-1 gradients."""
+def _train_steps(rank, world, overrides, dtypes=("float64", "float32")):
+    """Per dtype: losses and gradient norms of STEPS SGD steps, the step-1 gradients and the
+    parameters after the last step."""
     from megatron.core import parallel_state
 
     from megatron_zeco import train as T
 
     out = {}
-    for dtype in ("float64", "float32"):
+    for dtype in dtypes:
         cfg = T.TrainConfig(steps=STEPS, dtype=dtype, **{**BASE, **overrides})
         device = T.init_distributed(cfg)
         task = T.make_task(cfg)
@@ -43,7 +44,7 @@ def _train_steps(rank, world, overrides):
             total = loss.detach().double()
             dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
             losses.append(float(total))
-        out[dtype] = (losses, norms, first)
+        out[dtype] = (losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()})
         parallel_state.destroy_model_parallel()
     return out
 
@@ -99,9 +100,9 @@ def _check_training_matches(results, reference):
     """float64: every loss and gradient element to 1e-10 (the CP model is exact). float32: every
     step's loss and the first step's gradient to 1e-5; later gradient norms to 1e-4 (rounding)."""
     for dtype, tol in (("float64", 1e-10), ("float32", TOL)):
-        ref_losses, ref_norms, ref_grads = reference[dtype]
+        ref_losses, ref_norms, ref_grads, _ = reference[dtype]
         for rank, result in enumerate(results):
-            losses, norms, grads = result[dtype]
+            losses, norms, grads, _ = result[dtype]
             for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
                 assert _rel(a, b) < tol, f"{dtype} rank {rank} step {step}: loss {a} vs {b}"
             for step, (a, b) in enumerate(zip(norms, ref_norms), 1):

@@ -1,5 +1,6 @@
 """The layer specs and the GLA module as Megatron-Core and pretrain_gpt.py use them."""
 
+import importlib.util
 import logging
 import os
 import subprocess
@@ -91,32 +92,119 @@ def test_layer_accepts_transformer_layer_keywords():
     assert "no document offsets" in r["thd"] and "only 'thd'" in r["sbhd"]  # packed: tests/test_packed.py
 
 
-def _config_error(rank, world, tp, cp, kwargs, params):
-    from megatron.core import parallel_state
+BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
+FLA = importlib.util.find_spec("fla") is not None
+
+
+def _build(params=None, **config):
+    """Build the GLA mixer of gla_local_spec (spec params overridden) on Megatron's groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from megatron_zeco.specs import gla_local_spec
 
-    parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
     base = gla_local_spec.submodules.self_attention
-    spec = ModuleSpec(module=base.module, params={**base.params, **params}, submodules=base.submodules)
+    spec = ModuleSpec(module=base.module, params={**base.params, **(params or {})}, submodules=base.submodules)
+    return build_module(spec, config=_config(**config), layer_number=1,
+                        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
+def _first_forward_with_odd_local_length():
+    _build(context_parallel_size=2)(torch.randn(11, 1, 32))
+
+
+def _main_job_with_bad_seq_len():
+    from megatron_zeco import train
+
+    train.init_distributed(train.TrainConfig(cp=2, seq_len=50))
+
+
+def _fla_missing_without_override():
+    os.environ.pop(BACKEND_ENV, None)
+    _build(use_cpu_initialization=False)
+
+
+def _fla_missing_with_torch_backend():
+    os.environ[BACKEND_ENV] = "torch"
     try:
-        build_module(spec, config=_config(tensor_model_parallel_size=tp, context_parallel_size=cp, **kwargs))
-    except ValueError as e:
-        return str(e)
-    return None
+        _build(use_cpu_initialization=False)
+    finally:
+        del os.environ[BACKEND_ENV]
 
 
-@pytest.mark.parametrize("tp,cp,kwargs,params,message", [
-    (1, 2, dict(num_attention_heads=3, hidden_size=30), {"cp_strategy": "a2a"}, "--context-parallel-size (2)"),
-    (1, 1, {}, {"cp_num_blocks": 3}, "cp_num_blocks (3) must divide --kv-channels (8)"),
-    (1, 1, {}, {"cp_strategy": "ring"}, "cp_strategy 'ring'"),
-    (1, 1, {}, {"cp_layout": "diagonal"}, "unknown context-parallel layout"),
-    (1, 1, {}, {"cp_packed_split": "docs"}, "cp_packed_split 'docs'"),
-])
-def test_bad_configuration_fails_at_build_naming_the_flag(tp, cp, kwargs, params, message):
-    for error in run_ranks(_config_error, tp * cp, tp, cp, kwargs, params):
-        assert error is not None and message in error, error
+# name: (TP, CP, what the user does, the error and what its message must name)
+MISUSE = {
+    "a2a with too few heads": (1, 2, lambda: _build({"cp_strategy": "a2a"}, num_attention_heads=3, hidden_size=30,
+                                                   context_parallel_size=2),
+                               ValueError, ["--context-parallel-size (2)", "--num-attention-heads", "gla_local_spec"]),
+    "heads not divisible by the TP group": (2, 1, lambda: _build(num_attention_heads=3, hidden_size=30),
+                                            ValueError, ["--num-attention-heads (3)", "--tensor-model-parallel-size (2)"]),
+    "blocks do not divide the head dim": (1, 1, lambda: _build({"cp_num_blocks": 3}),
+                                          ValueError, ["cp_num_blocks (3) must divide --kv-channels (8)"]),
+    "unknown strategy": (1, 1, lambda: _build({"cp_strategy": "ring"}), ValueError, ["cp_strategy 'ring'"]),
+    "unknown layout": (1, 1, lambda: _build({"cp_layout": "diagonal"}), ValueError, ["unknown context-parallel layout"]),
+    "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError, ["cp_packed_split 'docs'"]),
+    "fp8 with Megatron-Core linears": (1, 1, lambda: _build(fp8="e4m3"), ValueError, ["--fp8-format", "gla_te_spec"]),
+    "fp4 with Megatron-Core linears": (1, 1, lambda: _build(fp4="e2m1"), ValueError, ["--fp4-format", "gla_te_spec"]),
+    "fla missing on GPU": (1, 1, _fla_missing_without_override, ImportError,
+                           ["pip install fla-core", f"{BACKEND_ENV}=torch"]),
+    "sequence not divisible over CP": (1, 2, _first_forward_with_odd_local_length, ValueError,
+                                       ["T = 11", "--seq-length", "2 x --context-parallel-size"]),
+    "main job: sequence not divisible over CP": (1, 2, _main_job_with_bad_seq_len, ValueError, ["--seq-len 50", "--cp 2"]),
+}
+
+
+def _misuse(rank, world):
+    """Every MISUSE case on Megatron's groups, plus the fla case with the override; the error each raised."""
+    from megatron.core import parallel_state
+
+    errors = {}
+    cases = {name: case[:3] for name, case in MISUSE.items()}
+    cases["fla missing on GPU, torch backend"] = (1, 1, _fla_missing_with_torch_backend)
+    for name, (tp, cp, misuse) in cases.items():
+        parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
+        try:
+            misuse()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test checks which)
+            errors[name] = (type(e), str(e))
+        parallel_state.destroy_model_parallel()
+    return errors
+
+
+@pytest.fixture(scope="module")
+def misuse_errors():
+    """One launch of two processes for all the cases (each would cost a launch of its own)."""
+    return run_ranks(_misuse, 2, timeout=120)
+
+
+@pytest.mark.parametrize("name", list(MISUSE))
+def test_misuse_fails_at_start_up_naming_the_flag(misuse_errors, name):
+    """At model build (the first forward where only the data shows the problem), the same error on
+    every rank, naming the flag to change."""
+    if name.startswith("fla") and FLA:
+        pytest.skip("flash-linear-attention is installed")
+    _, _, _, kind, names = MISUSE[name]
+    errors = [ranks[name] for ranks in misuse_errors]
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} accepted it"
+        assert error[0] is kind and all(n in error[1] for n in names), f"rank {rank}: {error}"
+    assert len(set(errors)) == 1, errors
+
+
+def test_torch_backend_override_lifts_the_fla_requirement(misuse_errors):
+    """With MEGATRON_ZECO_GLA_BACKEND=torch the build passes the fla check (and, on a machine
+    without CUDA, fails only where torch allocates on the GPU)."""
+    for ranks in misuse_errors:
+        error = ranks["fla missing on GPU, torch backend"]
+        assert error is None or ("fla" not in error[1] and "CUDA" in error[1]), error
+
+
+def test_transformer_config_checks_heads_against_its_tp_size():
+    """What pretrain_gpt.py users get for --num-attention-heads 3 --tensor-model-parallel-size 2
+    (Megatron's own check, before the layer is built)."""
+    with pytest.raises(ValueError, match=r"num_attention_heads \(3\) must be a multiple of tensor_model_parallel_size"):
+        _config(num_attention_heads=3, hidden_size=30, tensor_model_parallel_size=2)
 
 
 def test_te_spec_without_transformer_engine_names_the_alternative():

@@ -14,6 +14,10 @@ import torch.distributed as dist
 from ..comm import Layout, as_layout
 
 STRATEGIES = ("zeco", "lasp1", "lasp2", "a2a", "none")
+# What the local GLA runs (fla's kernels on CUDA, chunk.py elsewhere and for float64). float8 and
+# complex dtypes are not: the op has no fp8 path (with --fp8-format only the layer's linears use it).
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_NAMES = "float64, float32, bfloat16 or float16"
 
 
 def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> List[str]:
@@ -25,8 +29,8 @@ def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> L
     for name, t in tensors.items():
         if t.dim() != 4:
             problems.append(f"{name} must have 4 dims [B, T, H, D], got shape {tuple(t.shape)}")
-        if not t.is_floating_point():
-            problems.append(f"{name} must be floating point, got {t.dtype}")
+        if t.dtype not in DTYPES:
+            problems.append(f"{name} must be {_DTYPE_NAMES}, got {t.dtype}")
     if problems:
         return problems
     if k.shape != q.shape or g.shape != q.shape:
@@ -44,8 +48,8 @@ def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> L
         expected = (B, H, K, v.shape[-1])
         if tuple(initial_state.shape) != expected:
             problems.append(f"initial_state must be [B, H, K, V] = {expected}, got {tuple(initial_state.shape)}")
-        if not initial_state.is_floating_point():
-            problems.append(f"initial_state must be floating point, got {initial_state.dtype}")
+        if initial_state.dtype not in DTYPES:
+            problems.append(f"initial_state must be {_DTYPE_NAMES}, got {initial_state.dtype}")
     if len(set(devices.values())) > 1:
         problems.append(f"inputs must be on one device, got {{{', '.join(f'{n}: {d}' for n, d in devices.items())}}}")
     T, K = q.shape[1], q.shape[-1]

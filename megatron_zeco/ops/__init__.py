@@ -5,7 +5,7 @@
 the context-parallel strategies in :mod:`megatron_zeco.cp` call.
 """
 
-from .backend import gla_bwd, gla_fwd, gla_state, gla_state_grad
+from .backend import gla_bwd, gla_fwd, gla_state, gla_state_grad, require_backend
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad, state_dtype
 from .naive import naive_recurrent_gla
 
@@ -19,4 +19,5 @@ __all__ = [
     "gla_bwd",
     "gla_state",
     "gla_state_grad",
+    "require_backend",
 ]

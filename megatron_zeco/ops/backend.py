@@ -19,7 +19,7 @@ the same numbers up to rounding).
 
 import functools
 import os
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -81,25 +81,33 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
 def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``
     (one per segment, ``[N, ...]``, with ``cu_seqlens``)."""
-    if _use_kernels(k):
+    if _use_kernels(k.device, k.dtype):
         return _triton_state().chunk_state(k, v, g, cu_seqlens=cu_seqlens)
     return chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
 
 
 def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None) -> Tensor:
     """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]`` (``[N, ...]`` with ``cu_seqlens``)."""
-    if _use_kernels(q):
+    if _use_kernels(q.device, q.dtype):
         return _triton_state().chunk_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
     return chunk_gla_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
 
 
-def _use_kernels(x: Tensor) -> bool:
+def require_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+    """Raise ``ImportError`` now if GLA on ``device`` in ``dtype`` needs flash-linear-attention
+    and it cannot be imported: the layer calls this at model build, not at the first step."""
+    if _use_kernels(device, dtype):
+        _fla_chunk_gla()
+
+
+def _use_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
     """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
-    return x.is_cuda and x.dtype in _KERNEL_DTYPES and os.environ.get(BACKEND_ENV, "auto") != "torch"
+    return (torch.device(device).type == "cuda" and dtype in _KERNEL_DTYPES
+            and os.environ.get(BACKEND_ENV, "auto") != "torch")
 
 
 def _local_gla(x: Tensor):
-    return _fla_chunk_gla() if _use_kernels(x) else chunk_gla
+    return _fla_chunk_gla() if _use_kernels(x.device, x.dtype) else chunk_gla
 
 
 @functools.lru_cache(maxsize=None)
