@@ -196,17 +196,18 @@ def bench_accuracy(args, world, me, cp_group, rows):
                 record(strategy, name, got)
 
 
-def write(args, world, rows):
+def write(args, world, rows, script="bench_op.py", **extra):
+    """``{"meta": ..., "rows": rows}`` to ``args.out``: the command, device, date and versions (+ ``extra``)."""
     import triton
     try:
         import fla
         fla_version = fla.__version__
     except ImportError:
         fla_version = None
-    meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/bench_op.py {' '.join(sys.argv[1:])}",
+    meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/{script} {' '.join(sys.argv[1:])}",
             "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), **extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

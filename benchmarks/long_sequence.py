@@ -12,15 +12,12 @@ fla's own bf16 chunk_gla on one GPU over the whole sequence against the same ref
 """
 
 import argparse
-import datetime
-import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-from bench_op import inputs, log, timed
+from bench_op import inputs, log, timed, write
 from megatron_zeco import zeco_gla
 from megatron_zeco.comm import as_layout
 from megatron_zeco.ops import chunk_gla
@@ -183,20 +180,9 @@ def main():
     for part in parts:
         part()
         if me == 0:  # a run cut short keeps what it measured
-            _write(args, world, rows)
+            write(args, world, rows, script="long_sequence.py",
+                  total_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2 ** 30)
     dist.destroy_process_group()
-
-
-def _write(args, world, rows):
-    import triton
-    import fla
-    meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/long_sequence.py {' '.join(sys.argv[1:])}",
-            "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
-            "torch": torch.__version__, "triton": triton.__version__, "fla": fla.__version__,
-            "total_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30}
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
