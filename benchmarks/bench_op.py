@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --out results/op.json
     python benchmarks/plot_op.py results/op.json docs/img/op.png
 
-Three parts, all in one run so that the figures compare side by side:
+Four parts (``--parts``), all in one run so that the figures compare side by side:
 
 1. ``op``: forward + backward of the GLA operator at T tokens per GPU (H heads of D, bf16):
    ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
@@ -15,6 +15,9 @@ Three parts, all in one run so that the figures compare side by side:
    one GPU, against an fp32 one-GPU reference over the whole sequence (this package's PyTorch
    chunked GLA, TF32 off), as ||x - ref|| / ||ref||. Gates have per-channel time scales from 1 to
    the whole sequence, so states matter across the rank boundary.
+4. ``packed``: ``zeco`` at CP=P on a packed sequence (THD, ``cu_seqlens``) of documents with
+   random lengths (exponential, mean ``--doc-tokens``), split as a whole sequence (both layouts)
+   and document by document (zigzag, Megatron's THD split), against the same tokens unpacked.
 """
 
 import argparse
@@ -44,7 +47,10 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scan-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
     p.add_argument("--scan-blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--accuracy-tokens", type=int, default=16384, help="tokens per GPU for part 3 (0: skip)")
+    p.add_argument("--accuracy-tokens", type=int, default=16384, help="tokens per GPU for part 3")
+    p.add_argument("--doc-tokens", type=int, default=2048, help="mean document length for part 4")
+    p.add_argument("--parts", nargs="+", default=["op", "scan", "accuracy", "packed"],
+                   choices=["op", "scan", "accuracy", "packed"])
     p.add_argument("--out", default="op.json")
     return p.parse_args()
 
@@ -196,6 +202,42 @@ def bench_accuracy(args, world, me, cp_group, rows):
                 record(strategy, name, got)
 
 
+def documents(total, mean, multiple, generator):
+    """``cu_seqlens`` of documents with exponential lengths (rounded up to ``multiple``) filling ``total``."""
+    cu = [0]
+    while cu[-1] < total:
+        length = -mean * torch.log(torch.rand(1, generator=generator)).item()
+        cu.append(min(total, cu[-1] + multiple * max(1, round(length / multiple))))
+    return torch.tensor(cu, dtype=torch.int32)
+
+
+def bench_packed(args, world, me, cp_group, rows):
+    gen = torch.Generator().manual_seed(11)  # the same documents on every rank
+    for T in args.tokens:
+        x = inputs(1, T, args.heads, args.dim, seed=2000 + me)
+        leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
+        cases = [("unpacked", lay, None, False) for lay in args.layouts]
+        cases += [("sequence", lay, documents(world * T, args.doc_tokens, 1, gen), False) for lay in args.layouts]
+        cases.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
+        base = {}
+        for split, layout, cu, per_document in cases:
+            def run():
+                o, _ = zeco_gla(*leaves, group=cp_group, layout=layout, cu_seqlens=cu, per_document=per_document,
+                                validate=False)
+                return torch.autograd.grad(o, leaves, x["o"])
+
+            ms = timed(run, args.iters, args.warmup)
+            base.setdefault(layout, ms)
+            row = {"part": "packed", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "cp": world,
+                   "split": split, "layout": layout, "documents": 1 if cu is None else len(cu) - 1, "ms": ms,
+                   "vs_unpacked": ms / base[layout]}
+            rows.append(row)
+            log(f"packed T/GPU={T:6d} zeco CP={world} {split:8s} {layout:10s} {row['documents']:4d} documents "
+                f"{ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
+        del x, leaves
+        torch.cuda.empty_cache()
+
+
 def write(args, world, rows, script="bench_op.py", **extra):
     """``{"meta": ..., "rows": rows}`` to ``args.out``: the command, device, date and versions (+ ``extra``)."""
     import triton
@@ -222,12 +264,12 @@ def main():
     self_groups = [dist.new_group([r]) for r in range(world)]
     rows = []
     log(f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}")
-    parts = [lambda: bench_op(args, world, me, cp_group, self_groups[me], rows),
-             lambda: bench_scan(args, world, me, cp_group, rows)]
-    if args.accuracy_tokens:
-        parts.append(lambda: bench_accuracy(args, world, me, cp_group, rows))
-    for part in parts:
-        part()
+    parts = {"op": lambda: bench_op(args, world, me, cp_group, self_groups[me], rows),
+             "scan": lambda: bench_scan(args, world, me, cp_group, rows),
+             "accuracy": lambda: bench_accuracy(args, world, me, cp_group, rows),
+             "packed": lambda: bench_packed(args, world, me, cp_group, rows)}
+    for name in args.parts:
+        parts[name]()
         if me == 0:  # after each part: a run cut short keeps what it measured
             write(args, world, rows)
     dist.destroy_process_group()

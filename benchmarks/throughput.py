@@ -6,16 +6,26 @@ For each tokens-per-GPU T, trains the paper's GLA-1B shape (examples/pretrain_gl
 bf16, mock data) for a few iterations on all GPUs of the node:
 
 * ``cp1``: CP = 1 (data parallel over the GPUs), sequence T, one sequence per GPU;
-* ``cp<N>`` with each strategy: CP = N = all GPUs, sequence N*T, one sequence per step.
+* ``cp<N>`` with each strategy, for each N in ``--cp`` (default: all GPUs): CP = N, data parallel
+  over the other GPUs/N, sequence N*T, one sequence per CP group.
 
-So every run processes T tokens per GPU per iteration and has the same gradient all-reduce. Per
+So every run processes T tokens per GPU per iteration and all-reduces the same gradients. Per
 run: median time per iteration over the logged intervals after the first ``--skip``, tokens/s per
 GPU, efficiency against cp1 at the same T, peak memory (Megatron's report), and the loss. Logs
 go beside the JSON.
+
+Communication share (``--profile-steps``, default 2): after the timed iterations, Megatron's
+PyTorch profiler records that many more steps on global rank 0; the NCCL kernels in the trace
+are split into CP collectives (send/recv, all-gather, all-to-all, broadcast: the strategies'
+traffic) and gradient reductions (all-reduce, reduce-scatter, present at CP = 1 too). A row gets
+their GPU time per step and the CP share of the step time. NCCL kernel time includes waiting for
+the peer, and counts whether or not the transfer overlapped compute.
 """
 
 import argparse
 import datetime
+import glob
+import gzip
 import json
 import os
 import re
@@ -36,6 +46,7 @@ MEMORY = re.compile(r"max allocated: ([0-9.]+)")
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (divisors of --gpus; default: --gpus)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
     p.add_argument("--strategies", nargs="+", default=["zeco", "lasp2", "a2a", "lasp1"])
     p.add_argument("--strategies-at-largest", nargs="+", default=None,
@@ -43,6 +54,7 @@ def parse_args():
     p.add_argument("--iters", type=int, default=12)
     p.add_argument("--skip", type=int, default=2, help="logged intervals to drop (warm-up)")
     p.add_argument("--limit", type=int, default=240, help="seconds per run")
+    p.add_argument("--profile-steps", type=int, default=2, help="steps profiled after the timed ones (0: none)")
     p.add_argument("--out", default="throughput.json")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py flags (after --)")
     return p.parse_args()
@@ -51,9 +63,16 @@ def parse_args():
 def run(args, cp, T, strategy, logdir):
     """One pretrain_gpt.py run at T tokens per GPU; returns its row."""
     name, seq = f"cp{cp}-{strategy}-T{T}", cp * T
-    env = dict(os.environ, GPUS=str(args.gpus), CP=str(cp), SEQ=str(seq), MODEL="gla-1b", ITERS=str(args.iters),
+    iters = args.iters + (args.profile_steps + 3 if args.profile_steps else 0)
+    env = dict(os.environ, GPUS=str(args.gpus), CP=str(cp), SEQ=str(seq), MODEL="gla-1b", ITERS=str(iters),
                SPEC=SPECS["zeco" if strategy == "none" else strategy])
+    # one sequence per data-parallel rank
     flags = ["--global-batch-size", str(args.gpus // cp), "--log-interval", "2", *args.extra]
+    trace_dir = os.path.join(logdir, f"{name}-profile")
+    if args.profile_steps:  # Megatron writes the trace to <tensorboard-dir>/../torch_profile/rank-0.json.gz
+        flags += ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
+                  "--profile-step-start", str(args.iters + 2), "--profile-step-end", str(args.iters + 2 + args.profile_steps),
+                  "--tensorboard-dir", os.path.join(trace_dir, "tb")]
     log_path = os.path.join(logdir, f"{name}.log")
     start = time.time()
     with open(log_path, "w") as log:
@@ -65,24 +84,45 @@ def run(args, cp, T, strategy, logdir):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             code = "timeout"
-    points = curve(log_path)  # {iteration: (loss, ms)}
+    points = {it: p for it, p in curve(log_path).items() if it <= args.iters}  # {iteration: (loss, ms)}
     times = [ms for _, (_, ms) in sorted(points.items())][args.skip:]
     memory = [float(m) for m in MEMORY.findall(open(log_path, errors="replace").read())]
     ms = statistics.median(times) if times else None
-    row = {"part": "model", "run": name, "cp": cp, "strategy": strategy, "layout": "zigzag",  # the specs' layout
+    row = {"part": "model", "run": name, "gpus": args.gpus, "cp": cp, "strategy": strategy, "layout": "zigzag",  # the specs' layout
            "layers": 20, "heads": 16, "dim": 128, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
            "wall_s": round(time.time() - start, 1),
            "ms_per_iter": ms, "tokens_per_s_per_gpu": None if ms is None else T / ms * 1000,
            "max_allocated_gib": max(memory) / 1024 if memory else None,
            "final_loss": points[max(points)][0] if points else None}
+    traces = glob.glob(os.path.join(trace_dir, "torch_profile", "rank-0.json.gz"))
+    if traces and ms:
+        comm = nccl_ms_per_step(traces[0], args.profile_steps)
+        row.update(cp_comm_ms=comm["cp"], grad_comm_ms=comm["grad"], cp_comm_share=comm["cp"] / ms)
     speed = "-" if ms is None else f"{ms:9.1f} ms/iter {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU"
-    print(f"{name:14s} exit {code!s:7s} {speed}  mem {row['max_allocated_gib'] or 0:.1f} GiB  "
+    share = "" if "cp_comm_ms" not in row else \
+        f"  CP comm {row['cp_comm_ms']:.1f} ms ({100 * row['cp_comm_share']:.1f}%), grad comm {row['grad_comm_ms']:.1f} ms"
+    print(f"{name:14s} exit {code!s:7s} {speed}  mem {row['max_allocated_gib'] or 0:.1f} GiB{share}  "
           f"({row['wall_s']} s)", flush=True)
     return row
 
 
+def nccl_ms_per_step(path, steps):
+    """GPU time per step of NCCL kernels in a Chrome trace: {"cp": collectives, "grad": reductions}."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    total = {"cp": 0.0, "grad": 0.0}
+    for e in events:
+        name = e.get("name", "")
+        if e.get("cat") == "kernel" and name.startswith("ncclDevKernel"):
+            total["grad" if "AllReduce" in name or "ReduceScatter" in name else "cp"] += e["dur"] / 1000
+    return {k: v / steps for k, v in total.items()}
+
+
 def main():
     args = parse_args()
+    cps = args.cp or [args.gpus]
+    if any(cp < 2 or args.gpus % cp for cp in cps):
+        sys.exit(f"throughput.py: --cp {' '.join(map(str, cps))}: each must be >= 2 and divide --gpus {args.gpus}")
     logdir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logdir, exist_ok=True)
     rows = []
@@ -92,8 +132,8 @@ def main():
         base = run(args, 1, T, "none", logdir)
         rows.append(base)
         _write(args, rows)
-        for s in strategies:
-            row = run(args, args.gpus, T, s, logdir)
+        for cp, s in ((cp, s) for cp in cps for s in strategies):
+            row = run(args, cp, T, s, logdir)
             if row["ms_per_iter"] and base["ms_per_iter"]:
                 row["efficiency"] = base["ms_per_iter"] / row["ms_per_iter"]
                 print(f"{'':14s} efficiency vs cp1: {row['efficiency']:.3f}", flush=True)

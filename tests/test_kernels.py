@@ -49,8 +49,10 @@ def test_state_kernels_match_reference(seed, dtype, gate, T, K, V, chunk, split,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("gate", ["normal", "mixed"])
-def test_state_kernels_packed_segments(seed, dtype, gate):
-    """cu_seqlens: one E, gamma and A per segment (empty, shorter than a chunk, several splits)."""
+@pytest.mark.parametrize("host_offsets", [False, True])
+def test_state_kernels_packed_segments(seed, dtype, gate, host_offsets):
+    """cu_seqlens: one E, gamma and A per segment (empty, shorter than a chunk, several splits);
+    launch tables from the device offsets or from their host copy (cu_seqlens_cpu)."""
     lengths = [0, 5, 16, 1, 70, 0, 33]  # chunk 16, splits of 32 tokens
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     x = problem(seed, B=1, T=int(cu[-1]), H=2, K=12, V=20, gate=gate)
@@ -58,8 +60,9 @@ def test_state_kernels_packed_segments(seed, dtype, gate):
     E_ref, gamma_ref = chunk_gla_state(k.double(), v.double(), g.double(), cu_seqlens=cu)
     A_ref = chunk_gla_state_grad(q.double(), g.double(), do.double(), 0.3, cu_seqlens=cu)
     q, k, v, g, do = _strided([t.to(DEVICE) for t in (q, k, v, g, do)])
-    E, gamma = chunk_state(k, v, g, chunk_size=16, split_size=32, cu_seqlens=cu.to(DEVICE))
-    A = chunk_state_grad(q, g, do, 0.3, chunk_size=16, split_size=32, cu_seqlens=cu.to(DEVICE))
+    offsets = {"cu_seqlens": cu.to(DEVICE), "cu_seqlens_cpu": cu if host_offsets else None}
+    E, gamma = chunk_state(k, v, g, chunk_size=16, split_size=32, **offsets)
+    A = chunk_state_grad(q, g, do, 0.3, chunk_size=16, split_size=32, **offsets)
     assert E.shape == (len(lengths), 2, 12, 20) and gamma.shape == (len(lengths), 2, 12)
     for name, got, want in (("E", E, E_ref), ("gamma", gamma, gamma_ref), ("A", A, A_ref)):
         tol = TOLERANCE[torch.float32 if name == "gamma" else dtype]

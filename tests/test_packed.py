@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
-from megatron_zeco import packed_positions, zeco_gla
+from megatron_zeco import Layout, packed_positions, zeco_gla
+from megatron_zeco.cp.packed import Packing
 from reference import problem, reference, rel_err
 
 TOL = 1e-10
@@ -85,6 +86,20 @@ def test_packed_documents_match_each_document_alone(seed, world):
     # 16 tokens per rank: zigzag pieces of 8; per-document pieces from 1 token up.
     failures = run_ranks(_check, world, seed, 16)
     assert not any(failures), "\n".join(f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs)
+
+
+def test_offsets_are_read_again_after_an_in_place_change(seed):
+    """The layers of a step share one reading of cu_seqlens; changing the tensor in place is seen."""
+    x = problem(seed, B=1, T=24, H=2, K=K, V=V, gate="normal")
+    cu = torch.tensor([0, 10, 24])
+    args = (x["q"], x["k"], x["v"], x["g"])
+    zeco_gla(*args, cu_seqlens=cu)
+    cu[1] = 5  # now documents [0, 5) and [5, 24)
+    o, _ = zeco_gla(*args, cu_seqlens=cu)
+    want = torch.cat([zeco_gla(*(t[:, a:b] for t in args))[0] for a, b in ((0, 5), (5, 24))], dim=1)
+    assert rel_err(o, want) < 1e-12
+    same = [Packing.cached(cu, Layout.ZIGZAG, 2, 1, 12, False, "cpu") for _ in range(2)]
+    assert same[0] is same[1]
 
 
 BAD = {  # name: (keyword arguments for rank r, expected message)

@@ -111,8 +111,8 @@ def zeco_gla(
             raise ValueError("zeco_gla: invalid input: " + "; ".join(problems))
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    packing = None if cu_seqlens is None else Packing(cu_seqlens, layout, world, 0 if world == 1 else group.rank(),
-                                                      q.shape[1], per_document, q.device)
+    packing = None if cu_seqlens is None else Packing.cached(cu_seqlens, layout, world, 0 if world == 1 else group.rank(),
+                                                             q.shape[1], per_document, q.device)
     if world == 1:  # one rank: every strategy is the local op, nothing to pass
         o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state,
                                   None if packing is None else packing.documents)

@@ -26,6 +26,7 @@ owners), so the chains of all documents travel through one scan as a batch of st
 """
 
 from bisect import bisect_left, bisect_right
+from collections import deque
 from typing import List, Sequence, Tuple
 
 import torch
@@ -82,6 +83,8 @@ class Packing:
     per-segment results to per-piece ones (chain-major, ``[C*n, ...]``) and back.
     """
 
+    _cache: deque = deque(maxlen=8)  # (cu_seqlens, its version, key, Packing): one per step, not per layer
+
     def __init__(self, cu_seqlens: Tensor, layout: Layout, world: int, rank: int, local_len: int,
                  per_document: bool, device):
         bounds = _bounds(cu_seqlens, layout, world, world * local_len, per_document)
@@ -96,10 +99,28 @@ class Packing:
             tail.append(len(seg) - 2)
             entered.append(a not in first_tokens)  # no document starts at the piece's first token
             through.append(entered[-1] and not cuts)
-        self.documents = torch.tensor(bounds, dtype=torch.long, device=device)
-        self.cu = torch.tensor(seg, dtype=torch.long, device=device)
-        self.head, self.tail = (torch.tensor(x, dtype=torch.long, device=device) for x in (head, tail))
-        self.entered, self.through = (torch.tensor(x, dtype=torch.bool, device=device) for x in (entered, through))
+        self.cu_cpu = torch.tensor(seg, dtype=torch.long)  # segment offsets for host-side launch tables
+        # One host-to-device copy that does not wait for the GPU (a pageable copy would).
+        tables = [bounds, seg, head, tail, entered, through]
+        flat = torch.tensor([x for t in tables for x in t], dtype=torch.long)
+        if torch.device(device).type == "cuda":
+            flat = flat.pin_memory()
+        self.documents, self.cu, self.head, self.tail, entered, through = \
+            flat.to(device, non_blocking=True).split([len(t) for t in tables])
+        self.entered, self.through = entered.bool(), through.bool()
+
+    @classmethod
+    def cached(cls, cu_seqlens: Tensor, layout: Layout, world: int, rank: int, local_len: int,
+               per_document: bool, device) -> "Packing":
+        """The Packing of these arguments, reused while ``cu_seqlens`` is the same unmodified tensor:
+        every layer of a step gets the same ``cu_seqlens`` and pays for reading it once."""
+        key = (layout, world, rank, local_len, per_document, torch.device(device))
+        for tensor, version, k, packing in cls._cache:
+            if tensor is cu_seqlens and version == cu_seqlens._version and k == key:
+                return packing
+        packing = cls(cu_seqlens, layout, world, rank, local_len, per_document, device)
+        cls._cache.append((cu_seqlens, cu_seqlens._version, key, packing))
+        return packing
 
     def local(self, x: Tensor) -> Tensor:
         """Inputs of the local operations: the rank's tokens as they are (``[1, T, ...]``)."""

@@ -31,13 +31,13 @@ class ScanGLA(torch.autograd.Function):
         n = len(layout.pieces(0, group.size()))
         pieces = _Pieces(n) if packing is None else packing
         qb, kb, vb, gb = (pieces.local(x) for x in (q, k, v, g))
-        E, gamma = pieces.summaries(*gla_state(kb, vb, gb, cu_seqlens=pieces.cu))
+        E, gamma = pieces.summaries(*gla_state(kb, vb, gb, cu_seqlens=pieces.cu, cu_seqlens_cpu=pieces.cu_cpu))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
                            reverse=False)
         o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, pieces.initial_states(_batch(S_in)),
-                                  output_final_state=True, cu_seqlens=pieces.cu)
+                                  output_final_state=True, cu_seqlens=pieces.cu, cu_seqlens_cpu=pieces.cu_cpu)
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.scale, ctx.output_final_state = n, pieces, scale, output_final_state
         ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
@@ -48,7 +48,8 @@ class ScanGLA(torch.autograd.Function):
         n, pieces, (gamma,) = ctx.n, ctx.pieces, ctx.saved_tensors
         qb, _, _, gb = ctx.saved.leaves[:4]
         dob = pieces.local(do)
-        A = pieces.entering_grads(gla_state_grad(qb, gb, dob, ctx.scale, cu_seqlens=pieces.cu))
+        A = pieces.entering_grads(gla_state_grad(qb, gb, dob, ctx.scale, cu_seqlens=pieces.cu,
+                                                 cu_seqlens_cpu=pieces.cu_cpu))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True)
         grads = gla_bwd(ctx.saved, dob, pieces.final_grads(_batch(D)))[:4]
@@ -61,7 +62,7 @@ class _Pieces:
     """A rank's n equal pieces of B sequences as B*n batch entries of the local operations
     (the dense counterpart of ``packed.Packing``: one segment per piece, no resets)."""
 
-    cu = None
+    cu = cu_cpu = None
 
     def __init__(self, n):
         self.n = n

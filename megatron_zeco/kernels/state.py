@@ -11,7 +11,8 @@ chunk by chunk with the state in fp32 registers; a second small kernel folds
 the per-split results, ``sum_s exp(w_s) X_s`` with ``w_s`` the log-decay between
 split s and the piece's end (``E``) or start (``A``). Packed input (fla's
 ``cu_seqlens``, B = 1) gives one result per segment: each segment is cut into its
-own splits (a table of token ranges), chunks start at the segment's first token. Products run on tensor cores
+own splits (a table of token ranges, built on the host from ``cu_seqlens_cpu`` when
+given), chunks start at the segment's first token. Products run on tensor cores
 in the input dtype (bf16/fp16, fp32 accumulation, as fla's chunk kernels do) and in
 full fp32 for fp32 inputs. Inputs may be strided views (last dim contiguous).
 
@@ -176,7 +177,7 @@ def _strides(x: torch.Tensor):
 
 
 def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: int, to_end: bool,
-            cu_seqlens: Optional[torch.Tensor]):
+            cu_seqlens: Optional[torch.Tensor], cu_seqlens_cpu: Optional[torch.Tensor]):
     """Run ``kernel`` per split into fp32 partials, then fold them per batch entry (segment);
     returns ``(out, gamma or None)``."""
     B, T, H = inputs[0].shape[:3]
@@ -189,14 +190,17 @@ def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: 
     else:
         if B != 1:
             raise ValueError(f"packed input (cu_seqlens) must have batch size 1, got {B}")
-        cu = cu_seqlens.tolist()
+        cu = (cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu).tolist()
         bounds, ends = [], [0]
         for bos, eos in zip(cu[:-1], cu[1:]):  # an empty segment gets one empty split (E = 0, gamma = 1)
-            bounds += [(t, min(t + TS, eos)) for t in (range(bos, eos, TS) or [bos])]
-            ends.append(len(bounds))
-        NS, R, n_splits = 1, len(cu) - 1, len(bounds)
-        splits = torch.tensor(bounds, dtype=torch.int32).to(dev)
-        rows = torch.tensor(ends, dtype=torch.int32).to(dev)
+            for t in range(bos, eos, TS) or [bos]:
+                bounds += [t, min(t + TS, eos)]
+            ends.append(len(bounds) // 2)
+        NS, R, n_splits = 1, len(cu) - 1, len(bounds) // 2
+        tables = torch.tensor(bounds + ends, dtype=torch.int32)  # one copy that does not wait for the GPU
+        if dev.type == "cuda":
+            tables = tables.pin_memory()
+        splits, rows = tables.to(dev, non_blocking=True).split([len(bounds), len(ends)])
     X_part = torch.empty(n_splits * H, K, V, dtype=torch.float32, device=dev)
     g_part = torch.empty(n_splits * H, K, dtype=torch.float32, device=dev)
     strides = [s for x in inputs for s in x.stride()[:3]]
@@ -217,30 +221,32 @@ def _launch(kernel, inputs, extra, K: int, V: int, chunk_size: int, split_size: 
 
 
 def chunk_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, chunk_size: int = 64,
-                split_size: int = DEFAULT_SPLIT_SIZE, cu_seqlens: Optional[torch.Tensor] = None
-                ) -> Tuple[torch.Tensor, torch.Tensor]:
+                split_size: int = DEFAULT_SPLIT_SIZE, cu_seqlens: Optional[torch.Tensor] = None,
+                cu_seqlens_cpu: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Piece summary ``(E [B, H, K, V], gamma [B, H, K])`` in float32.
 
     Args:
         k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``; float32, bfloat16 or float16.
-        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1; read on the host): one summary
-            per segment, ``[N, ...]``.
+        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1): one summary per segment, ``[N, ...]``.
+        cu_seqlens_cpu: the same offsets on the host (else ``cu_seqlens`` is read back, waiting for the GPU).
     """
     return _launch(_state_kernel, [k, v, g], [], k.shape[-1], v.shape[-1], chunk_size, split_size, to_end=True,
-                   cu_seqlens=cu_seqlens)
+                   cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def chunk_state_grad(q: torch.Tensor, g: torch.Tensor, do: torch.Tensor, scale: Optional[float] = None,
                      chunk_size: int = 64, split_size: int = DEFAULT_SPLIT_SIZE,
-                     cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     cu_seqlens: Optional[torch.Tensor] = None,
+                     cu_seqlens_cpu: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``A = scale * sum_t (q_t * exp(G_t)) do_t^T``: ``[B, H, K, V]`` float32.
 
     Args:
         q, g: ``[B, T, H, K]``; do: ``[B, T, H, V]``; float32, bfloat16 or float16.
-        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1; read on the host): ``[N, H, K, V]``,
-            G_t counted from each segment's start.
+        cu_seqlens: ``[N+1]`` offsets of N segments (B = 1): ``[N, H, K, V]``, G_t counted from
+            each segment's start.
+        cu_seqlens_cpu: the same offsets on the host (else ``cu_seqlens`` is read back, waiting for the GPU).
     """
     K = q.shape[-1]
     scale = K ** -0.5 if scale is None else float(scale)
     return _launch(_state_grad_kernel, [q, g, do], [scale], K, do.shape[-1], chunk_size, split_size,
-                   to_end=False, cu_seqlens=cu_seqlens)[0]
+                   to_end=False, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)[0]

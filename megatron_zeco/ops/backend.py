@@ -11,7 +11,9 @@ Each rank runs these on its own piece of the sequence; only states cross ranks.
   as this package's Triton kernels (``kernels/state.py``) on CUDA.
 
 All four take fla's ``cu_seqlens`` for packed input (``[1, T, ...]`` holding N segments,
-one state each, in and out).
+one state each, in and out), and, as fla does, an optional host copy ``cu_seqlens_cpu``:
+the GPU kernels build their launch tables from it instead of reading the offsets back from
+the device (a copy that would wait for all queued GPU work).
 
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (slow on GPUs;
 the same numbers up to rounding).
@@ -40,7 +42,7 @@ class Saved(NamedTuple):
 def gla_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
     initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Saved]:
     """Local GLA forward.
 
@@ -48,6 +50,7 @@ def gla_fwd(
         q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``, one floating dtype.
         initial_state: ``[B, H, K, V]`` float32 (float64 for float64 inputs) or None.
         cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); states are then ``[N, H, K, V]``.
+        cu_seqlens_cpu: the same offsets on the host, or None.
     Returns:
         ``o [B, T, H, V]`` (input dtype), the final state ``[B, H, K, V]`` or None, and
         what :func:`gla_bwd` takes.
@@ -57,7 +60,7 @@ def gla_fwd(
         if initial_state is not None:
             leaves += (initial_state.detach().requires_grad_(),)
         h0 = leaves[4] if initial_state is not None else None
-        varlen = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}
+        varlen = _varlen(q, cu_seqlens, cu_seqlens_cpu)
         o, ht = _local_gla(q)(*leaves[:4], scale=scale, initial_state=h0, output_final_state=output_final_state,
                               **varlen)
     return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht)
@@ -78,18 +81,20 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
     return (*result[:4], result[4] if len(result) == 5 else None)
 
 
-def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``
     (one per segment, ``[N, ...]``, with ``cu_seqlens``)."""
     if _use_kernels(k.device, k.dtype):
-        return _triton_state().chunk_state(k, v, g, cu_seqlens=cu_seqlens)
+        return _triton_state().chunk_state(k, v, g, **_varlen(k, cu_seqlens, cu_seqlens_cpu))
     return chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
 
 
-def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None) -> Tensor:
+def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
+                   cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
     """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]`` (``[N, ...]`` with ``cu_seqlens``)."""
     if _use_kernels(q.device, q.dtype):
-        return _triton_state().chunk_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
+        return _triton_state().chunk_state_grad(q, g, do, scale, **_varlen(q, cu_seqlens, cu_seqlens_cpu))
     return chunk_gla_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
 
 
@@ -104,6 +109,15 @@ def _use_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
     """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
     return (torch.device(device).type == "cuda" and dtype in _KERNEL_DTYPES
             and os.environ.get(BACKEND_ENV, "auto") != "torch")
+
+
+def _varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:
+    """Packed-input keywords of the backend that serves ``x`` (the PyTorch forms read offsets on the host)."""
+    if cu_seqlens is None:
+        return {}
+    if cu_seqlens_cpu is None or not _use_kernels(x.device, x.dtype):
+        return {"cu_seqlens": cu_seqlens}
+    return {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
 
 
 def _local_gla(x: Tensor):
