@@ -6,9 +6,12 @@ The equations, the stated figures and their sources are in ``docs/scaling.md``; 
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
 * ``zeco``:  ``t_op (1 + extra) + passes + sum over fwd/bwd of max(0, chain - overlap * t_dir)``;
-  the All-Scan chain of K blocks over hops with per-block times ``tau_i`` takes
-  ``scan_call + sum_i tau_i + (K - 1) max_i tau_i`` (the paper's ``tau(S) + (P-1) tau(S)/K`` up
-  to one block stage), ``tau = message + latency + (S / K) / bandwidth``.
+  the All-Scan chain of K blocks over hops with per-hop times ``tau_i`` takes
+  ``scan_call + sum_i tau_i + (K - 1) max(message, max_i tau_i)`` (the paper's
+  ``tau(S) + (P-1) tau(S)/K`` up to one block stage), ``tau = hop + latency + (S / K) / bandwidth``:
+  ``hop`` is the critical path of one rank's receive -> combine -> send, ``message`` what each
+  rank spends issuing one block (ranks issue theirs at the same time, so it paces the blocks,
+  not the hops).
 * ``lasp2``: as zeco with an all-gather of every piece's state, ``(P-1)(latency + S/bandwidth)``
   on the slowest link, and a local fold over all pieces.
 * ``lasp1``: the ranks run one after another: ``P t_op`` plus two K=1 chains.
@@ -108,25 +111,31 @@ class Workload:
 class Software:
     """Costs of an implementation beyond the wire: seconds, seconds per byte (passes, copies), shares."""
 
-    message: float  # per chain message: issue, slicing, combine, on the critical path
+    message: float  # per block on each rank: issue, slicing, combine (paces the pipeline's blocks)
     scan_call: float  # fixed per All-Scan (or ring) call
     gather_call: float  # fixed per all-gather scan call, the collective's own call included
     fold_launch: float  # per piece folded after the all-gather, beyond reading its state
     state_pass: float  # per byte read by the separate state pass (0: fused into fla's kernels)
     state_grad_pass: float  # per byte read by the separate state-gradient pass
     a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
+    a2a_wire: float = 1.0  # NCCL's all-to-all time over the stated links' (1: at their bandwidth)
+    hop: float = 0.0  # per hop beyond the wire: one rank's receive -> combine -> send turnaround
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
 
 
 def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
     """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
+    taus = _hop_times(w, c, sw, K)
+    return sw.scan_call + sum(n * tau for n, tau in taus) + (K - 1) * max(sw.message, *(tau for _, tau in taus))
+
+
+def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int, float]]:
+    """(number, seconds) of the chain's hops of each kind (NVLink, InfiniBand, same rank) for one block."""
     intra, inter, local = c.chain_hops(w.P, w.layout)
     block = w.state_bytes / K
-    taus = [(intra, sw.message + c.intra.time(block)), (inter, sw.message + c.inter.time(block)),
-            (local, sw.message)]
-    taus = [(n, tau) for n, tau in taus if n]
-    return sw.scan_call + sum(n * tau for n, tau in taus) + (K - 1) * max(tau for _, tau in taus)
+    taus = [(intra, sw.hop + c.intra.time(block)), (inter, sw.hop + c.inter.time(block)), (local, sw.hop)]
+    return [(n, tau) for n, tau in taus if n]
 
 
 def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
@@ -158,7 +167,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1)
     if strategy == "a2a":
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
-        return t_op + w.a2a_bytes * sw.a2a_copy + _a2a_wire(w, c)
+        return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
     passes = w.pass_bytes * (sw.state_pass + sw.state_grad_pass)
     comm, after = (chain_time(w, c, sw, K), 0.0) if strategy == "zeco" else gather_time(w, c, sw)
     exposed = sum(max(0.0, comm - sw.overlap * t) + after for t in (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op))
@@ -205,15 +214,15 @@ def target(cal: Calibration, overlapped: bool = True, message: float = 2e-6, sca
            overlap: float = 0.5, extra: float = 0.03) -> Software:
     """The design of issue 4 (not built): calibrated costs where unchanged, stated figures elsewhere.
 
-    All-Scan on the device: ``message`` per block (a signal wait and the combine) and one launch
-    (``scan_call``) instead of host-issued NCCL messages; the state passes fused into fla's chunk
+    All-Scan on the device: ``message`` per block and per hop (a signal wait and the combine) and
+    one launch (``scan_call``) instead of host-issued NCCL messages; the state passes fused into fla's chunk
     kernels (no extra pass). ``overlapped``: the correction form, the scan in flight while the
     ``overlap`` share of each direction's local op runs, corrections costing ``extra`` * t_op;
     else the initial-state form (nothing overlapped, no corrections). lasp2 gets the same fused
     passes, overlap and corrections, NCCL's own all-gather call and a fused fold; lasp1's ring the
     same device-side messages; a2a is unchanged.
     """
-    return replace(cal.software, message=message, scan_call=scan_call, gather_call=cal.nccl_call, fold_launch=0.0,
+    return replace(cal.software, message=message, hop=message, scan_call=scan_call, gather_call=cal.nccl_call, fold_launch=0.0,
                    state_pass=0.0, state_grad_pass=0.0, overlap=overlap if overlapped else 0.0,
                    extra=extra if overlapped else 0.0)
 
@@ -258,7 +267,7 @@ def _weighted_fit(xs: list[list[float]], ys: list[float]) -> list[float]:
     n = len(xs[0])
     a = [[sum(x[i] * x[j] / y ** 2 for x, y in zip(xs, ys)) for j in range(n)] for i in range(n)]
     b = [sum(x[i] * y / y ** 2 for x, y in zip(xs, ys)) for i in range(n)]
-    for i in range(n):  # Gauss-Jordan; n <= 2
+    for i in range(n):  # Gauss-Jordan; n <= 3
         for k in range(n):
             if k != i:
                 f = a[k][i] / a[i][i]
@@ -301,13 +310,15 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT,
                   state_pass=per_byte["gla_state"], state_grad_pass=per_byte["gla_state_grad"], a2a_copy=0.0)
 
-    # All-Scan = scan_call + messages * message + wire (stated links): messages = hops + K - 1.
+    # All-Scan = scan_call + (K - 1) * message + hops * hop + wire (stated links); hop >= 0.
     scans = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
              for r in by(part="scan") if r["method"].startswith("all_scan K=")]
-    scan_call, message = _weighted_fit(
-        [[1.0, sum(cluster.chain_hops(w.P, w.layout)) + K - 1] for _, w, K in scans],
-        [r["ms"] * 1e-3 - chain_time(w, cluster, sw, K) for r, w, K in scans])
-    sw = replace(sw, scan_call=scan_call, message=message)
+    xs = [[1.0, K - 1, sum(cluster.chain_hops(w.P, w.layout))] for _, w, K in scans]
+    ys = [r["ms"] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, sw, K)) for r, w, K in scans]
+    scan_call, message, hop = _weighted_fit(xs, ys)
+    if hop < 0:  # hops cost nothing measurable beyond the wire: fit the other two alone
+        (scan_call, message), hop = _weighted_fit([x[:2] for x in xs], ys), 0.0
+    sw = replace(sw, scan_call=scan_call, message=message, hop=hop)
     gathers = by(part="scan", method="gather_scan")
     sw = replace(sw, gather_call=fit_constant(gathers, lambda r: sum(gather_time(_scan_workload(r), cluster, sw))))
     ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
@@ -315,9 +326,14 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     nccl_call = fit_constant(nccl_gathers, ring)
     a2a = [r for r in by(part="op", strategy="a2a") if r["cp"] > 1]
     if a2a:
-        sw = replace(sw, a2a_copy=_weighted_fit(
-            [[_workload(r, 0.0).a2a_bytes] for r in a2a],
-            [(r["ms"] - t_op(r)) * 1e-3 - _a2a_wire(_workload(r, t_op(r)), cluster) for r in a2a])[0])
+        # copies (the same at every P) and the wire ((P - 1) / P of the bytes cross links): both fitted
+        # where rows at two or more P allow it, else the wire at the stated bandwidth.
+        xs = [[_workload(r, 0.0).a2a_bytes, _a2a_wire(_workload(r, 0.0), cluster)] for r in a2a]
+        ys = [(r["ms"] - t_op(r)) * 1e-3 for r in a2a]
+        copy, wire = _weighted_fit(xs, ys) if len({r["cp"] for r in a2a}) > 1 else (None, -1.0)
+        if wire <= 0 or copy <= 0:
+            copy, wire = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
+        sw = replace(sw, a2a_copy=copy, a2a_wire=wire)
 
     res = [Residual(f"kernel {r['name']} T={r['tokens_per_gpu']}", r["ms"],
                     per_byte[r["name"]] * _workload(r, 0.0).pass_bytes * 1e3, True)
@@ -331,18 +347,33 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     res += [Residual(f"scan {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],  # NCCL's call + one message
                      (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
             for r in by(part="scan", method="nccl send/recv hop")]
-    res += [Residual(f"op {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} T={r['tokens_per_gpu']}", r["ms"],
-                     layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3, r["strategy"] == "a2a")
-            for r in by(part="op") if r["strategy"] in STRATEGIES[1:]]
+    # One point per configuration: the mean of its runs (files), as the same configuration measured
+    # in separate runs differs by up to ~17% (host-bound NCCL calls).
+    runs: dict[tuple, list[dict]] = {}
+    for r in by(part="op"):
+        if r["strategy"] in STRATEGIES[1:]:
+            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, *_shape(r)), []).append(r)
+    for (strategy, P, layout, T, *_), rs in runs.items():
+        r, n = rs[0], len(rs)
+        res.append(Residual(f"op {strategy} CP={P} {layout} T={T}" + (f" (mean of {n} runs)" if n > 1 else ""),
+                            sum(x["ms"] for x in rs) / n, layer_time(strategy, _workload(r, t_op(r)), cluster, sw) * 1e3,
+                            strategy == "a2a"))
 
+    # Per-layer time outside GLA from each file's CP = 1 run (its own GPUs and data-parallel size);
+    # Calibration.other_ms is their mean per shape, for projections.
     models = by(part="model")
-    other_ms = {(*_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r) for r in models if r["cp"] == 1}
+    per_file = {(r["file"], *_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r)
+                for r in models if r["cp"] == 1}
+    other_ms: dict[tuple[int, int, int, int], float] = {}
+    for (_, *key), ms in per_file.items():
+        other_ms[tuple(key)] = other_ms.get(tuple(key), []) + [ms]
+    other_ms = {k: sum(v) / len(v) for k, v in other_ms.items()}
     for r in models:
         if r["cp"] > 1:
-            key = (*_shape(r), r["layers"])
-            if key not in other_ms:
-                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape")
-            model = r["layers"] * (other_ms[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
+            key = (r["file"], *_shape(r), r["layers"])
+            if key not in per_file:
+                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in its file")
+            model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']}", _model_ms(r), model, False))
     return Calibration(sw, nccl_call, op_ms, other_ms, res)

@@ -19,16 +19,20 @@ def workload(P, layout="contiguous", **kw):
 def test_measured_points_within_15_percent():
     """Every measured operator (and model-level) point that is not an input is reproduced within 15%."""
     cal = cm.calibrate(cm.default_rows())
-    checked = [r for r in cal.residuals if r.what.startswith(("op ", "model "))]
-    assert sum("CP=2" in r.what for r in checked) >= 8, [r.what for r in checked]  # zeco/lasp1/lasp2/a2a x 2 layouts
+    checked = [r for r in cal.residuals if r.what.startswith(("op ", "model ")) and not r.fitted]
+    assert sum("CP=2" in r.what for r in checked) >= 6, [r.what for r in checked]  # zeco/lasp1/lasp2 x 2 layouts
+    assert sum("CP=4" in r.what for r in checked) >= 6, [r.what for r in checked]
     bad = [f"{r.what}: {r.rel:+.1%}" for r in checked if abs(r.rel) > 0.15]
     assert not bad, bad
 
 
-def test_state_passing_micro_benchmarks_within_40_percent():
-    """The scan micro-benchmarks (noisy, not monotone in size) are fitted by few parameters: bounded misfit."""
+def test_state_passing_micro_benchmarks_fit_within_bounds():
+    """The scan micro-benchmarks (noisy, not monotone in size: one run's 2 MiB points are twice its
+    1 and 4 MiB ones) are fitted by few parameters: typical misfit <= 25%, none beyond 50%."""
     cal = cm.calibrate(cm.default_rows())
-    bad = [f"{r.what}: {r.rel:+.1%}" for r in cal.residuals if abs(r.rel) > 0.40]
+    rel = sorted(abs(r.rel) for r in cal.residuals)
+    assert rel[len(rel) // 2] <= 0.25, rel
+    bad = [f"{r.what}: {r.rel:+.1%}" for r in cal.residuals if abs(r.rel) > 0.50]
     assert not bad, bad
     sw = cal.software
     assert min(sw.message, sw.scan_call, sw.gather_call, cal.nccl_call, sw.state_pass, sw.a2a_copy) > 0, sw
@@ -38,7 +42,9 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
     """Rows made by the model from random costs, written as JSON files: calibrate() finds those costs again."""
     rng = random.Random(seed)
     cluster = cm.Cluster()
-    true = dataclasses.replace(FREE, message=rng.uniform(5e-6, 2e-4), scan_call=rng.uniform(0, 3e-4),
+    # per-block issue above the hop time (hop + wire), as measured: the form calibrate() fits
+    true = dataclasses.replace(FREE, message=rng.uniform(4e-5, 2e-4), hop=rng.uniform(1e-6, 1e-5),
+                               scan_call=rng.uniform(0, 3e-4), a2a_wire=rng.uniform(0.5, 3),
                                gather_call=rng.uniform(0, 3e-4), fold_launch=cm.FOLD_LAUNCH_BUILT,
                                state_pass=rng.uniform(1e-12, 1e-11), state_grad_pass=rng.uniform(1e-12, 1e-11),
                                a2a_copy=rng.uniform(1e-12, 1e-11))
@@ -51,10 +57,12 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
     ops += [dict(part="kernel", tokens_per_gpu=T, name=name, ms=w.pass_bytes * per_byte * 1e3)
             for name, per_byte in (("gla_state", true.state_pass), ("gla_state_grad", true.state_grad_pass))]
     scans = []
+    for mib, P in ((0.25, 2), (1.0, 2), (4.0, 2), (1.0, 4)):  # hops and blocks apart: two P
+        s = cm.Workload(P=P, tokens=0, heads=round(mib * 16), k_dim=128, v_dim=128, op_ms=0.0)
+        scans += [dict(part="scan", state_mib=mib, cp=P, method=f"all_scan K={K}",
+                       ms=cm.chain_time(s, cluster, true, K) * 1e3) for K in (1, 2, 8)]
     for mib in (0.25, 1.0, 4.0):
         s = cm.Workload(P=2, tokens=0, heads=round(mib * 16), k_dim=128, v_dim=128, op_ms=0.0)
-        scans += [dict(part="scan", state_mib=mib, cp=2, method=f"all_scan K={K}",
-                       ms=cm.chain_time(s, cluster, true, K) * 1e3) for K in (1, 2, 8)]
         scans += [dict(part="scan", state_mib=mib, cp=2, method="gather_scan",
                        ms=sum(cm.gather_time(s, cluster, true)) * 1e3),
                   dict(part="scan", state_mib=mib, cp=2, method="nccl all_gather",
@@ -67,11 +75,12 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
         (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {}, "rows": rows}))
 
     cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster)
-    for field in ("message", "scan_call", "gather_call", "state_pass", "state_grad_pass", "a2a_copy"):
+    for field in ("message", "hop", "scan_call", "gather_call", "state_pass", "state_grad_pass", "a2a_copy",
+                  "a2a_wire"):
         assert getattr(cal.software, field) == pytest.approx(getattr(true, field), rel=1e-9), field
     assert cal.nccl_call == pytest.approx(nccl_call, rel=1e-9)
     assert cal.other_ms[(T, H, D, layers)] == pytest.approx(other_ms, rel=1e-9)
-    assert len(cal.residuals) == 2 + len(scans) + len(ops) - 3 + 1
+    assert len(cal.residuals) == 2 + len(scans) + len(ops) - 3 + 1  # op rows: one run per configuration
     assert max(abs(r.rel) for r in cal.residuals) < 1e-9
 
 
@@ -87,7 +96,7 @@ def test_pipelined_chain_is_the_papers_formula(P):
         assert cm.chain_time(w, c, FREE, K) == pytest.approx(tau + (P - 1) * tau / K - tau / K, rel=1e-12)
     alpha, m, call = 3e-6, 2e-6, 7e-6
     c = cm.Cluster(intra=dataclasses.replace(link, latency=alpha), inter=dataclasses.replace(link, latency=alpha))
-    sw = dataclasses.replace(FREE, message=m, scan_call=call)
+    sw = dataclasses.replace(FREE, message=m, hop=m, scan_call=call)
     assert cm.chain_time(w, c, sw, 1) == pytest.approx(call + (P - 1) * (m + alpha + tau), rel=1e-12)
     for K in (2, 16):
         assert cm.chain_time(w, c, sw, K) == pytest.approx(call + (P + K - 2) * (m + alpha + tau / K), rel=1e-12)
@@ -133,7 +142,7 @@ def test_limits():
         assert {cm.layer_time(s, workload(1), c, sw) for s in cm.STRATEGIES} == {4e-3}
     free_link = cm.Link(latency=0.0, bandwidth=float("inf"))
     free = cm.Cluster(intra=free_link, inter=free_link)
-    design = dataclasses.replace(sws["design"], message=0.0, scan_call=0.0, gather_call=0.0)
+    design = dataclasses.replace(sws["design"], message=0.0, hop=0.0, scan_call=0.0, gather_call=0.0)
     for P in (2, 1024):  # free links: the corrections, LASP-2's fold and the ring's serialisation remain
         assert cm.efficiency("zeco", workload(P), free, design) == pytest.approx(1 / (1 + design.extra))
         fold = cm.gather_time(workload(P), free, design)[1]
