@@ -203,7 +203,8 @@ def bench_accuracy(args, world, me, cp_group, rows):
 
 
 def documents(total, mean, multiple, generator):
-    """``cu_seqlens`` of documents with exponential lengths (rounded up to ``multiple``) filling ``total``."""
+    """``cu_seqlens`` of documents with exponential lengths (rounded to a positive multiple of ``multiple``)
+    filling ``total``."""
     cu = [0]
     while cu[-1] < total:
         length = -mean * torch.log(torch.rand(1, generator=generator)).item()

@@ -330,9 +330,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
         # where rows at two or more P allow it, else the wire at the stated bandwidth.
         xs = [[_workload(r, 0.0).a2a_bytes, _a2a_wire(_workload(r, 0.0), cluster)] for r in a2a]
         ys = [(r["ms"] - t_op(r)) * 1e-3 for r in a2a]
-        copy, wire = _weighted_fit(xs, ys) if len({r["cp"] for r in a2a}) > 1 else (None, -1.0)
-        if wire <= 0 or copy <= 0:
-            copy, wire = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
+        fit = _weighted_fit(xs, ys) if len({r["cp"] for r in a2a}) > 1 else None
+        if fit is None or min(fit) <= 0:
+            fit = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
+        copy, wire = fit
         sw = replace(sw, a2a_copy=copy, a2a_wire=wire)
 
     res = [Residual(f"kernel {r['name']} T={r['tokens_per_gpu']}", r["ms"],
@@ -364,10 +365,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     models = by(part="model")
     per_file = {(r["file"], *_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r)
                 for r in models if r["cp"] == 1}
-    other_ms: dict[tuple[int, int, int, int], float] = {}
+    by_shape: dict[tuple[int, int, int, int], list[float]] = {}
     for (_, *key), ms in per_file.items():
-        other_ms[tuple(key)] = other_ms.get(tuple(key), []) + [ms]
-    other_ms = {k: sum(v) / len(v) for k, v in other_ms.items()}
+        by_shape.setdefault(tuple(key), []).append(ms)
+    other_ms = {k: sum(v) / len(v) for k, v in by_shape.items()}
     for r in models:
         if r["cp"] > 1:
             key = (r["file"], *_shape(r), r["layers"])

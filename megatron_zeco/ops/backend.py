@@ -86,7 +86,7 @@ def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = No
     """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``
     (one per segment, ``[N, ...]``, with ``cu_seqlens``)."""
     if _use_kernels(k.device, k.dtype):
-        return _triton_state().chunk_state(k, v, g, **_varlen(k, cu_seqlens, cu_seqlens_cpu))
+        return _triton_state().chunk_state(k, v, g, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     return chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
 
 
@@ -94,7 +94,8 @@ def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: O
                    cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
     """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]`` (``[N, ...]`` with ``cu_seqlens``)."""
     if _use_kernels(q.device, q.dtype):
-        return _triton_state().chunk_state_grad(q, g, do, scale, **_varlen(q, cu_seqlens, cu_seqlens_cpu))
+        return _triton_state().chunk_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens,
+                                                cu_seqlens_cpu=cu_seqlens_cpu)
     return chunk_gla_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
 
 
@@ -112,7 +113,8 @@ def _use_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
 
 
 def _varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:
-    """Packed-input keywords of the backend that serves ``x`` (the PyTorch forms read offsets on the host)."""
+    """Packed-input keywords of the local GLA that serves ``x``: fla takes the host copy, the
+    PyTorch form reads the offsets on the host itself."""
     if cu_seqlens is None:
         return {}
     if cu_seqlens_cpu is None or not _use_kernels(x.device, x.dtype):
