@@ -32,8 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_zeco import zeco_gla
+from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import all_scan, as_layout, gather_scan
-from megatron_zeco.ops import chunk_gla, gla_state, gla_state_grad
+from megatron_zeco.kernels.decayed_add import add_decayed_states_
+from megatron_zeco.ops import chunk_gla
 
 
 def parse_args():
@@ -124,11 +126,16 @@ def bench_op(args, world, me, cp_group, self_group, rows):
             rows.append(row)
             log(f"op  T/GPU={T:6d} {strategy:6s} CP={P} {layout:10s} {ms:8.3f} ms"
                 + ("" if row["vs_none"] is None else f"  x{row['vs_none']:.3f} of none"))
-        for name, fn in (("gla_state", lambda: gla_state(x["k"], x["v"], x["g"])),
-                         ("gla_state_grad", lambda: gla_state_grad(x["q"], x["g"], x["o"], 0.1))):
-            ms = timed(fn, args.iters, args.warmup)
+        # ZeCO's one extra pass per direction: the incoming state added to fla's chunk states
+        # (fp32 h rounded to bf16 forward, fp32 dh in place backward; 64-token chunks).
+        for name, out_dtype in (("add_state h", torch.bfloat16), ("add_state dh", None)):
+            h = torch.zeros(-(-T // 64), args.heads, args.dim, args.dim, device="cuda")
+            w = torch.zeros(h.shape[:3], device="cuda")
+            S, index = torch.zeros(1, *h.shape[1:], device="cuda"), torch.zeros(len(h), dtype=torch.long, device="cuda")
+            ms = timed(lambda: add_decayed_states_(h, w, S, index, out_dtype=out_dtype), args.iters, args.warmup)
             rows.append({"part": "kernel", "tokens_per_gpu": T, "name": name, "ms": ms})
             log(f"kernel T/GPU={T:6d} {name:15s} {ms:8.3f} ms")
+            del h
         del x
         torch.cuda.empty_cache()
 
@@ -250,7 +257,7 @@ def write(args, world, rows, script="bench_op.py", **extra):
     meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/{script} {' '.join(sys.argv[1:])}",
             "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), **extra}
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "build": BUILD, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -36,6 +36,7 @@ import sys
 import time
 
 from compare_losses import curve
+from megatron_zeco.cost_model import BUILD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECS = {"zeco": "gla_local_spec", "lasp1": "gla_local_lasp1_spec", "lasp2": "gla_local_lasp2_spec",
@@ -147,7 +148,7 @@ def _write(args, rows):
             "device": f"{torch.cuda.get_device_name()} x{args.gpus}" if torch.cuda.is_available() else "cpu",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1 (launcher default)"),
-            "model": "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data"}
+            "model": "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data", "build": BUILD}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

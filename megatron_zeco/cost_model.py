@@ -38,6 +38,16 @@ HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
 FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200 (BRIEF section 3)
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH_BUILT = 10e-6  # as built, per folded piece: two eager kernels (multiply, add), ~5 us each
+CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
+
+# ZeCO's passes beyond the local op in each build of the GPU path: the (forward, backward) kernel
+# rows bench_op measures, and what each is charged per byte of. A result file names its build in
+# ``meta["build"]``; files from before that key are "state passes". BUILD is the code as it is now.
+BUILDS = {
+    "state passes": (("gla_state", "gla_state_grad"), "pass_bytes"),  # own kernels re-read k, v, g / q, g, dO
+    "fla piece": (("add_state h", "add_state dh"), "chunk_state_bytes"),  # decayed S_in added to each chunk's state
+}
+BUILD = "fla piece"
 
 
 @dataclass(frozen=True)
@@ -103,6 +113,10 @@ class Workload:
         return self.tokens * self.heads * (2 * self.k_dim + self.v_dim) * self.act_bytes
 
     @property
+    def chunk_state_bytes(self) -> int:  # one fp32 state per chunk: what the add_state passes update
+        return math.ceil(self.tokens / CHUNK) * self.state_bytes
+
+    @property
     def a2a_bytes(self) -> int:  # q, k, v, g, o and their gradients: what a2a reorders
         return 2 * self.tokens * self.heads * (3 * self.k_dim + 2 * self.v_dim) * self.act_bytes
 
@@ -115,13 +129,14 @@ class Software:
     scan_call: float  # fixed per All-Scan (or ring) call
     gather_call: float  # fixed per all-gather scan call, the collective's own call included
     fold_launch: float  # per piece folded after the all-gather, beyond reading its state
-    state_pass: float  # per byte read by the separate state pass (0: fused into fla's kernels)
-    state_grad_pass: float  # per byte read by the separate state-gradient pass
+    state_pass: float  # per byte of the build's forward pass beyond the local op (0: fused into it)
+    state_grad_pass: float  # per byte of its backward pass
     a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
     a2a_wire: float = 1.0  # NCCL's all-to-all time over the stated links' (1: at their bandwidth)
     hop: float = 0.0  # per hop beyond the wire: one rank's receive -> combine -> send turnaround
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
+    build: str = BUILD  # which BUILDS entry the passes are (what they are charged per byte of)
 
 
 def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
@@ -168,7 +183,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1)
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
         return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
-    passes = w.pass_bytes * (sw.state_pass + sw.state_grad_pass)
+    passes = getattr(w, BUILDS[sw.build][1]) * (sw.state_pass + sw.state_grad_pass)
     comm, after = (chain_time(w, c, sw, K), 0.0) if strategy == "zeco" else gather_time(w, c, sw)
     exposed = sum(max(0.0, comm - sw.overlap * t) + after for t in (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op))
     return t_op * (1 + sw.extra) + passes + exposed
@@ -230,20 +245,23 @@ def target(cal: Calibration, overlapped: bool = True, message: float = 2e-6, sca
 def load_rows(pattern: str) -> list[dict]:
     """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
 
-    ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
+    Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
     ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures).
     """
     rows = []
     for path in sorted(glob.glob(pattern)):
         with open(path) as f:
-            file_rows = json.load(f)["rows"]
+            data = json.load(f)
+        file_rows, build = data["rows"], data["meta"].get("build", "state passes")
+        if build not in BUILDS:
+            raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
         shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
         for r in file_rows:
             if "heads" not in r and r["part"] == "kernel":
                 if len(shapes) != 1:
                     raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")
                 r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
-            rows.append(dict(r, file=os.path.basename(path)))
+            rows.append(dict(r, file=os.path.basename(path), build=build))
     if not rows:
         raise ValueError(f"no measured rows in {pattern!r}")
     return rows
@@ -292,23 +310,39 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     op_ms: dict[tuple[int, int, int], list[float]] = {}
     for r in by(part="op", strategy="none"):
         op_ms.setdefault(_shape(r), []).append(r["ms"])
+    own = {(r["file"], *_shape(r)): r["ms"] for r in by(part="op", strategy="none")}
     op_ms = {k: sum(v) / len(v) for k, v in op_ms.items()}
 
-    def t_op(r):
+    def t_op(r):  # the one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean
         if _shape(r) not in op_ms:
             raise ValueError(f"{r['file']}: no 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
-        return op_ms[_shape(r)]
+        return own.get((r["file"], *_shape(r)), op_ms[_shape(r)])
 
     def fit_constant(rs, known):  # y = constant + known(row)
         return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
 
-    kernels = {name: by(part="kernel", name=name) for name in ("gla_state", "gla_state_grad")}
-    if not all(kernels.values()):
-        raise ValueError("calibration needs 'kernel' rows for gla_state and gla_state_grad")
-    per_byte = {name: _weighted_fit([[_workload(r, 0.0).pass_bytes] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
-                for name, rs in kernels.items()}
-    sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT,
-                  state_pass=per_byte["gla_state"], state_grad_pass=per_byte["gla_state_grad"], a2a_copy=0.0)
+    # The passes of each build measured, each fitted per byte of what it touches.
+    kernels, passes = {}, {}
+    for build, ((fwd, bwd), unit) in BUILDS.items():
+        rows_of = {name: by(part="kernel", name=name, build=build) for name in (fwd, bwd)}
+        if not any(rows_of.values()):
+            continue
+        if not all(rows_of.values()):
+            raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {build!r})")
+        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
+                    for name, rs in rows_of.items()}
+        passes[build] = dict(build=build, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
+        kernels.update({(build, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
+    if not passes:
+        raise ValueError(f"calibration needs 'kernel' rows of a build: {', '.join(f'{b}: {n}' for b, (n, _) in BUILDS.items())}")
+    current = BUILD if BUILD in passes else next(reversed(passes))
+    sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT, a2a_copy=0.0,
+                  **passes[current])
+
+    def built(r):  # the Software a row was measured with: shared costs, its build's passes
+        if r["build"] not in passes:
+            raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
+        return replace(sw, **passes[r["build"]])
 
     # All-Scan = scan_call + (K - 1) * message + hops * hop + wire (stated links); hop >= 0.
     scans = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
@@ -336,9 +370,9 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
         copy, wire = fit
         sw = replace(sw, a2a_copy=copy, a2a_wire=wire)
 
-    res = [Residual(f"kernel {r['name']} T={r['tokens_per_gpu']}", r["ms"],
-                    per_byte[r["name"]] * _workload(r, 0.0).pass_bytes * 1e3, True)
-           for rs in kernels.values() for r in rs]
+    res = [Residual(f"kernel {name} ({build}) T={r['tokens_per_gpu']}", r["ms"],
+                    per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
+           for (build, name), (rs, per_byte, unit) in kernels.items() for r in rs]
     res += [Residual(f"scan {r['state_mib']:g} MiB all_scan K={K}", r["ms"], chain_time(w, cluster, sw, K) * 1e3, True)
             for r, w, K in scans]
     res += [Residual(f"scan {r['state_mib']:g} MiB gather_scan", r["ms"],
@@ -348,16 +382,19 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     res += [Residual(f"scan {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],  # NCCL's call + one message
                      (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
             for r in by(part="scan", method="nccl send/recv hop")]
-    # One point per configuration: the mean of its runs (files), as the same configuration measured
-    # in separate runs differs by up to ~17% (host-bound NCCL calls).
+    # One point per configuration and build: the mean of its runs (files), each modelled from its own
+    # run's one-GPU time, as the same configuration measured in separate runs differs by up to ~17%.
+    # The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool across builds.
     runs: dict[tuple, list[dict]] = {}
     for r in by(part="op"):
         if r["strategy"] in STRATEGIES[1:]:
-            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, *_shape(r)), []).append(r)
-    for (strategy, P, layout, T, *_), rs in runs.items():
-        r, n = rs[0], len(rs)
-        res.append(Residual(f"op {strategy} CP={P} {layout} T={T}" + (f" (mean of {n} runs)" if n > 1 else ""),
-                            sum(x["ms"] for x in rs) / n, layer_time(strategy, _workload(r, t_op(r)), cluster, sw) * 1e3,
+            build = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
+            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build, *_shape(r)), []).append(r)
+    for (strategy, P, layout, build, T, *_), rs in runs.items():
+        n = len(rs)
+        res.append(Residual(f"op {strategy} CP={P} {layout} T={T} ({build})" + (f" (mean of {n} runs)" if n > 1 else ""),
+                            sum(x["ms"] for x in rs) / n,
+                            sum(layer_time(strategy, _workload(x, t_op(x)), cluster, built(x)) for x in rs) / n * 1e3,
                             strategy == "a2a"))
 
     # Per-layer time outside GLA from each file's CP = 1 run (its own GPUs and data-parallel size);
@@ -374,9 +411,9 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
             key = (r["file"], *_shape(r), r["layers"])
             if key not in per_file:
                 raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in its file")
-            model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, sw) * 1e3)
+            model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r)) * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
-                                f"T={r['tokens_per_gpu']} L={r['layers']}", _model_ms(r), model, False))
+                                f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
     return Calibration(sw, nccl_call, op_ms, other_ms, res)
 
 

@@ -54,8 +54,9 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
     ops += [dict(part="op", tokens_per_gpu=T, heads=H, dim=D, strategy=s, cp=P, layout=lay,
                  ms=cm.layer_time(s, dataclasses.replace(w, P=P, layout=lay), cluster, true) * 1e3)
             for s in ("zeco", "lasp1", "lasp2", "a2a") for P in (2, 4) for lay in ("contiguous", "zigzag")]
-    ops += [dict(part="kernel", tokens_per_gpu=T, name=name, ms=w.pass_bytes * per_byte * 1e3)
-            for name, per_byte in (("gla_state", true.state_pass), ("gla_state_grad", true.state_grad_pass))]
+    (fwd, bwd), unit = cm.BUILDS[true.build]
+    ops += [dict(part="kernel", tokens_per_gpu=T, name=name, ms=getattr(w, unit) * per_byte * 1e3)
+            for name, per_byte in ((fwd, true.state_pass), (bwd, true.state_grad_pass))]
     scans = []
     for mib, P in ((0.25, 2), (1.0, 2), (4.0, 2), (1.0, 4)):  # hops and blocks apart: two P
         s = cm.Workload(P=P, tokens=0, heads=round(mib * 16), k_dim=128, v_dim=128, op_ms=0.0)
@@ -72,7 +73,7 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
                    layout="zigzag", tokens_per_s_per_gpu=T / (layers * (other_ms + ms)) * 1e3)
               for P, ms in ((1, op_ms), (2, zeco2))]
     for name, rows in (("op", ops), ("scan", scans), ("model", models)):  # one measurement per file, as they come
-        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {}, "rows": rows}))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"build": true.build}, "rows": rows}))
 
     cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster)
     for field in ("message", "hop", "scan_call", "gather_call", "state_pass", "state_grad_pass", "a2a_copy",

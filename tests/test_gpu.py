@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
+from megatron_zeco.ops import gla_piece
 from reference import problem, reference, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -37,6 +38,32 @@ def test_one_gpu_matches_float64(seed, dtype, gate):
     ref, got = reference(x), _run(x, dtype)
     errors = {n: rel_err(got[n], ref[n]) for n in NAMES}
     assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["normal", "zero", "tiny"])
+@pytest.mark.parametrize("lengths", [None, [1, 70, 300, 5, 100, 164]], ids=["dense", "packed"])
+def test_piece_matches_float64(seed, dtype, gate, lengths):
+    """gla_piece on fla's kernels (the scan strategies' local op): summary, output from a given
+    incoming state, A, and the gradients from a given outgoing-state gradient, per sequence."""
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    x = problem(seed, B=B, T=T, H=4, K=64, V=64, gate=gate)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [(0, a, e) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    N = len(bounds)
+    h0, dht = (torch.randn(N, 4, 64, 64, dtype=torch.float64) for _ in range(2))
+    q, k, v, g = (x[n].to("cuda", dtype) for n in ("q", "k", "v", "g"))
+    piece = gla_piece(q, k, v, g, 64 ** -0.5, cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
+    S_out = piece.gamma[..., None] * h0.cuda().float() + piece.E
+    o = piece.output(h0.cuda().float())
+    dS_in = piece.entering_grad(x["do"].to("cuda", dtype)) + piece.gamma[..., None] * dht.cuda().float()
+    grads = piece.grads(dht.cuda().float())
+    for n, (b, a, e) in enumerate(bounds):
+        ref = reference({**{m: x[m][b:b + 1, a:e] for m in SEQUENCE}, "h0": h0[n:n + 1], "dht": dht[n:n + 1]})
+        got = {"o": o[b:b + 1, a:e], "ht": S_out[n:n + 1], "dh0": dS_in[n:n + 1],
+               **{d: t[b:b + 1, a:e] for d, t in zip(("dq", "dk", "dv", "dg"), grads)}}
+        errors = {m: rel_err(got[m].cpu(), ref[m]) for m in got}
+        assert max(errors.values()) < TOLERANCE[dtype], (n, errors)
 
 
 def _two_ranks(rank, world, seed):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_zeco.ops import (chunk_gla, gla_bwd, gla_fwd, gla_state, gla_state_grad)
+from megatron_zeco.ops import chunk_gla, gla_bwd, gla_fwd, gla_piece
 from reference import GATES, problem, reference, rel_err
 
 TOL = 1e-10
@@ -24,7 +24,8 @@ def test_chunk_gla_matches_loop(seed, gate, T, chunk):
 
 @pytest.mark.parametrize("gate", ["normal", "strong", "mixed"])
 def test_local_ops_match_loop(seed, gate):
-    """gla_fwd/gla_bwd with states in and out, and the two per-piece summaries ZeCO scans."""
+    """gla_fwd/gla_bwd with states in and out, and gla_piece: the summary ZeCO scans, then the same
+    results from the incoming state and the outgoing state's gradient."""
     x = problem(seed, B=2, T=45, H=2, K=8, V=4, gate=gate)
     ref = reference(x)
     scale = 8 ** -0.5
@@ -35,17 +36,21 @@ def test_local_ops_match_loop(seed, gate):
         assert rel_err(grad, ref["d" + name]) < TOL, name
 
     # S_out = gamma * S_in + E for any S_in; dL/dS_in = A + gamma * dL/dS_out.
-    E, gamma = gla_state(x["k"], x["v"], x["g"])
-    assert rel_err(gamma.unsqueeze(-1) * x["h0"] + E, ref["ht"]) < TOL
-    A = gla_state_grad(x["q"], x["g"], x["do"], scale)
-    assert rel_err(A + gamma.unsqueeze(-1) * x["dht"], ref["dh0"]) < TOL
+    piece = gla_piece(x["q"], x["k"], x["v"], x["g"], scale)
+    assert rel_err(piece.gamma.unsqueeze(-1) * x["h0"] + piece.E, ref["ht"]) < TOL
+    assert rel_err(piece.output(x["h0"]), ref["o"]) < TOL
+    A = piece.entering_grad(x["do"])
+    assert rel_err(A + piece.gamma.unsqueeze(-1) * x["dht"], ref["dh0"]) < TOL
+    for name, grad in zip(("q", "k", "v", "g"), piece.grads(x["dht"])):
+        assert rel_err(grad, ref["d" + name]) < TOL, name
 
 
 def test_low_precision_inputs_keep_fp32_states(seed):
     x = problem(seed, B=1, T=40, H=2, K=16, V=16)
     q, k, v, g = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "g"))
     o, ht, _ = gla_fwd(q, k, v, g, 0.25, x["h0"].float(), True)
-    E, gamma = gla_state(k, v, g)
+    piece = gla_piece(q, k, v, g, 0.25)
+    E, gamma = piece.E, piece.gamma
     assert o.dtype == torch.bfloat16 and ht.dtype == E.dtype == gamma.dtype == torch.float32
     ref = reference({**x, "q": q, "k": k, "v": v, "g": g})
     assert rel_err(o, ref["o"]) < 1e-2
@@ -62,8 +67,9 @@ def test_packed_segments_match_each_alone(seed, gate):
     scale = 8 ** -0.5
     o, ht, saved = gla_fwd(x["q"], x["k"], x["v"], x["g"], scale, h0, True, cu_seqlens=cu)
     grads = gla_bwd(saved, x["do"], dht)
-    E, gamma = gla_state(x["k"], x["v"], x["g"], cu_seqlens=cu)
-    A = gla_state_grad(x["q"], x["g"], x["do"], scale, cu_seqlens=cu)
+    piece = gla_piece(x["q"], x["k"], x["v"], x["g"], scale, cu_seqlens=cu)
+    E, gamma = piece.E, piece.gamma
+    A = piece.entering_grad(x["do"])
     for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         if a == b:  # an empty segment passes its state through
             assert torch.equal(ht[n], h0[n]) and torch.equal(grads[4][n], dht[n]) and (E[n] == 0).all()

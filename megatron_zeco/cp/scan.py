@@ -20,7 +20,7 @@ document is split on its own.
 import torch
 
 from ..comm import all_scan, gather_scan
-from ..ops import gla_bwd, gla_fwd, gla_state, gla_state_grad
+from ..ops import gla_piece
 from .local import initial_state_grad
 
 
@@ -30,29 +30,26 @@ class ScanGLA(torch.autograd.Function):
                 packing=None):
         n = len(layout.pieces(0, group.size()))
         pieces = _Pieces(n) if packing is None else packing
-        qb, kb, vb, gb = (pieces.local(x) for x in (q, k, v, g))
-        E, gamma = pieces.summaries(*gla_state(kb, vb, gb, cu_seqlens=pieces.cu, cu_seqlens_cpu=pieces.cu_cpu))
+        piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
+                          cu_seqlens_cpu=pieces.cu_cpu)
+        E, gamma = pieces.summaries(piece.E, piece.gamma)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
                            reverse=False)
-        o, _, ctx.saved = gla_fwd(qb, kb, vb, gb, scale, pieces.initial_states(_batch(S_in)),
-                                  output_final_state=True, cu_seqlens=pieces.cu, cu_seqlens_cpu=pieces.cu_cpu)
+        o = piece.output(pieces.initial_states(_batch(S_in)))
         ctx.save_for_backward(gamma)
-        ctx.n, ctx.pieces, ctx.scale, ctx.output_final_state = n, pieces, scale, output_final_state
+        ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
         ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
         return o.reshape(*q.shape[:3], o.shape[-1]), (last if last is not None else E.new_zeros(q.shape[0], *E.shape[1:]))
 
     @staticmethod
     def backward(ctx, do, dht):
-        n, pieces, (gamma,) = ctx.n, ctx.pieces, ctx.saved_tensors
-        qb, _, _, gb = ctx.saved.leaves[:4]
-        dob = pieces.local(do)
-        A = pieces.entering_grads(gla_state_grad(qb, gb, dob, ctx.scale, cu_seqlens=pieces.cu,
-                                                 cu_seqlens_cpu=pieces.cu_cpu))
+        n, pieces, piece, (gamma,) = ctx.n, ctx.pieces, ctx.piece, ctx.saved_tensors
+        A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True)
-        grads = gla_bwd(ctx.saved, dob, pieces.final_grads(_batch(D)))[:4]
+        grads = piece.grads(pieces.final_grads(_batch(D)))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
         return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None

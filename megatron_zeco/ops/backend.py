@@ -7,13 +7,17 @@ Each rank runs these on its own piece of the sequence; only states cross ranks.
   flash-linear-attention's ``chunk_gla`` (fla-core); elsewhere, and for float64, the
   PyTorch chunked form of ``chunk.py``. The forward keeps the backend's own autograd
   record, so the backward costs what the backend's backward costs.
-* ``gla_state`` / ``gla_state_grad``: the two per-piece reductions ZeCO adds,
-  as this package's Triton kernels (``kernels/state.py``) on CUDA.
+* ``gla_piece``: the same forward and backward cut in two around the scan of the ZeCO
+  and LASP-2 strategies: first the piece's summary (``E``, ``gamma``), then the output
+  from the state entering it; first ``A``, then the gradients from the state leaving it.
+  On CUDA this is fla's chunk kernels with the incoming state added between them
+  (``fla_piece.py``: no extra pass over the inputs); elsewhere two reductions of
+  ``chunk.py`` ahead of ``gla_fwd`` / ``gla_bwd``.
 
-All four take fla's ``cu_seqlens`` for packed input (``[1, T, ...]`` holding N segments,
+All take fla's ``cu_seqlens`` for packed input (``[1, T, ...]`` holding N segments,
 one state each, in and out), and, as fla does, an optional host copy ``cu_seqlens_cpu``:
-the GPU kernels build their launch tables from it instead of reading the offsets back from
-the device (a copy that would wait for all queued GPU work).
+fla builds its launch tables from it instead of reading the offsets back from the device
+(a copy that would wait for all queued GPU work).
 
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (slow on GPUs;
 the same numbers up to rounding).
@@ -81,22 +85,44 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
     return (*result[:4], result[4] if len(result) == 5 else None)
 
 
-def gla_state(k: Tensor, v: Tensor, g: Tensor, cu_seqlens: Optional[Tensor] = None,
-              cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
-    """Piece summary for the scan: ``E [B, H, K, V]`` and ``gamma [B, H, K]``, ``S_out = gamma * S_in + E``
-    (one per segment, ``[N, ...]``, with ``cu_seqlens``)."""
-    if _use_kernels(k.device, k.dtype):
-        return _triton_state().chunk_state(k, v, g, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-    return chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
+def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Tensor] = None):
+    """A piece of a sequence whose incoming state comes later (from a scan).
 
+    Inputs as :func:`gla_fwd`. The result holds the piece's summary ``E [N, H, K, V]`` and
+    ``gamma [N, H, K]`` (state dtype; ``S_out = Diag(gamma) S_in + E``; N = B, or one per
+    segment with ``cu_seqlens``) and has, called in this order:
 
-def gla_state_grad(q: Tensor, g: Tensor, do: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
-                   cu_seqlens_cpu: Optional[Tensor] = None) -> Tensor:
-    """Local part of ``dL/dS_in`` for the reverse scan: ``[B, H, K, V]`` (``[N, ...]`` with ``cu_seqlens``)."""
+    * ``output(S_in) -> o [B, T, H, V]``: the output given the incoming state ``[N, H, K, V]``;
+    * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``;
+    * ``grads(D) -> (dq, dk, dv, dg)``: the inputs' gradients given ``D``, the gradient of the
+      outgoing state ``S_out`` (the piece's total final-state gradient).
+    """
     if _use_kernels(q.device, q.dtype):
-        return _triton_state().chunk_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens,
-                                                cu_seqlens_cpu=cu_seqlens_cpu)
-    return chunk_gla_state_grad(q, g, do, scale, cu_seqlens=cu_seqlens)
+        _fla_chunk_gla()  # the clear ImportError if fla is missing
+        from .fla_piece import FlaPiece
+        return FlaPiece(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu)
+    return _TorchPiece(q, k, v, g, scale, cu_seqlens)
+
+
+class _TorchPiece:
+    """``gla_piece`` on ``chunk.py``: the summary and ``A`` as separate reductions."""
+
+    def __init__(self, q, k, v, g, scale, cu_seqlens):
+        self.inputs, self.scale, self.cu = (q, k, v, g), scale, cu_seqlens
+        self.E, self.gamma = chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
+
+    def output(self, S_in: Tensor) -> Tensor:
+        o, _, self.saved = gla_fwd(*self.inputs, self.scale, S_in, output_final_state=True, cu_seqlens=self.cu)
+        return o
+
+    def entering_grad(self, do: Tensor) -> Tensor:
+        q, _, _, g = self.inputs
+        self.do = do
+        return chunk_gla_state_grad(q, g, do, self.scale, cu_seqlens=self.cu)
+
+    def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+        return gla_bwd(self.saved, self.do, D)[:4]
 
 
 def require_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
@@ -137,9 +163,3 @@ def _fla_chunk_gla():
             "PyTorch reference forms on the GPU."
         ) from e
     return fla_chunk_gla
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_state():
-    from ..kernels import state  # Triton is a dependency of torch's CUDA builds
-    return state
