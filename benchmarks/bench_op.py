@@ -7,7 +7,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
 
 1. ``op``: forward + backward of the GLA operator at T tokens per GPU (H heads of D, bf16):
    ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
-   CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts.
+   CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts
+   (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
 2. ``scan``: All-Scan of one state alone (K blocks) against the all-gather scan (LASP-2), a raw
    NCCL all-gather of the state, and one send/recv hop, for fp32 states of 0.25-4 MiB.
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from megatron_zeco import zeco_gla
 from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import all_scan, as_layout, gather_scan
-from megatron_zeco.kernels.decayed_add import add_decayed_states_
+from megatron_zeco.kernels.chunk_state import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 from megatron_zeco.ops import chunk_gla
 
 
@@ -43,7 +44,7 @@ def parse_args():
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--strategies", nargs="+", default=["zeco", "lasp1", "lasp2", "a2a"])
+    p.add_argument("--strategies", nargs="+", default=["zeco", "zeco+overlap", "lasp1", "lasp2", "a2a"])
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -106,7 +107,8 @@ def op_fn(x, strategy, group, layout):
         if strategy == "fla":
             o, _ = fla_chunk_gla(*leaves)
         else:
-            o, _ = zeco_gla(*leaves, group=group, strategy=strategy, layout=layout, validate=False)
+            o, _ = zeco_gla(*leaves, group=group, strategy=strategy.removesuffix("+overlap"), layout=layout,
+                            overlap=strategy.endswith("+overlap"), validate=False)
         return torch.autograd.grad(o, leaves, x["o"])
 
     return run
@@ -126,18 +128,42 @@ def bench_op(args, world, me, cp_group, self_group, rows):
             rows.append(row)
             log(f"op  T/GPU={T:6d} {strategy:6s} CP={P} {layout:10s} {ms:8.3f} ms"
                 + ("" if row["vs_none"] is None else f"  x{row['vs_none']:.3f} of none"))
-        # ZeCO's one extra pass per direction: the incoming state added to fla's chunk states
-        # (fp32 h rounded to bf16 forward, fp32 dh in place backward; 64-token chunks).
-        for name, out_dtype in (("add_state h", torch.bfloat16), ("add_state dh", None)):
-            h = torch.zeros(-(-T // 64), args.heads, args.dim, args.dim, device="cuda")
-            w = torch.zeros(h.shape[:3], device="cuda")
-            S, index = torch.zeros(1, *h.shape[1:], device="cuda"), torch.zeros(len(h), dtype=torch.long, device="cuda")
-            ms = timed(lambda: add_decayed_states_(h, w, S, index, out_dtype=out_dtype), args.iters, args.warmup)
-            rows.append({"part": "kernel", "tokens_per_gpu": T, "name": name, "ms": ms})
-            log(f"kernel T/GPU={T:6d} {name:15s} {ms:8.3f} ms")
-            del h
+        bench_kernels(args, x, T, rows)
         del x
         torch.cuda.empty_cache()
+
+
+def bench_kernels(args, x, T, rows):
+    """The three chunk kernels that read the states, fla's against this project's with the
+    state term fused in (kernels/chunk_state.py), on the same inputs: what the term costs."""
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.gla import chunk as gla
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.cumsum import chunk_local_cumsum
+
+    q, k, v, do = (x[n] for n in "qkvo")
+    scale = args.dim ** -0.5
+    g = chunk_local_cumsum(x["g"], 64, scale=RCP_LN2)
+    A = gla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g, scale=scale)
+    h, _ = chunk_fwd_h(k=k, v=v, gk=g, h0=None)
+    h32, _ = chunk_fwd_h(k=k, v=v, gk=g, h0=None, states_in_fp32=True)
+    dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, gk=g, scale=scale, states_in_fp32=True)
+    dq, dk = gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g, dA=gla.chunk_gla_bwd_dA(v=v, do=do, scale=scale))
+    S = torch.zeros(1, args.heads, args.dim, args.dim, device="cuda")
+    w = torch.zeros(h.shape[1] * h.shape[0], args.heads, args.dim, device="cuda")
+    pairs = {
+        "o": (lambda: gla.chunk_gla_fwd_o_gk(q=q, v=v, g=g, A=A, h=h, scale=scale),
+              lambda: chunk_o_with_state(q, v, g, A, h, S, w, scale)),
+        "dv": (lambda: gla.chunk_gla_bwd_dv(k=k, g=g, A=A, do=do, dh=dh),
+               lambda: chunk_dv_with_state(k, g, A, do, dh, S, w)),
+        "dqkg": (lambda: gla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h32, g=g, do=do, dh=dh, dq=dq, dk=dk, scale=scale),
+                 lambda: chunk_dqkg_with_state(q, k, v, g, h32, do, dh, S, w, dq, dk, scale)),
+    }
+    for name, (fla_fn, ours) in pairs.items():
+        for who, fn in (("fla", fla_fn), ("+state", ours)):
+            ms = timed(fn, args.iters, args.warmup)
+            rows.append({"part": "kernel", "tokens_per_gpu": T, "name": f"{name} {who}", "ms": ms})
+            log(f"kernel T/GPU={T:6d} {name + ' ' + who:12s} {ms:8.3f} ms")
 
 
 def scan_cases(E, gamma, blocks, me, group):
@@ -198,7 +224,8 @@ def bench_accuracy(args, world, me, cp_group, rows):
         for name in args.layouts:
             layout = as_layout(name)
             leaves = [layout.shard(x[n], me, world, dim=1).detach().requires_grad_() for n in "qkvg"]
-            o, _ = zeco_gla(*leaves, group=cp_group, strategy=strategy, layout=layout)
+            o, _ = zeco_gla(*leaves, group=cp_group, strategy=strategy.removesuffix("+overlap"), layout=layout,
+                            overlap=strategy.endswith("+overlap"))
             local = [o, *torch.autograd.grad(o, leaves, layout.shard(x["o"], me, world, dim=1))]
             got = []
             for t in local:

@@ -41,13 +41,15 @@ FOLD_LAUNCH_BUILT = 10e-6  # as built, per folded piece: two eager kernels (mult
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
 
 # ZeCO's passes beyond the local op in each build of the GPU path: the (forward, backward) kernel
-# rows bench_op measures, and what each is charged per byte of. A result file names its build in
-# ``meta["build"]``; files from before that key are "state passes". BUILD is the code as it is now.
+# rows bench_op measures and what each is charged per byte of, or None where the build has no
+# such pass. A result file names its build in ``meta["build"]``; files from before that key
+# are "state passes". BUILD is the code as it is now.
 BUILDS = {
     "state passes": (("gla_state", "gla_state_grad"), "pass_bytes"),  # own kernels re-read k, v, g / q, g, dO
     "fla piece": (("add_state h", "add_state dh"), "chunk_state_bytes"),  # decayed S_in added to each chunk's state
+    "fused": None,  # the state term inside the output and gradient kernels (kernels/chunk_state.py)
 }
-BUILD = "fla piece"
+BUILD = "fused"
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1)
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
         return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
-    passes = getattr(w, BUILDS[sw.build][1]) * (sw.state_pass + sw.state_grad_pass)
+    passes = 0.0 if BUILDS[sw.build] is None else getattr(w, BUILDS[sw.build][1]) * (sw.state_pass + sw.state_grad_pass)
     comm, after = (chain_time(w, c, sw, K), 0.0) if strategy == "zeco" else gather_time(w, c, sw)
     exposed = sum(max(0.0, comm - sw.overlap * t) + after for t in (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op))
     return t_op * (1 + sw.extra) + passes + exposed
@@ -218,7 +220,8 @@ class Residual:
 
 @dataclass(frozen=True)
 class Calibration:
-    software: Software  # the code as built
+    software: Software  # the code as built (BUILD)
+    builds: dict[str, Software]  # each build measured, and BUILD, with its passes' costs
     nccl_call: float  # NCCL's own all-gather call at P = 2 (used by :func:`target`'s lasp2)
     op_ms: dict[tuple[int, int, int], float]  # (tokens, heads, dim) -> one-GPU fwd+bwd of the local op
     other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
@@ -323,7 +326,11 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
 
     # The passes of each build measured, each fitted per byte of what it touches.
     kernels, passes = {}, {}
-    for build, ((fwd, bwd), unit) in BUILDS.items():
+    for build, spec in BUILDS.items():
+        if spec is None:  # no separate pass: its cost is inside the op rows
+            passes[build] = dict(build=build, state_pass=0.0, state_grad_pass=0.0)
+            continue
+        (fwd, bwd), unit = spec
         rows_of = {name: by(part="kernel", name=name, build=build) for name in (fwd, bwd)}
         if not any(rows_of.values()):
             continue
@@ -333,11 +340,8 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
                     for name, rs in rows_of.items()}
         passes[build] = dict(build=build, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
         kernels.update({(build, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
-    if not passes:
-        raise ValueError(f"calibration needs 'kernel' rows of a build: {', '.join(f'{b}: {n}' for b, (n, _) in BUILDS.items())}")
-    current = BUILD if BUILD in passes else next(reversed(passes))
     sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT, a2a_copy=0.0,
-                  **passes[current])
+                  **passes[BUILD])
 
     def built(r):  # the Software a row was measured with: shared costs, its build's passes
         if r["build"] not in passes:
@@ -414,7 +418,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
             model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r)) * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
-    return Calibration(sw, nccl_call, op_ms, other_ms, res)
+    return Calibration(sw, {b: replace(sw, **p) for b, p in passes.items()}, nccl_call, op_ms, other_ms, res)
 
 
 def _shape(r: dict) -> tuple[int, int, int]:

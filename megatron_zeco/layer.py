@@ -58,6 +58,7 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: ``zeco``, ``lasp2``, ``lasp1`` or ``a2a`` (see :func:`megatron_zeco.zeco_gla`).
         cp_layout: ``zigzag`` (Megatron's CP batch split) or ``contiguous``.
         cp_num_blocks: All-Scan pipeline blocks (a divisor of ``kv_channels``).
+        cp_overlap_scan: run the scan on a side CUDA stream (``overlap`` of :func:`megatron_zeco.zeco_gla`).
         cp_packed_split: how packed sequences (THD) are split over CP ranks: ``document``
             (each document cut by ``cp_layout``: Megatron's THD split,
             ``get_thd_batch_on_this_cp_rank`` / ``--sft``), ``sequence`` (the whole packed
@@ -82,6 +83,7 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: str = "zeco",
         cp_layout: str = "zigzag",
         cp_num_blocks: int = 1,
+        cp_overlap_scan: bool = False,
         cp_packed_split: str = "auto",
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
@@ -105,7 +107,7 @@ class GatedLinearAttention(MegatronModule):
             require_backend("cuda", config.params_dtype)
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
-        self.cp_packed_split = cp_packed_split
+        self.cp_packed_split, self.cp_overlap_scan = cp_packed_split, cp_overlap_scan
         self.gate_normalizer = gate_normalizer
         self._validated = False
         self._warned_rotary = False
@@ -185,7 +187,8 @@ class GatedLinearAttention(MegatronModule):
         if not self._validated:
             self._validate(q, k, v, g, group, strategy, name, packed)
         o, _ = zeco_gla(q, k, v, g, group=group, strategy=strategy, layout=self.cp_layout,
-                        num_blocks=self.cp_num_blocks, validate=False, name=name, **packed)
+                        num_blocks=self.cp_num_blocks, overlap=self.cp_overlap_scan, validate=False, name=name,
+                        **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight

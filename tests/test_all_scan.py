@@ -21,7 +21,7 @@ def _fold(gammas, deltas, init, order):
     for p in order:
         entering[p] = x
         x = gammas[p].unsqueeze(-1) * x + deltas[p]
-    return entering, x
+    return entering, x  # the scans may round differently (fused multiply-add): compared to 1e-12
 
 
 def _scan_worker(rank, world, seed, groups):
@@ -45,9 +45,9 @@ def _scan_worker(rank, world, seed, groups):
         entering, last = scan([gammas[p] for p in mine], [deltas[p] for p in mine], init, **kwargs)
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
         want, want_last = _fold(gammas, deltas, init, order)
-        ok = all(torch.allclose(entering[s], want[p], rtol=1e-13, atol=0) for s, p in enumerate(mine))
+        ok = all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine))
         ends_here = layout.owner(order[-1], P)[0] == me
-        ok &= (last is not None) == ends_here and (last is None or torch.allclose(last, want_last, rtol=1e-13))
+        ok &= (last is not None) == ends_here and (last is None or torch.allclose(last, want_last, rtol=1e-12, atol=1e-12))
         if not ok:
             failures.append(f"{impl} {layout.value} blocks={blocks} reverse={reverse} init={with_init}")
     return failures

@@ -71,10 +71,11 @@ def _two_ranks(rank, world, seed):
     out = {}
     for gate in ("normal", "tiny"):
         x = problem(seed, B=2, T=2 * 320, H=4, K=64, V=64, gate=gate)
-        for strategy in ("zeco", "lasp1", "lasp2", "a2a"):
+        for strategy in ("zeco", "zeco+overlap", "lasp1", "lasp2", "a2a"):
             for layout in Layout:
                 shard = {n: layout.shard(x[n], rank, world) if n in SEQUENCE else x[n] for n in x}
-                got = _run(shard, torch.bfloat16, group=group, strategy=strategy, layout=layout)
+                got = _run(shard, torch.bfloat16, group=group, strategy=strategy.removesuffix("+overlap"),
+                           overlap=strategy.endswith("+overlap"), layout=layout)
                 parts = {}
                 for n in ("o", "dq", "dk", "dv", "dg"):
                     pieces = [torch.empty_like(got[n]).cuda() for _ in range(world)]

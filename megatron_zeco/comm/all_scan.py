@@ -121,14 +121,18 @@ def chain_scan(
                 sends.append((link, dist.isend(y.contiguous(), link.dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
-        inputs[link.slot] = torch.cat(xs, dim=-2)
+        inputs[link.slot] = _join(xs)
         carried = ys
         if link.last:
-            last = torch.cat(ys, dim=-2)
+            last = _join(ys)
     for link, work in sends:
         with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {link.dst}"):
             work.wait()
     return inputs, last
+
+
+def _join(blocks: List[Tensor]) -> Tensor:
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
 
 
 @contextlib.contextmanager
@@ -165,7 +169,7 @@ def all_scan(
     """
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
-        return gamma[slot][..., r].unsqueeze(-1) * x + delta[slot][..., r, :]
+        return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)
 
     return chain_scan(combine, init, delta[0], layout=layout, group=group,
                       num_blocks=num_blocks, reverse=reverse, what=what)

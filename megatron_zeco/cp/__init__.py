@@ -41,6 +41,7 @@ def zeco_gla(
     layout: Union[str, Layout] = "contiguous",
     scale: Optional[float] = None,
     num_blocks: int = 1,
+    overlap: bool = False,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -71,6 +72,10 @@ def zeco_gla(
         scale: output scale, default ``K ** -0.5``.
         num_blocks: ``zeco`` only: blocks of key rows the state is cut into and
             pipelined in (a divisor of K).
+        overlap: ``zeco`` and ``lasp2`` on CUDA: run the scan on a side stream while
+            the local work that does not need its result computes (forward and
+            backward). Off by default: on 2 H200 it saved ~1% of GPU time and cost more
+            host time than that (docs/benchmarks.md).
         initial_state: ``[B, H, K, V]`` state before the first token, the same on
             every rank; its gradient is split over the ranks (their sum is the
             gradient), as Megatron's CP gradient reduction expects.
@@ -123,7 +128,7 @@ def zeco_gla(
         o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
     else:
         o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", output_final_state, name, packing)
+                                 strategy == "zeco", overlap, output_final_state, name, packing)
     if not output_final_state:
         return o, None
     last_piece = layout.num_pieces(world) - 1

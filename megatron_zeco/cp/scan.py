@@ -26,8 +26,8 @@ from .local import initial_state_grad
 
 class ScanGLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, output_final_state, name,
-                packing=None):
+    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, overlap, output_final_state,
+                name, packing=None):
         n = len(layout.pieces(0, group.size()))
         pieces = _Pieces(n) if packing is None else packing
         piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
@@ -35,24 +35,29 @@ class ScanGLA(torch.autograd.Function):
         E, gamma = pieces.summaries(piece.E, piece.gamma)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
-        S_in, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
-                           reverse=False)
+        S_in, last = _while_scanning(
+            lambda: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
+                          reverse=False), piece.before_output, overlap)
         o = piece.output(pieces.initial_states(_batch(S_in)))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
+        ctx.overlap = overlap
         ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
-        return o.reshape(*q.shape[:3], o.shape[-1]), (last if last is not None else E.new_zeros(q.shape[0], *E.shape[1:]))
+        if last is None and output_final_state:  # zeco_gla broadcasts it from the rank that has it
+            last = E.new_zeros(q.shape[0], *E.shape[1:])
+        return o.reshape(*q.shape[:3], o.shape[-1]), last
 
     @staticmethod
     def backward(ctx, do, dht):
         n, pieces, piece, (gamma,) = ctx.n, ctx.pieces, ctx.piece, ctx.saved_tensors
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
-        D, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True)
+        D, dh0 = _while_scanning(lambda: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True),
+                                 piece.before_grads, ctx.overlap)
         grads = piece.grads(pieces.final_grads(_batch(D)))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None
 
 
 class _Pieces:
@@ -92,7 +97,37 @@ def _slots(x, n):
 
 def _batch(xs):
     """Per local slot ``[B, ...]`` -> ``[B*n, ...]``."""
-    return torch.stack(xs, dim=1).flatten(0, 1)
+    return xs[0] if len(xs) == 1 else torch.stack(xs, dim=1).flatten(0, 1)
+
+
+_SIDE_STREAMS = {}
+
+
+def _while_scanning(scan, work, overlap):
+    """With ``overlap`` on CUDA: ``scan()`` on a side stream while ``work()`` runs on the
+    current one; the current stream then waits for the scan (no host synchronisation).
+    Otherwise one after the other.
+
+    The scan's NCCL messages and combines are ordered after everything issued before this
+    call; what the scan returns is marked as used on the current stream, so the allocator does
+    not hand its memory back to the side stream while the current one still reads it.
+    """
+    main = torch.cuda.current_stream() if overlap and torch.cuda.is_available() and torch.cuda.is_initialized() \
+        else None
+    if main is None:
+        result = scan()
+        work()
+        return result
+    side = _SIDE_STREAMS.setdefault(main.device, torch.cuda.Stream(main.device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        states, last = scan()
+    work()
+    main.wait_stream(side)
+    for t in (*states, last):
+        if t is not None and t.is_cuda:
+            t.record_stream(main)
+    return states, last
 
 
 def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, name, reverse):

@@ -93,8 +93,11 @@ def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqle
     ``gamma [N, H, K]`` (state dtype; ``S_out = Diag(gamma) S_in + E``; N = B, or one per
     segment with ``cu_seqlens``) and has, called in this order:
 
+    * ``before_output()``: work that needs no incoming state (run it while the scan is in flight;
+      ``output`` runs it if it has not run);
     * ``output(S_in) -> o [B, T, H, V]``: the output given the incoming state ``[N, H, K, V]``;
     * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``;
+    * ``before_grads()``: work that needs no outgoing-state gradient (likewise, for ``grads``);
     * ``grads(D) -> (dq, dk, dv, dg)``: the inputs' gradients given ``D``, the gradient of the
       outgoing state ``S_out`` (the piece's total final-state gradient).
     """
@@ -111,6 +114,12 @@ class _TorchPiece:
     def __init__(self, q, k, v, g, scale, cu_seqlens):
         self.inputs, self.scale, self.cu = (q, k, v, g), scale, cu_seqlens
         self.E, self.gamma = chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
+
+    def before_output(self) -> None:  # the PyTorch forms run as a whole once the state is known
+        pass
+
+    def before_grads(self) -> None:
+        pass
 
     def output(self, S_in: Tensor) -> Tensor:
         o, _, self.saved = gla_fwd(*self.inputs, self.scale, S_in, output_final_state=True, cu_seqlens=self.cu)

@@ -8,74 +8,60 @@ gradient of the state leaving it (``D``) for ``dh``, and both arrive from the sc
 which needs this piece's summary first. So, per piece:
 
 forward: ``h`` from a zero state (its final state is ``E``; ``gamma`` from the chunk
-    sums of the gates) and the in-chunk attention -- scan -- ``h[c] += Diag(decay from
-    the piece's start to chunk c) S_in`` -- output kernel;
-backward: ``h`` from ``S_in``, ``dh`` from the outputs' gradient alone (its initial-state
-    gradient is ``A``) and the in-chunk gradients -- reverse scan --
-    ``dh[c] += Diag(decay from chunk c's end to the piece's end) D`` -- dv and dq/dk/dg kernels.
+    sums of the gates) and the in-chunk attention -- scan -- the output kernel, which adds
+    ``Diag(decay from the piece's start to chunk c) S_in`` to each chunk's ``h[c]``;
+backward: ``dh`` from the outputs' gradient alone (its initial-state gradient is ``A``)
+    -- reverse scan -- ``h`` from ``S_in`` and the in-chunk gradients, then the dv and
+    dq/dk/dg kernels, which add ``Diag(decay from chunk c's end to the piece's end) D``
+    to each chunk's ``dh[c]``.
 
-This adds one pass over ``h`` and one over ``dh`` (``kernels/decayed_add.py``) to fla's
-own work, and the results are those of fla's ``chunk_gla`` with ``initial_state=S_in``
-and final-state gradient ``D``, with the same roundings: the forward's ``h`` is kept in
-float32 until the incoming state is added, then rounded to the input dtype once. The chunk decays are summed in float64 (prefix sums
-of per-chunk totals; a difference of float32 sums would lose the small decays of a
-piece that follows a long one).
+fla's own kernels do the rest; the three that read ``h`` or ``dh`` after the scan, and the
+one that sums the chunk decays (float64, one launch), are this project's
+(``kernels/chunk_state.py``), so ZeCO adds no pass over the states or the inputs. Results
+are those of fla's ``chunk_gla`` with ``initial_state=S_in`` and final-state gradient
+``D``, up to rounding: the forward adds the ``S_in`` term as its own product (``S_in``
+unrounded) rather than rounding it into ``h``; the backward adds ``D`` to the float32
+``dh`` as fla does.
 
 Built on fla-core's internal kernels (checked with fla-core 0.6).
 """
 
+import functools
+from types import SimpleNamespace
 from typing import Optional, Tuple
 
 import torch
 import triton
 
-from ..kernels.decayed_add import add_decayed_states_
+from ..kernels.chunk_state import chunk_decays, chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 
 Tensor = torch.Tensor
 
 
-def _fla():
-    from fla.ops.common import chunk_h
+@functools.lru_cache(maxsize=None)
+def _fla() -> SimpleNamespace:
+    """fla's internal kernels this module calls (imported on first use: fla needs a GPU driver)."""
+    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.gla import chunk as gla
-    from fla.ops.utils import prepare_chunk_indices
+    from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.cumsum import chunk_local_cumsum
-    return chunk_h, gla, prepare_chunk_indices, RCP_LN2, chunk_local_cumsum
+    return SimpleNamespace(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gla, RCP_LN2=RCP_LN2,
+                           chunk_local_cumsum=chunk_local_cumsum, prepare_chunk_indices=prepare_chunk_indices,
+                           prepare_chunk_offsets=prepare_chunk_offsets)
 
 
 class _Chunks:
-    """The chunks of a dense ``[B, T]`` or packed (``cu_seqlens``) input: fla's launch tables,
-    the segment of every chunk and the offsets of each segment's chunks (all on the device)."""
+    """The chunking of a dense ``[B, T]`` or packed (``cu_seqlens``) input: the chunk size and,
+    packed, fla's launch tables (cached by fla for the same ``cu_seqlens``)."""
 
-    def __init__(self, B: int, T: int, device, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]):
-        _, _, prepare_chunk_indices, _, _ = _fla()
+    def __init__(self, T: int, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]):
         self.size = BT = min(64, max(16, triton.next_power_of_2(T)))
         self.cu = cu_seqlens
-        if cu_seqlens is None:
-            NT = triton.cdiv(T, BT)
-            self.indices = None
-            self.segment = torch.arange(B * NT, device=device) // NT
-            self.offsets = torch.arange(B + 1, device=device) * NT
-            t = torch.arange(B * NT, device=device) % NT
-            start, end = self.segment * T, (self.segment + 1) * T
-        else:
-            self.indices = prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=cu_seqlens_cpu)
-            self.segment, t = self.indices.unbind(1)
-            counts = (cu_seqlens.diff() + BT - 1) // BT
-            self.offsets = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
-            start, end = cu_seqlens[self.segment], cu_seqlens[self.segment + 1]
-        self.last = torch.minimum(start + (t + 1) * BT, end) - 1  # last token of every chunk
-
-    def decays(self, g_cumsum: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """log2-decays ``[C, H, K]`` from each segment's start to each chunk's start (forward) and
-        from each chunk's end to its segment's end (backward), and per segment ``[N, H, K]``."""
-        totals = g_cumsum.flatten(0, 1)[self.last].double()  # chunk totals (g_cumsum is in log2 units)
-        prefix = torch.nn.functional.pad(totals.cumsum(0), (0, 0, 0, 0, 1, 0))  # [C + 1, H, K]
-        first, after = self.offsets[self.segment], self.offsets[self.segment + 1]
-        chunks = torch.arange(len(self.segment), device=totals.device)
-        into = prefix[chunks] - prefix[first]
-        out_of = prefix[after] - prefix[chunks + 1]
-        return into.float(), out_of.float(), (prefix[self.offsets[1:]] - prefix[self.offsets[:-1]]).float()
+        self.indices = self.offsets = None
+        if cu_seqlens is not None:
+            self.indices = _fla().prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=cu_seqlens_cpu)
+            self.offsets = _fla().prepare_chunk_offsets(cu_seqlens, BT)
 
     @property
     def kw(self) -> dict:
@@ -93,56 +79,69 @@ class FlaPiece:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-        chunk_h, gla, _, RCP_LN2, chunk_local_cumsum = _fla()
+        fla = _fla()
         self.q, self.k, self.v, self.g = (x.contiguous() for x in (q, k, v, g))
         self.scale = scale
-        self.chunks = c = _Chunks(q.shape[0], q.shape[1], q.device, cu_seqlens, cu_seqlens_cpu)
-        g_cumsum = chunk_local_cumsum(self.g, c.size, scale=RCP_LN2, cu_seqlens=c.cu, chunk_indices=c.indices)
-        # float32 states: the incoming state is added before the one rounding to bf16 (as fla rounds)
-        self._h, self.E = chunk_h.chunk_fwd_h(k=self.k, v=self.v, gk=g_cumsum, h0=None, output_final_state=True,
-                                              states_in_fp32=True, **c.kw)
-        self._into, _, log2_gamma = c.decays(g_cumsum)
-        self.gamma = torch.exp2(log2_gamma)
-        self.A = gla.chunk_gla_fwd_intra_gk(q=self.q, k=self.k, g=g_cumsum, scale=scale, chunk_indices=c.indices,
-                                            **c.kw)
-        self._g_cumsum = g_cumsum
+        self.chunks = c = _Chunks(q.shape[1], cu_seqlens, cu_seqlens_cpu)
+        self._g_cumsum = g_cumsum = self._cumsum()
+        self._h, self.E = fla.chunk_fwd_h(k=self.k, v=self.v, gk=g_cumsum, h0=None, output_final_state=True,
+                                          **c.kw)  # states in the input dtype, as fla's forward keeps them
+        self._into, self._out_of, self.gamma = chunk_decays(g_cumsum, c.size, c.cu, c.indices, c.offsets)
+        self.A = None
+
+    def before_output(self) -> None:
+        """The in-chunk attention: needs no incoming state (runs while the scan is in flight)."""
+        fla = _fla()
+        c = self.chunks
+        self.A = fla.gla.chunk_gla_fwd_intra_gk(q=self.q, k=self.k, g=self._g_cumsum, scale=self.scale,
+                                                chunk_indices=c.indices, **c.kw)
+
+    def _cumsum(self) -> Tensor:
+        """In-chunk cumulative log2 gates (float32)."""
+        fla = _fla()
+        c = self.chunks
+        return fla.chunk_local_cumsum(self.g, c.size, scale=fla.RCP_LN2, cu_seqlens=c.cu, chunk_indices=c.indices)
 
     def output(self, S_in: Tensor) -> Tensor:
         """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
-        _, gla, _, _, _ = _fla()
+        if self.A is None:
+            self.before_output()
         c = self.chunks
-        h = add_decayed_states_(self._h, self._into, S_in, c.segment, out_dtype=self.k.dtype)
-        o = gla.chunk_gla_fwd_o_gk(q=self.q, v=self.v, g=self._g_cumsum, A=self.A, h=h, scale=self.scale,
-                                   chunk_indices=c.indices, **c.kw)
+        o = chunk_o_with_state(self.q, self.v, self._g_cumsum, self.A, self._h, S_in.contiguous(), self._into,
+                               self.scale, c.size, c.cu, c.indices)
         self.S_in = S_in
         del self._h, self._into, self._g_cumsum  # backward recomputes them, as fla does
         return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
-        chunk_h, gla, _, RCP_LN2, chunk_local_cumsum = _fla()
-        c, q, k, v = self.chunks, self.q, self.k, self.v
-        self.do = do = do.contiguous()
-        self._g_cumsum = g_cumsum = chunk_local_cumsum(self.g, c.size, scale=RCP_LN2, cu_seqlens=c.cu,
-                                                       chunk_indices=c.indices)
-        self._h, _ = chunk_h.chunk_fwd_h(k=k, v=v, gk=g_cumsum, h0=self.S_in, states_in_fp32=True, **c.kw)
-        self._dh, A = chunk_h.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=self.S_in, dht=None, gk=g_cumsum,
-                                           scale=self.scale, states_in_fp32=True, **c.kw)
-        dA = gla.chunk_gla_bwd_dA(v=v, do=do, scale=self.scale, chunk_indices=c.indices, **c.kw)
-        self._dq, self._dk = gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cumsum, dA=dA, chunk_indices=c.indices,
-                                                         **c.kw)
+        fla = _fla()
+        c = self.chunks
+        self.do = do.contiguous()
+        self._g_cumsum = self._cumsum()
+        self._dh, A = fla.chunk_bwd_dh(q=self.q, k=self.k, v=self.v, do=self.do, h0=self.S_in, dht=None,
+                                       gk=self._g_cumsum, scale=self.scale, states_in_fp32=True, **c.kw)
+        self._local = None
         return A
+
+    def before_grads(self) -> None:
+        """What needs no outgoing-state gradient (runs while the reverse scan is in flight):
+        the chunk states from ``S_in`` and the in-chunk gradients."""
+        fla = _fla()
+        c, g_cumsum, q, k, v, do = self.chunks, self._g_cumsum, self.q, self.k, self.v, self.do
+        h, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cumsum, h0=self.S_in, states_in_fp32=True, **c.kw)
+        dA = fla.gla.chunk_gla_bwd_dA(v=v, do=do, scale=self.scale, chunk_indices=c.indices, **c.kw)
+        dq, dk = fla.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cumsum, dA=dA, chunk_indices=c.indices, **c.kw)
+        self._local = (h, dq, dk)
 
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         """dq, dk, dv, dg (dtypes of the inputs) given ``D [N, H, K, V]``, the gradient of the
         state leaving the piece."""
-        _, gla, _, _, _ = _fla()
-        c, g_cumsum = self.chunks, self._g_cumsum
-        _, out_of, _ = c.decays(g_cumsum)
-        dh = add_decayed_states_(self._dh, out_of, D, c.segment)
-        dv = gla.chunk_gla_bwd_dv(k=self.k, g=g_cumsum, A=self.A, do=self.do, dh=dh, chunk_indices=c.indices,
-                                  **c.kw)
-        dq, dk, dg = gla.chunk_gla_bwd_dqkg(q=self.q, k=self.k, v=self.v, h=self._h, g=g_cumsum, do=self.do,
-                                            dh=dh, dq=self._dq, dk=self._dk, scale=self.scale,
-                                            chunk_indices=c.indices, **c.kw)
-        return dq.to(self.q.dtype), dk.to(self.k.dtype), dv.to(self.v.dtype), dg.to(self.g.dtype)
+        if self._local is None:
+            self.before_grads()
+        c, g_cumsum, q, k, v, do, D = self.chunks, self._g_cumsum, self.q, self.k, self.v, self.do, D.contiguous()
+        (h, dq, dk), tables = self._local, (c.size, c.cu, c.indices)
+        dv = chunk_dv_with_state(k, g_cumsum, self.A, do, self._dh, D, self._out_of, *tables)
+        dq, dk, dg = chunk_dqkg_with_state(q, k, v, g_cumsum, h, do, self._dh, D, self._out_of, dq, dk, self.scale,
+                                           *tables)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(self.g.dtype)
