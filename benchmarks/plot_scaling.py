@@ -100,22 +100,23 @@ def plot(rows, cal, cluster, tokens, path):
 
 
 def residual_table(cal):
-    """Operator (and model) rows one per line; the scan micro-benchmarks as method x state size."""
+    """Operator (and model) rows one per line; the scan micro-benchmarks as (P, method) x state size."""
     print("| measured point | measured ms | model ms | model / measured - 1 | |\n|---|---|---|---|---|")
     scans = {}
     for r in cal.residuals:
         if r.what.startswith("scan "):
-            _, mib, _, method = r.what.split(" ", 3)
-            scans.setdefault(method, {})[mib] = r
+            _, P, mib, _, method = r.what.split(" ", 4)
+            scans.setdefault(f"{P}, {method}", {})[mib] = r
             continue
         kind = "fitted" if r.fitted else "predicted"
         print(f"| {r.what} | {r.measured_ms:.3f} | {r.model_ms:.3f} | {r.rel:+.1%} | {kind} |")
     sizes = list(dict.fromkeys(mib for row in scans.values() for mib in row))
-    print("\n| P = 2, measured / model us | " + " | ".join(f"{m} MiB" for m in sizes) + " |\n|---|"
+    print("\n| measured / model us | " + " | ".join(f"{m} MiB" for m in sizes) + " |\n|---|"
           + "---|" * len(sizes))
     for method, row in scans.items():
         kind = "fitted" if next(iter(row.values())).fitted else "predicted"
-        cells = [f"{row[m].measured_ms * 1e3:.0f} / {row[m].model_ms * 1e3:.0f} ({row[m].rel:+.0%})" for m in sizes]
+        cells = [f"{row[m].measured_ms * 1e3:.0f} / {row[m].model_ms * 1e3:.0f} ({row[m].rel:+.0%})" if m in row else "-"
+                 for m in sizes]
         print(f"| {method} ({kind}) | " + " | ".join(cells) + " |")
 
 

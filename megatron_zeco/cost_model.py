@@ -50,6 +50,9 @@ BUILDS = {
     "fused": None,  # the state term inside the output and gradient kernels (kernels/chunk_state.py)
 }
 BUILD = "fused"
+# The version of the host-issued scan code (comm/all_scan.py) each build ran: the scans' call and
+# per-message costs are fitted per version (v2: one block without concatenation, one addcmul).
+SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2"}
 
 
 @dataclass(frozen=True)
@@ -221,7 +224,7 @@ class Residual:
 @dataclass(frozen=True)
 class Calibration:
     software: Software  # the code as built (BUILD)
-    builds: dict[str, Software]  # each build measured, and BUILD, with its passes' costs
+    builds: dict[str, Software]  # each build measured, and BUILD, with its passes' and scan code's costs
     nccl_call: float  # NCCL's own all-gather call at P = 2 (used by :func:`target`'s lasp2)
     op_ms: dict[tuple[int, int, int], float]  # (tokens, heads, dim) -> one-GPU fwd+bwd of the local op
     other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
@@ -297,8 +300,9 @@ def _weighted_fit(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [b[i] / a[i][i] for i in range(n)]
 
 
-def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
+def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD) -> Calibration:
     """Fit the as-built costs on the measured rows; predict every other row; return both.
+    ``build``: the build whose costs ``Calibration.software`` holds (the code as it is now).
 
     Fitted, each on its own rows: the state passes' cost per byte (``kernel`` rows), the All-Scan
     call and per-message costs (``scan`` rows ``all_scan K=*``), the all-gather scan's call
@@ -326,39 +330,57 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
 
     # The passes of each build measured, each fitted per byte of what it touches.
     kernels, passes = {}, {}
-    for build, spec in BUILDS.items():
+    for b, spec in BUILDS.items():
         if spec is None:  # no separate pass: its cost is inside the op rows
-            passes[build] = dict(build=build, state_pass=0.0, state_grad_pass=0.0)
+            passes[b] = dict(build=b, state_pass=0.0, state_grad_pass=0.0)
             continue
         (fwd, bwd), unit = spec
-        rows_of = {name: by(part="kernel", name=name, build=build) for name in (fwd, bwd)}
+        rows_of = {name: by(part="kernel", name=name, build=b) for name in (fwd, bwd)}
         if not any(rows_of.values()):
             continue
         if not all(rows_of.values()):
-            raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {build!r})")
+            raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
         per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
                     for name, rs in rows_of.items()}
-        passes[build] = dict(build=build, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
-        kernels.update({(build, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
+        passes[b] = dict(build=b, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
+        kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
     sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT, a2a_copy=0.0,
-                  **passes[BUILD])
+                  **passes[build])
 
-    def built(r):  # the Software a row was measured with: shared costs, its build's passes
+    # Per version of the scan code: All-Scan = scan_call + (K - 1) * message + hops * hop + wire
+    # (stated links), hop >= 0; the all-gather scan = gather_call + its wire and fold.
+    scan_fits, scans, gathers = {}, [], []
+    for version in dict.fromkeys(SCAN_CODE.values()):
+        mine = [r for r in by(part="scan") if SCAN_CODE.get(r["build"]) == version]
+        chain = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
+                 for r in mine if r["method"].startswith("all_scan K=")]
+        gather = [r for r in mine if r["method"] == "gather_scan"]
+        if not chain or not gather:
+            continue
+        xs = [[1.0, K - 1, sum(cluster.chain_hops(w.P, w.layout))] for _, w, K in chain]
+        ys = [r["ms"] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, sw, K)) for r, w, K in chain]
+        # hop: only where rows differ in their hop count (several P); else, and where it fits < 0
+        # (nothing measurable beyond the wire), 0 and the other two alone
+        scan_call, message, hop = _weighted_fit(xs, ys) if len({x[2] for x in xs}) > 1 else (0.0, 0.0, -1.0)
+        if hop < 0:
+            (scan_call, message), hop = _weighted_fit([x[:2] for x in xs], ys), 0.0
+        fit = dict(scan_call=scan_call, message=message, hop=hop)
+        fit["gather_call"] = fit_constant(gather, lambda r: sum(gather_time(_scan_workload(r), cluster,
+                                                                             replace(sw, **fit))))
+        scan_fits[version] = fit
+        scans += [(r, w, K, version) for r, w, K in chain]
+        gathers += [(r, version) for r in gather]
+    if SCAN_CODE[build] not in scan_fits:
+        raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code")
+    sw = replace(sw, **scan_fits[SCAN_CODE[build]])
+
+    def built(r):  # the Software a row was measured with: shared costs, its build's passes and scan code
         if r["build"] not in passes:
             raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
-        return replace(sw, **passes[r["build"]])
+        if SCAN_CODE[r["build"]] not in scan_fits:
+            raise ValueError(f"{r['file']}: no 'scan' rows of scan code {SCAN_CODE[r['build']]!r} (build {r['build']!r})")
+        return replace(sw, **passes[r["build"]], **scan_fits[SCAN_CODE[r["build"]]])
 
-    # All-Scan = scan_call + (K - 1) * message + hops * hop + wire (stated links); hop >= 0.
-    scans = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
-             for r in by(part="scan") if r["method"].startswith("all_scan K=")]
-    xs = [[1.0, K - 1, sum(cluster.chain_hops(w.P, w.layout))] for _, w, K in scans]
-    ys = [r["ms"] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, sw, K)) for r, w, K in scans]
-    scan_call, message, hop = _weighted_fit(xs, ys)
-    if hop < 0:  # hops cost nothing measurable beyond the wire: fit the other two alone
-        (scan_call, message), hop = _weighted_fit([x[:2] for x in xs], ys), 0.0
-    sw = replace(sw, scan_call=scan_call, message=message, hop=hop)
-    gathers = by(part="scan", method="gather_scan")
-    sw = replace(sw, gather_call=fit_constant(gathers, lambda r: sum(gather_time(_scan_workload(r), cluster, sw))))
     ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
     nccl_gathers = by(part="scan", method="nccl all_gather")
     nccl_call = fit_constant(nccl_gathers, ring)
@@ -377,14 +399,17 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
     res = [Residual(f"kernel {name} ({build}) T={r['tokens_per_gpu']}", r["ms"],
                     per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
            for (build, name), (rs, per_byte, unit) in kernels.items() for r in rs]
-    res += [Residual(f"scan {r['state_mib']:g} MiB all_scan K={K}", r["ms"], chain_time(w, cluster, sw, K) * 1e3, True)
-            for r, w, K in scans]
-    res += [Residual(f"scan {r['state_mib']:g} MiB gather_scan", r["ms"],
-                     sum(gather_time(_scan_workload(r), cluster, sw)) * 1e3, True) for r in gathers]
-    res += [Residual(f"scan {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3, True)
-            for r in nccl_gathers]
-    res += [Residual(f"scan {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],  # NCCL's call + one message
-                     (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
+    res += [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v})", r["ms"],
+                     chain_time(w, cluster, replace(sw, **scan_fits[v]), K) * 1e3, True) for r, w, K, v in scans]
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v})", r["ms"],
+                     sum(gather_time(_scan_workload(r), cluster, replace(sw, **scan_fits[v]))) * 1e3, True)
+            for r, v in gathers]
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3,
+                     True) for r in nccl_gathers]
+    # one hop: NCCL's call (as its all-gathers cost in the same run: runs differ) + one message
+    call_in = {f: fit_constant([r for r in nccl_gathers if r["file"] == f], ring) for f in {r["file"] for r in nccl_gathers}}
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
+                     (call_in.get(r["file"], nccl_call) + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
             for r in by(part="scan", method="nccl send/recv hop")]
     # One point per configuration and build: the mean of its runs (files), each modelled from its own
     # run's one-GPU time, as the same configuration measured in separate runs differs by up to ~17%.
@@ -418,7 +443,8 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster()) -> Calibration:
             model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r)) * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
-    return Calibration(sw, {b: replace(sw, **p) for b, p in passes.items()}, nccl_call, op_ms, other_ms, res)
+    builds = {b: replace(sw, **p, **scan_fits.get(SCAN_CODE[b], {})) for b, p in passes.items()}
+    return Calibration(sw, builds, nccl_call, op_ms, other_ms, res)
 
 
 def _shape(r: dict) -> tuple[int, int, int]:

@@ -22,11 +22,13 @@ NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dh0")
 SEQUENCE = ("q", "k", "v", "g", "do")  # per-token inputs, split over ranks
 
 
-def _run(x, dtype, **kw):
+def _run(x, dtype, ht_weight=1.0, **kw):
+    """Outputs and gradients of zeco_gla; ``ht_weight``: this rank's share of the final-state
+    term of the loss (every rank holds the final state; the shares sum to one)."""
     leaves = {n: x[n].to("cuda", dtype).requires_grad_() for n in ("q", "k", "v", "g")}
     h0 = x["h0"].to("cuda", torch.float32).requires_grad_()
     o, ht = zeco_gla(*leaves.values(), initial_state=h0, output_final_state=True, **kw)
-    loss = (o.float() * x["do"].cuda()).sum() + (ht * x["dht"].cuda()).sum()
+    loss = (o.float() * x["do"].cuda()).sum() + ht_weight * (ht * x["dht"].cuda()).sum()
     grads = torch.autograd.grad(loss, [*leaves.values(), h0])
     return dict(zip(NAMES, [t.detach().cpu() for t in (o, ht, *grads)]))
 
@@ -74,7 +76,7 @@ def _two_ranks(rank, world, seed):
         for strategy in ("zeco", "zeco+overlap", "lasp1", "lasp2", "a2a"):
             for layout in Layout:
                 shard = {n: layout.shard(x[n], rank, world) if n in SEQUENCE else x[n] for n in x}
-                got = _run(shard, torch.bfloat16, group=group, strategy=strategy.removesuffix("+overlap"),
+                got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, strategy=strategy.removesuffix("+overlap"),
                            overlap=strategy.endswith("+overlap"), layout=layout)
                 parts = {}
                 for n in ("o", "dq", "dk", "dv", "dg"):
