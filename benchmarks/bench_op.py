@@ -8,10 +8,12 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
 1. ``op``: forward + backward of the GLA operator at T tokens per GPU (H heads of D, bf16):
    ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
    CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts
-   (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream).
+   (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
+   zeco with All-Scan over NCCL messages instead of peer memory, the default on one node).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
-2. ``scan``: All-Scan of one state alone (K blocks) against the all-gather scan (LASP-2), a raw
-   NCCL all-gather of the state, and one send/recv hop, for fp32 states of 0.25-4 MiB.
+2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,
+   against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, and one send/recv
+   hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop.
 3. ``accuracy``: outputs and gradients of each strategy (bf16, CP=P) and of fla's bf16 chunk_gla on
    one GPU, against an fp32 one-GPU reference over the whole sequence (this package's PyTorch
    chunked GLA, TF32 off), as ||x - ref|| / ||ref||. Gates have per-channel time scales from 1 to
@@ -44,7 +46,8 @@ def parse_args():
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--strategies", nargs="+", default=["zeco", "zeco+overlap", "lasp1", "lasp2", "a2a"])
+    p.add_argument("--strategies", nargs="+", default=["zeco", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
+                   help="strategy[+overlap][@transport]")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -98,6 +101,13 @@ def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
     return {n: x.to(dtype) for n, x in zip("qkvgo", (q, k, v, g, do))}
 
 
+def options(strategy):
+    """``zeco_gla`` keywords of a row name ``strategy[+overlap][@transport]``."""
+    name, _, transport = strategy.partition("@")
+    return dict(strategy=name.removesuffix("+overlap"), overlap=name.endswith("+overlap"),
+                transport=transport or "auto")
+
+
 def op_fn(x, strategy, group, layout):
     leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
     if strategy == "fla":
@@ -107,8 +117,7 @@ def op_fn(x, strategy, group, layout):
         if strategy == "fla":
             o, _ = fla_chunk_gla(*leaves)
         else:
-            o, _ = zeco_gla(*leaves, group=group, strategy=strategy.removesuffix("+overlap"), layout=layout,
-                            overlap=strategy.endswith("+overlap"), validate=False)
+            o, _ = zeco_gla(*leaves, group=group, layout=layout, validate=False, **options(strategy))
         return torch.autograd.grad(o, leaves, x["o"])
 
     return run
@@ -126,7 +135,7 @@ def bench_op(args, world, me, cp_group, self_group, rows):
             row = {"part": "op", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "strategy": strategy,
                        "cp": P, "layout": layout, "ms": ms, "vs_none": None if base is None else ms / base}
             rows.append(row)
-            log(f"op  T/GPU={T:6d} {strategy:6s} CP={P} {layout:10s} {ms:8.3f} ms"
+            log(f"op  T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} {ms:8.3f} ms"
                 + ("" if row["vs_none"] is None else f"  x{row['vs_none']:.3f} of none"))
         bench_kernels(args, x, T, rows)
         del x
@@ -177,8 +186,10 @@ def scan_cases(E, gamma, blocks, me, group):
         elif me == 1:
             dist.recv(E, 0, group=group)
 
-    cases = [(f"all_scan K={b}", lambda b=b: all_scan([gamma], [E], None, layout=layout, group=group, num_blocks=b))
-             for b in blocks]
+    cases = [(f"all_scan {transport} K={b}",
+              lambda b=b, t=transport: all_scan([gamma], [E], None, layout=layout, group=group, num_blocks=b,
+                                                transport=t))
+             for transport in ("peer_memory", "send_recv") for b in blocks]
     return cases + [
         ("gather_scan", lambda: gather_scan([gamma], [E], None, layout=layout, group=group)),
         ("nccl all_gather", lambda: dist.all_gather_into_tensor(gathered, E, group=group)),
@@ -224,8 +235,7 @@ def bench_accuracy(args, world, me, cp_group, rows):
         for name in args.layouts:
             layout = as_layout(name)
             leaves = [layout.shard(x[n], me, world, dim=1).detach().requires_grad_() for n in "qkvg"]
-            o, _ = zeco_gla(*leaves, group=cp_group, strategy=strategy.removesuffix("+overlap"), layout=layout,
-                            overlap=strategy.endswith("+overlap"))
+            o, _ = zeco_gla(*leaves, group=cp_group, layout=layout, **options(strategy))
             local = [o, *torch.autograd.grad(o, leaves, layout.shard(x["o"], me, world, dim=1))]
             got = []
             for t in local:

@@ -31,6 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .comm import as_layout
+from .comm.peer import TRANSPORTS
 from .cp import STRATEGIES, zeco_gla
 from .cp.checks import check_inputs
 from .ops import require_backend
@@ -59,6 +60,9 @@ class GatedLinearAttention(MegatronModule):
         cp_layout: ``zigzag`` (Megatron's CP batch split) or ``contiguous``.
         cp_num_blocks: All-Scan pipeline blocks (a divisor of ``kv_channels``).
         cp_overlap_scan: run the scan on a side CUDA stream (``overlap`` of :func:`megatron_zeco.zeco_gla`).
+        cp_transport: how All-Scan moves states: ``auto`` (peer memory over NVLink when the CP group
+            is on one node, else NCCL messages), ``peer_memory`` or ``send_recv``
+            (``transport`` of :func:`megatron_zeco.zeco_gla`).
         cp_packed_split: how packed sequences (THD) are split over CP ranks: ``document``
             (each document cut by ``cp_layout``: Megatron's THD split,
             ``get_thd_batch_on_this_cp_rank`` / ``--sft``), ``sequence`` (the whole packed
@@ -84,6 +88,7 @@ class GatedLinearAttention(MegatronModule):
         cp_layout: str = "zigzag",
         cp_num_blocks: int = 1,
         cp_overlap_scan: bool = False,
+        cp_transport: str = "auto",
         cp_packed_split: str = "auto",
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
@@ -102,12 +107,12 @@ class GatedLinearAttention(MegatronModule):
 
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
-        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, tp, cp)
+        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, cp_transport, tp, cp)
         if not config.use_cpu_initialization:  # parameters, so the layer, live on the GPU
             require_backend("cuda", config.params_dtype)
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
-        self.cp_packed_split, self.cp_overlap_scan = cp_packed_split, cp_overlap_scan
+        self.cp_packed_split, self.cp_overlap_scan, self.cp_transport = cp_packed_split, cp_overlap_scan, cp_transport
         self.gate_normalizer = gate_normalizer
         self._validated = False
         self._warned_rotary = False
@@ -187,8 +192,8 @@ class GatedLinearAttention(MegatronModule):
         if not self._validated:
             self._validate(q, k, v, g, group, strategy, name, packed)
         o, _ = zeco_gla(q, k, v, g, group=group, strategy=strategy, layout=self.cp_layout,
-                        num_blocks=self.cp_num_blocks, overlap=self.cp_overlap_scan, validate=False, name=name,
-                        **packed)
+                        num_blocks=self.cp_num_blocks, overlap=self.cp_overlap_scan, transport=self.cp_transport,
+                        validate=False, name=name, **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight
@@ -202,7 +207,8 @@ class GatedLinearAttention(MegatronModule):
         transfer), naming the Megatron flags that set what they check."""
         try:
             check_inputs(q, k, v, g, None, group=group, strategy=strategy, layout=self.cp_layout,
-                         num_blocks=self.cp_num_blocks, output_final_state=False, **packed)
+                         num_blocks=self.cp_num_blocks, output_final_state=False, transport=self.cp_transport,
+                         **packed)
         except ValueError as e:
             raise ValueError(
                 f"{name}: {e}\n  (through Megatron, each context-parallel rank gets --seq-length / "
@@ -245,9 +251,11 @@ def _megatron_lm_arg(name):
         return False
 
 
-def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, tp, cp):
+def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"GatedLinearAttention: cp_transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
     if packed_split not in ("auto", "document", "sequence"):
         raise ValueError(f"GatedLinearAttention: cp_packed_split {packed_split!r} is not one of "
                          "auto, document, sequence")

@@ -67,6 +67,7 @@ def gla_layer_spec(
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
     cp_overlap_scan: bool = False,
+    cp_transport: str = "auto",
     cp_packed_split: str = "auto",
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
@@ -82,6 +83,8 @@ def gla_layer_spec(
             ``contiguous`` (rank r holds the r-th block of tokens).
         cp_num_blocks: blocks the state is pipelined in by All-Scan.
         cp_overlap_scan: run the scan on a side CUDA stream (see GatedLinearAttention).
+        cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``send_recv``;
+            see GatedLinearAttention).
         cp_packed_split: how packed (THD) batches are split over CP: ``document``
             (Megatron's THD split), ``sequence`` (``--dataloader-inter-document-masking``)
             or ``auto`` (from Megatron-LM's arguments; see GatedLinearAttention).
@@ -92,7 +95,8 @@ def gla_layer_spec(
             TE norms follow ``--normalization`` by themselves.
     """
     params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                  cp_overlap_scan=cp_overlap_scan, cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
+                  cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_packed_split=cp_packed_split,
+                  gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing)
     if use_te:

@@ -2,10 +2,13 @@
 
 Runs two CP groups side by side in one world, with strided global ranks (as
 Megatron's CP groups are under tensor parallelism), so peers must be found
-through the group, never by rank +- 1 on the world.
+through the group, never by rank +- 1 on the world. All-Scan runs over both
+transports: the group's messages, and peer memory (host shared memory and the
+Triton hop kernel under TRITON_INTERPRET=1 here; symmetric memory on GPUs).
 """
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -30,7 +33,8 @@ def _scan_worker(rank, world, seed, groups):
     group, P = handles[gid], len(groups[gid])
     me = dist.get_rank(group)
     failures = []
-    cases = itertools.product(Layout, (1, 2, 4), (False, True), (False, True), ("all_scan", "gather_scan"))
+    cases = itertools.product(Layout, (1, 2, 4), (False, True), (False, True),
+                              ("all_scan send_recv", "all_scan peer_memory", "gather_scan"))
     for n, (layout, blocks, reverse, with_init, impl) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + 1000 * gid + n)  # each group scans different data
         pieces = layout.num_pieces(P)
@@ -39,9 +43,9 @@ def _scan_worker(rank, world, seed, groups):
         init = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64) if with_init else None
         mine = layout.pieces(me, P)
         kwargs = dict(layout=layout, group=group, reverse=reverse)
-        if impl == "all_scan":
-            kwargs["num_blocks"] = blocks
-        scan = all_scan if impl == "all_scan" else gather_scan
+        if impl.startswith("all_scan"):
+            kwargs.update(num_blocks=blocks, transport=impl.split()[1])
+        scan = all_scan if impl.startswith("all_scan") else gather_scan
         entering, last = scan([gammas[p] for p in mine], [deltas[p] for p in mine], init, **kwargs)
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
         want, want_last = _fold(gammas, deltas, init, order)
@@ -62,3 +66,38 @@ def test_scans_match_sequential_fold(seed, groups):
     world = sum(len(g) for g in groups)
     failures = run_ranks(_scan_worker, world, seed, groups)
     assert not any(failures), failures
+
+
+def _slow_receiver_worker(rank, world, seed, calls):
+    """The chain's first rank runs ahead while the others sleep before every scan: it must wait
+    for their acknowledgements, never overwrite a block they have not read."""
+    group = dist.group.WORLD
+    failures = []
+    for call in range(calls):
+        gen = torch.Generator().manual_seed(seed + call)
+        gammas = [torch.rand(3, 4, generator=gen, dtype=torch.float64) for _ in range(world)]
+        deltas = [torch.randn(3, 4, 2, generator=gen, dtype=torch.float64) for _ in range(world)]
+        if rank:
+            time.sleep(0.3)
+        entering, _ = all_scan([gammas[rank]], [deltas[rank]], None, layout=Layout.CONTIGUOUS, group=group,
+                               num_blocks=2, transport="peer_memory")
+        want, _ = _fold(gammas, deltas, None, range(world))
+        if not torch.allclose(entering[0], want[rank], rtol=1e-12, atol=1e-12):
+            failures.append(f"call {call}")
+    return failures
+
+
+def test_peer_memory_waits_for_slow_receivers(seed):
+    failures = run_ranks(_slow_receiver_worker, 3, seed, 4)
+    assert not any(failures), failures
+
+
+def _bad_transport_worker(rank, world):
+    with pytest.raises(ValueError, match="unknown All-Scan transport 'nvlink'"):
+        all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,
+                 transport="nvlink")
+    return True
+
+
+def test_unknown_transport_is_refused():
+    assert all(run_ranks(_bad_transport_worker, 2))

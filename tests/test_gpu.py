@@ -7,12 +7,15 @@ layer's logsigmoid(x)/16 gates are): with decays of e^-30 per token ('strong' in
 reference.py) fla's dg is off by orders of magnitude, where the CPU path is exact.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
+from megatron_zeco.comm import all_scan
 from megatron_zeco.ops import gla_piece
 from reference import problem, reference, rel_err
 
@@ -73,11 +76,12 @@ def _two_ranks(rank, world, seed):
     out = {}
     for gate in ("normal", "tiny"):
         x = problem(seed, B=2, T=2 * 320, H=4, K=64, V=64, gate=gate)
-        for strategy in ("zeco", "zeco+overlap", "lasp1", "lasp2", "a2a"):
+        for strategy in ("zeco", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"):
+            name, _, transport = strategy.partition("@")
             for layout in Layout:
                 shard = {n: layout.shard(x[n], rank, world) if n in SEQUENCE else x[n] for n in x}
-                got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, strategy=strategy.removesuffix("+overlap"),
-                           overlap=strategy.endswith("+overlap"), layout=layout)
+                got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, strategy=name.removesuffix("+overlap"),
+                           overlap=name.endswith("+overlap"), transport=transport or "auto", layout=layout)
                 parts = {}
                 for n in ("o", "dq", "dk", "dv", "dg"):
                     pieces = [torch.empty_like(got[n]).cuda() for _ in range(world)]
@@ -133,3 +137,43 @@ def test_packed_documents_on_gpus_match_float64(seed, world):
     bad = {(r, case): e for r, each in enumerate(errors) for case, e in each.items()
            if max(e.values()) > TOLERANCE[torch.bfloat16]}
     assert not bad, bad
+
+
+def _peer_scans(rank, world, seed):
+    """All-Scan through symmetric memory (the Triton hop kernel over NVLink) against a float64
+    fold: both layouts and directions, several block counts and shapes, 10 calls each on fresh
+    data with no synchronisation between them (the flags must order everything)."""
+    group = dist.new_group(list(range(world)))
+    failures = []
+    for (N, K, V), layout, reverse, blocks in itertools.product(((16, 128, 128), (3, 64, 96)), Layout,
+                                                                 (False, True), (1, 4, 16)):
+        n = layout.num_pieces(world)
+        results = []
+        for call in range(10):
+            gen = torch.Generator().manual_seed(seed + call)
+            gammas = torch.rand(n, N, K, generator=gen, dtype=torch.float64)
+            deltas = torch.randn(n, N, K, V, generator=gen, dtype=torch.float64)
+            init = torch.randn(N, K, V, generator=gen, dtype=torch.float64) if call % 2 else None
+            mine = layout.pieces(rank, world)
+            entering, last = all_scan([gammas[p].cuda().float() for p in mine], [deltas[p].cuda().float() for p in mine],
+                                      None if init is None else init.cuda().float(), layout=layout, group=group,
+                                      num_blocks=blocks, reverse=reverse, transport="peer_memory")
+            results.append((gammas, deltas, init, entering, last))
+        for call, (gammas, deltas, init, entering, last) in enumerate(results):
+            x, want = (torch.zeros(N, K, V, dtype=torch.float64) if init is None else init), {}
+            for p in (range(n - 1, -1, -1) if reverse else range(n)):
+                want[p] = x
+                x = gammas[p].unsqueeze(-1) * x + deltas[p]
+            errors = [rel_err(entering[s].cpu(), want[p]) for s, p in enumerate(layout.pieces(rank, world))]
+            if last is not None:
+                errors.append(rel_err(last.cpu(), x))
+            if max(errors) > 1e-6:
+                failures.append(f"{(N, K, V)} {layout.value} reverse={reverse} blocks={blocks} call {call}: "
+                                f"{max(errors):.1e}")
+    return failures
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_peer_memory_all_scan_on_two_gpus(seed):
+    failures = run_ranks(_peer_scans, 2, seed, backend="nccl")
+    assert not any(failures), failures

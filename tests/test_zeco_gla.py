@@ -20,16 +20,18 @@ K, V, B = 8, 4, 2
 
 
 def _cases(world):
-    """(strategy, layout, num_blocks, gate, initial_state, output_final_state)."""
+    """(strategy, layout, num_blocks, gate, initial_state, output_final_state, transport)."""
     cases = []
     for strategy, layout in itertools.product(("zeco", "lasp1", "lasp2", "a2a"), Layout):
         for gate in GATES:
-            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True))
-        cases.append((strategy, layout, 1, "normal", False, False))
-        cases.append((strategy, layout, 1, "normal", True, False))
-        cases.append((strategy, layout, 1, "normal", False, True))
+            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True, "auto"))
+        cases.append((strategy, layout, 1, "normal", False, False, "auto"))
+        cases.append((strategy, layout, 1, "normal", True, False, "auto"))
+        cases.append((strategy, layout, 1, "normal", False, True, "auto"))
         if strategy == "zeco":
-            cases += [(strategy, layout, nb, "normal", True, True) for nb in (1, 4, K)]
+            cases += [(strategy, layout, nb, "normal", True, True, "auto") for nb in (1, 4, K)]
+            # All-Scan through peer memory (the Triton hop kernel, interpreted on the CPU)
+            cases += [(strategy, layout, nb, "strong", True, True, "peer_memory") for nb in (1, 4)]
     return cases
 
 
@@ -37,7 +39,7 @@ def _check_all(rank, world, seed, local_len):
     group = dist.new_group(list(range(world)))
     heads = world if world > 2 else 2  # a2a needs H divisible by the group size
     failures, references = [], {}
-    for n, (strategy, layout, nb, gate, with_h0, with_ht) in enumerate(_cases(world)):
+    for n, (strategy, layout, nb, gate, with_h0, with_ht, transport) in enumerate(_cases(world)):
         key = (gate, with_h0)
         if key not in references:
             x = problem(seed + len(references), B, world * local_len, heads, K, V, gate, with_h0)
@@ -51,7 +53,8 @@ def _check_all(rank, world, seed, local_len):
         local = {name: layout.shard(x[name], rank, world).requires_grad_() for name in ("q", "k", "v", "g")}
         h0 = x["h0"].clone().requires_grad_() if with_h0 else None
         o, ht = zeco_gla(local["q"], local["k"], local["v"], local["g"], group=group, strategy=strategy,
-                         layout=layout, num_blocks=nb, initial_state=h0, output_final_state=with_ht)
+                         layout=layout, num_blocks=nb, initial_state=h0, output_final_state=with_ht,
+                         transport=transport)
         loss = (o * layout.shard(x["do"], rank, world)).sum()
         if with_ht:
             loss = loss + weights[rank] * (ht * x["dht"]).sum()
@@ -67,7 +70,8 @@ def _check_all(rank, world, seed, local_len):
             errors["d" + name] = rel_err(grad, full if name == "h0" else layout.shard(full, rank, world))
         bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
         if bad:
-            failures.append(f"{strategy} {layout.value} blocks={nb} gates={gate} h0={with_h0} ht={with_ht}: {bad}")
+            failures.append(f"{strategy} {layout.value} blocks={nb} gates={gate} h0={with_h0} ht={with_ht} "
+                            f"transport={transport}: {bad}")
     return failures
 
 

@@ -15,50 +15,23 @@ piece it holds: the least any exact method can move.
 :func:`gather_scan` is LASP-2's alternative: all-gather every piece's
 ``(gamma, delta)`` and fold the prefix locally (P states per rank received).
 
+:func:`all_scan` passes its blocks as the group's point-to-point messages, or, on one
+node, by one-sided stores into the peers' memory with device-side flags (``peer.py``).
+
 Both take the group explicitly and address peers through it (global ranks from
 ``dist.get_global_rank``), so any Megatron context-parallel group works.
 """
 
 import contextlib
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .layout import Layout
+from .peer import peer_all_scan, resolve_transport
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class _Link:
-    """One local piece's place in the chain walk."""
-
-    slot: int
-    piece: int
-    src: Optional[int]  # global rank to receive the incoming state from (None: local or first)
-    dst: Optional[int]  # global rank to send the outgoing state to (None: local or last)
-    first: bool  # no predecessor: the incoming state is `init`
-    last: bool  # no successor: the outgoing state is the scan's result
-
-
-def _links(layout: Layout, group, reverse: bool) -> List[_Link]:
-    world, me = dist.get_world_size(group), dist.get_rank(group)
-    n, step = layout.num_pieces(world), (-1 if reverse else 1)
-    links = []
-    for slot, piece in enumerate(layout.pieces(me, world)):
-        prev, nxt = piece - step, piece + step
-        first, last = not 0 <= prev < n, not 0 <= nxt < n
-        src = None if first else layout.owner(prev, world)[0]
-        dst = None if last else layout.owner(nxt, world)[0]
-        links.append(_Link(
-            slot, piece,
-            None if src in (None, me) else dist.get_global_rank(group, src),
-            None if dst in (None, me) else dist.get_global_rank(group, dst),
-            first, last,
-        ))
-    return sorted(links, key=lambda link: link.piece, reverse=reverse)
 
 
 def chain_scan(
@@ -93,7 +66,7 @@ def chain_scan(
     K = like.shape[-2]
     rows = [slice(b * K // num_blocks, (b + 1) * K // num_blocks) for b in range(num_blocks)]
     block_shape = (*like.shape[:-2], K // num_blocks, like.shape[-1])
-    walk = _links(layout, group, reverse)
+    walk = layout.links(dist.get_rank(group), dist.get_world_size(group), reverse)
     shift = -1 if reverse else 1
 
     def tag(piece: int, block: int) -> int:  # message = block `block` of the state leaving `piece`
@@ -111,22 +84,24 @@ def chain_scan(
                 x = like.new_zeros(block_shape) if init is None else init[..., r, :]
             elif link.src is not None:
                 x = like.new_empty(block_shape)
+                src = dist.get_global_rank(group, link.src)
                 with _naming_failures(what, f"receiving block {b} of the state leaving piece "
-                                            f"{link.piece - shift} from global rank {link.src}"):
-                    dist.recv(x, link.src, group=group, tag=tag(link.piece - shift, b))
+                                            f"{link.piece - shift} from global rank {src}"):
+                    dist.recv(x, src, group=group, tag=tag(link.piece - shift, b))
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
             y = step(link.slot, r, x)
             if link.dst is not None:
-                sends.append((link, dist.isend(y.contiguous(), link.dst, group=group, tag=tag(link.piece, b))))
+                dst = dist.get_global_rank(group, link.dst)
+                sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
         inputs[link.slot] = _join(xs)
         carried = ys
         if link.last:
             last = _join(ys)
-    for link, work in sends:
-        with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {link.dst}"):
+    for link, dst, work in sends:
+        with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {dst}"):
             work.wait()
     return inputs, last
 
@@ -154,6 +129,7 @@ def all_scan(
     group,
     num_blocks: int = 1,
     reverse: bool = False,
+    transport: str = "auto",
     what: str = "All-Scan",
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
@@ -162,11 +138,16 @@ def all_scan(
         gamma: per local slot, the decay ``[..., K]``.
         delta: per local slot, ``[..., K, V]``.
         init: state entering the first piece (last piece if ``reverse``) or None.
+        transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
+            (one-sided stores into the peers' memory, one kernel per piece: ``peer.py``)
+            or ``auto`` (peer memory for CUDA states on one node).
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
         chain on the rank that ends it.
     """
+    if resolve_transport(transport, group, delta[0]) == "peer_memory":
+        return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse)
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
         return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)

@@ -11,10 +11,25 @@ The recurrent state walks the pieces in order 0, 1, ..., n-1; :func:`owner`
 says which rank (and which of its local slots) holds each one.
 """
 
+from dataclasses import dataclass
 from enum import Enum
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
+
+
+@dataclass(frozen=True)
+class Link:
+    """One of a rank's pieces in the walk of the chain (peers as ranks of the group)."""
+
+    slot: int  # the piece's local slot
+    piece: int
+    src: Optional[int]  # rank holding the previous piece (None: no previous piece, or it is ours)
+    src_slot: Optional[int]  # the previous piece's slot there
+    dst: Optional[int]  # rank holding the next piece (None: no next piece, or it is ours)
+    dst_slot: Optional[int]
+    first: bool  # no predecessor: the incoming state is the scan's initial state
+    last: bool  # no successor: the outgoing state is the scan's result
 
 
 class Layout(str, Enum):
@@ -35,6 +50,19 @@ class Layout(str, Enum):
         if self is Layout.CONTIGUOUS or piece < world:
             return piece, 0
         return 2 * world - 1 - piece, 1
+
+    def links(self, rank: int, world: int, reverse: bool = False) -> List[Link]:
+        """``rank``'s pieces in the order a chain visits them (pieces 0, 1, ..., or backwards)."""
+        n, step = self.num_pieces(world), (-1 if reverse else 1)
+        links = []
+        for slot, piece in enumerate(self.pieces(rank, world)):
+            prev, nxt = piece - step, piece + step
+            first, last = not 0 <= prev < n, not 0 <= nxt < n
+            src, src_slot = (None, None) if first else self.owner(prev, world)
+            dst, dst_slot = (None, None) if last else self.owner(nxt, world)
+            links.append(Link(slot, piece, None if src == rank else src, src_slot, None if dst == rank else dst,
+                              dst_slot, first, last))
+        return sorted(links, key=lambda link: link.piece, reverse=reverse)
 
     def shard(self, x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
         """This rank's part of a full sequence ``x`` (length divisible by the number of pieces)."""

@@ -42,6 +42,7 @@ def zeco_gla(
     scale: Optional[float] = None,
     num_blocks: int = 1,
     overlap: bool = False,
+    transport: str = "auto",
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -76,6 +77,12 @@ def zeco_gla(
             the local work that does not need its result computes (forward and
             backward). Off by default: on 2 H200 it saved ~1% of GPU time and cost more
             host time than that (docs/benchmarks.md).
+        transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
+            point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
+            peers' memory with flags on the device (torch symmetric memory over NVLink; all
+            ranks on one node). ``auto``: ``$MEGATRON_ZECO_TRANSPORT`` if set, else
+            ``peer_memory`` for CUDA tensors when the group is on one node, else ``send_recv``.
+            The same numbers either way (up to a fused multiply-add's rounding).
         initial_state: ``[B, H, K, V]`` state before the first token, the same on
             every rank; its gradient is split over the ranks (their sum is the
             gradient), as Megatron's CP gradient reduction expects.
@@ -105,7 +112,7 @@ def zeco_gla(
     if validate:
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
                      num_blocks=num_blocks, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     per_document=per_document)
+                     per_document=per_document, transport=transport)
     layout = as_layout(layout)
     world = 1 if group is None else group.size()
     if strategy not in STRATEGIES:  # reached only with validate=False
@@ -128,7 +135,7 @@ def zeco_gla(
         o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
     else:
         o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", overlap, output_final_state, name, packing)
+                                 strategy == "zeco", overlap, output_final_state, name, packing, transport)
     if not output_final_state:
         return o, None
     last_piece = layout.num_pieces(world) - 1

@@ -6,12 +6,14 @@ descriptions are all-gathered; then every rank runs the same checks on the
 same table and raises the same ``ValueError``.
 """
 
+import os
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..comm import Layout, as_layout
+from ..comm.peer import TRANSPORT_ENV, TRANSPORTS
 
 STRATEGIES = ("zeco", "lasp1", "lasp2", "a2a", "none")
 # What the local GLA runs (fla's kernels on CUDA, chunk.py elsewhere and for float64). float8 and
@@ -113,7 +115,7 @@ def _describe(x: Optional[torch.Tensor]):
 
 
 def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
-                 cu_seqlens=None, per_document=False):
+                 cu_seqlens=None, per_document=False, transport="auto"):
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
     world = 1 if group is None else dist.get_world_size(group)
     problems = []
@@ -124,6 +126,8 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         layout = Layout.CONTIGUOUS
     if strategy not in STRATEGIES:
         problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    if transport not in TRANSPORTS:
+        problems.append(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
     # Per document, each document is cut into pieces, not each rank's tokens.
     problems += _local_problems(q, k, v, g, initial_state, num_blocks,
                                 1 if per_document else len(layout.pieces(0, world)))
@@ -138,6 +142,7 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
         "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks,
         "output_final_state": bool(output_final_state),
+        "transport": (transport, os.environ.get(TRANSPORT_ENV)),
     }
     if group is None:
         rows = [row]
@@ -151,7 +156,8 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
                       ("initial_state", "initial_state (given or not, shape, dtype)"),
                       ("strategy", "strategy"), ("layout", "layout"), ("num_blocks", "num_blocks"),
                       ("output_final_state", "output_final_state"), ("cu_seqlens", "cu_seqlens"),
-                      ("per_document", "per_document")):
+                      ("per_document", "per_document"),
+                      ("transport", f"transport (argument, ${TRANSPORT_ENV})")):
         values = [each[key] for each in rows]
         if any(val != values[0] for val in values):
             listing = "; ".join(f"rank {r}: {_short(val) if isinstance(val, list) else val}"

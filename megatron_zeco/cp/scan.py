@@ -14,7 +14,8 @@ sequences (``packed.Packing``) run as one varlen launch over the pieces' documen
 segments instead, and the scan carries one chain per document where each
 document is split on its own.
 
-``zeco`` scans with the pipelined All-Scan; ``lasp2`` with an all-gather.
+``zeco`` scans with the pipelined All-Scan (messages, or stores into peer memory on one
+node: ``comm/peer.py``); ``lasp2`` with an all-gather.
 """
 
 import torch
@@ -27,7 +28,7 @@ from .local import initial_state_grad
 class ScanGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, overlap, output_final_state,
-                name, packing=None):
+                name, packing=None, transport="auto"):
         n = len(layout.pieces(0, group.size()))
         pieces = _Pieces(n) if packing is None else packing
         piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
@@ -36,13 +37,13 @@ class ScanGLA(torch.autograd.Function):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in, last = _while_scanning(
-            lambda: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, name,
+            lambda: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, transport, name,
                           reverse=False), piece.before_output, overlap)
         o = piece.output(pieces.initial_states(_batch(S_in)))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
         ctx.overlap = overlap
-        ctx.scan_args = (layout, group, num_blocks, use_all_scan, name)
+        ctx.scan_args = (layout, group, num_blocks, use_all_scan, transport, name)
         if last is None and output_final_state:  # zeco_gla broadcasts it from the rank that has it
             last = E.new_zeros(q.shape[0], *E.shape[1:])
         return o.reshape(*q.shape[:3], o.shape[-1]), last
@@ -57,7 +58,7 @@ class ScanGLA(torch.autograd.Function):
         grads = piece.grads(pieces.final_grads(_batch(D)))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None, None
 
 
 class _Pieces:
@@ -130,10 +131,10 @@ def _while_scanning(scan, work, overlap):
     return states, last
 
 
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, name, reverse):
+def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse):
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     if use_all_scan:
         return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                        what=what)
+                        transport=transport, what=what)
     return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what)

@@ -1,0 +1,191 @@
+"""All-Scan through peer memory: one-sided stores into the next rank's buffer, flags on the device.
+
+A message through NCCL costs ~25-40 µs of latency plus host work per block (docs/benchmarks.md),
+more than a whole 1 MiB state takes over NVLink, so a pipelined chain of small blocks loses. On
+one node every GPU can map every other GPU's memory: each rank allocates one buffer per state
+shape with torch's symmetric memory, and a hop is one Triton kernel
+(``kernels/scan_hop.py``) that waits for the previous rank's blocks, combines them and stores
+the result straight into the next rank's buffer, block by block. No host synchronisation, no
+NCCL call; the kernel is ordered on the current stream like any other.
+
+Transports (``all_scan(transport=...)``, ``zeco_gla(transport=...)``):
+
+* ``send_recv``: the process group's point-to-point messages (NCCL on GPUs, gloo on CPUs); works
+  everywhere.
+* ``peer_memory``: this module. On CUDA, torch symmetric memory (NVLink; multicast is never used).
+  On the CPU, files in shared memory (``/dev/shm``) and the kernel under ``TRITON_INTERPRET=1``:
+  slow, for testing the protocol with real processes.
+* ``auto`` (default): ``$MEGATRON_ZECO_TRANSPORT`` if set, else ``peer_memory`` for CUDA states
+  when every rank of the group is on this host, else ``send_recv``.
+
+A rank that never arrives stalls its peers' scan kernels (they spin on their flags); the
+job then stops at its next NCCL collective, when the process group's watchdog times it out.
+"""
+
+import os
+import socket
+import tempfile
+import uuid
+import warnings
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+TRANSPORTS = ("auto", "send_recv", "peer_memory")
+TRANSPORT_ENV = "MEGATRON_ZECO_TRANSPORT"
+_ALIGN = 16
+
+
+def resolve_transport(transport: str, group, like: Tensor) -> str:
+    """``send_recv`` or ``peer_memory`` for a scan over ``group`` of states like ``like``."""
+    if transport == "auto":
+        transport = os.environ.get(TRANSPORT_ENV) or ("peer_memory" if like.is_cuda and _one_host(group)
+                                                      else "send_recv")
+    if transport not in TRANSPORTS[1:]:
+        raise ValueError(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
+                         f" (argument transport, layer cp_transport, or ${TRANSPORT_ENV})")
+    if transport == "peer_memory":
+        if like.is_cuda and not _one_host(group):
+            raise ValueError("All-Scan transport 'peer_memory' needs every rank of the CP group on one node; "
+                             "use transport='send_recv'")
+        if not like.is_cuda and not os.environ.get("TRITON_INTERPRET"):
+            raise ValueError("All-Scan transport 'peer_memory' on the CPU runs its Triton kernel under "
+                             "TRITON_INTERPRET=1 (for tests); use transport='send_recv'")
+    return transport
+
+
+_HOSTS: Dict[object, bool] = {}
+
+
+def _one_host(group) -> bool:
+    """Whether every rank of ``group`` runs on this host (asked once per group; collective)."""
+    if group not in _HOSTS:
+        names: List[Optional[str]] = [None] * group.size()
+        dist.all_gather_object(names, socket.gethostname(), group=group)
+        _HOSTS[group] = len(set(names)) == 1
+    return _HOSTS[group]
+
+
+class PeerBuffers:
+    """``nbytes`` of memory per rank of ``group``, zeroed; every rank's mapped in every process.
+
+    ``of(rank)`` is rank ``rank``'s buffer (a uint8 tensor on this rank's device), ``rank`` in
+    the group. Allocation is collective.
+    """
+
+    def __init__(self, group, nbytes: int, device: torch.device):
+        self.nbytes = nbytes
+        self._ranks = _symmetric(group, nbytes, device) if device.type == "cuda" else _host_shared(group, nbytes)
+
+    def of(self, rank: int) -> Tensor:
+        return self._ranks[rank]
+
+
+def _symmetric(group, nbytes: int, device: torch.device) -> List[Tensor]:
+    import torch.distributed._symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    handle = symm_mem.rendezvous(local, group.group_name)
+    local.zero_()
+    torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes a flag
+    dist.barrier(group=group)
+    views = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(group.size())]
+    views[group.rank()] = local
+    views.append(local)  # keep the allocation (and its handle) alive with the views
+    views.append(handle)
+    return views
+
+
+def _host_shared(group, nbytes: int) -> List[Tensor]:
+    names: List[Optional[str]] = [os.path.join(_shm_dir(), f"megatron_zeco_{uuid.uuid4().hex}")]
+    dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+    path = f"{names[0]}_{group.rank()}"
+    with open(path, "wb") as f:
+        f.truncate(nbytes)  # zeros
+    dist.barrier(group=group)
+    views = [torch.from_file(f"{names[0]}_{r}", shared=True, size=nbytes, dtype=torch.uint8)
+             for r in range(group.size())]
+    dist.barrier(group=group)  # everyone has mapped every file: the names can go
+    os.unlink(path)
+    return views
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class _Channel:
+    """Peer buffers for scans of one state shape over one group and layout, and the call count.
+
+    Each rank has a region per direction and local slot (at most 2 pieces per rank): a receive
+    buffer for the incoming state, its arrival flags, and the acknowledgements of what the slot
+    sends. ``plan(reverse)``: per piece in walk order, its link and the addresses of the regions
+    it reads, and writes on its peers (built once; a call then only launches kernels).
+    """
+
+    def __init__(self, group, layout, N, K, V, dtype, num_blocks, device):
+        self.N, self.K, self.V, self.num_blocks = N, K, V, num_blocks
+        self.data = _aligned(N * K * V * dtype.itemsize)
+        self.flags = _aligned(N * num_blocks * 4)
+        size = self.data + 2 * self.flags
+        buffers = PeerBuffers(group, 4 * size, device)
+        rank, world = group.rank(), group.size()
+
+        def region(r, reverse, slot):
+            return 0 if r is None else buffers.of(r).data_ptr() + (2 * int(reverse) + slot) * size
+
+        self._plans = {reverse: [(link, region(rank, reverse, link.slot), region(link.src, reverse, link.src_slot),
+                                  region(link.dst, reverse, link.dst_slot))
+                                 for link in layout.links(rank, world, reverse)]
+                       for reverse in (False, True)}
+        self._buffers = buffers
+        self.seq = 0
+        self.prev = {False: 0, True: 0}  # seq of the last call in each direction
+
+    def plan(self, reverse: bool):
+        return self._plans[reverse]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+_CHANNELS: Dict[tuple, _Channel] = {}
+
+
+def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
+                  layout, group, num_blocks: int, reverse: bool) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """:func:`all_scan` over peer memory (same arguments and result)."""
+    from ..kernels.scan_hop import all_scan_hop
+
+    like = delta[0]
+    K, V = like.shape[-2:]
+    N = like.numel() // (K * V)
+    key = (group, layout, N, K, V, like.dtype, num_blocks, like.device)
+    ch = _CHANNELS.get(key)
+    if ch is None:
+        ch = _CHANNELS[key] = _Channel(group, layout, N, K, V, like.dtype, num_blocks, like.device)
+    ch.seq += 1
+    seq, prev_seq, ch.prev[reverse] = ch.seq, ch.prev[reverse], ch.seq
+    inputs: List[Optional[Tensor]] = [None] * len(delta)
+    carried = last = None
+    for link, here, src, dst in ch.plan(reverse):
+        x = None if link.src is not None else (init if link.first else carried)
+        x = None if x is None else x.to(like.dtype).reshape(N, K, V).contiguous()
+        s_in = like.new_empty(N, K, V)
+        keep = link.dst is None  # the outgoing state is needed here: the chain goes on locally, or ends
+        y = like.new_empty(N, K, V) if keep else None
+        all_scan_hop(0 if x is None else x.data_ptr(), gamma[link.slot].reshape(N, K).contiguous(),
+                     delta[link.slot].reshape(N, K, V).contiguous(), s_in, s_in if y is None else y, here, src, dst,
+                     seq, prev_seq, num_blocks, ch.data, ch.flags, has_src=link.src is not None,
+                     has_init=x is not None, has_dst=link.dst is not None, keep_y=keep)
+        inputs[link.slot] = s_in.view(like.shape)
+        carried = y
+        if link.last:
+            last = y.view(like.shape)
+    return inputs, last

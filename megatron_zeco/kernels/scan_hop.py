@@ -1,0 +1,100 @@
+"""Triton kernel: one All-Scan hop through peer memory, ``S_out = Diag(gamma) S_in + delta``.
+
+A rank's part of the All-Scan for one piece, with the state passed by one-sided stores
+into the next rank's memory instead of messages (``comm/peer.py`` holds the protocol and
+the buffers). Program ``(n, b)`` owns block ``b`` of the key rows of state ``n`` (a head
+of a sequence, or of a document): it waits until the previous rank's program ``(n, b)``
+has published that block, combines, stores the result straight into the next rank's
+buffer and publishes it there. Blocks move independently, so a block is forwarded while
+the next one is still arriving: the paper's pipelined chain, issued by one launch.
+
+Flags are sequence numbers, never reset: the sender publishes block ``t`` of call ``seq``
+by writing ``seq`` to the receiver's ``flag[t]`` after the data (release, system scope);
+the receiver acknowledges by writing ``seq`` to the sender's ``ack[t]`` once it has read
+the block; before overwriting, a sender waits for the acknowledgement of its previous
+message (``prev_seq``), so a slow receiver is never overrun.
+
+Shapes (all contiguous): ``gamma [N, K]``, ``delta``, ``S_in``, ``y`` ``[N, K, V]``, float32
+or float64; flags int32 ``[N * num_blocks]``. The regions (this rank's and the peers') are
+passed as addresses: a receive buffer, then its arrival flags, then the acknowledgements of
+what the same slot sends.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _wait_at_least(flag, target):
+    """Spin until ``*flag >= target`` (acquire, system scope), then sync the program."""
+    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < target:
+        pass
+    tl.debug_barrier()
+
+
+@triton.jit
+def _publish(flag, value):
+    """Make this program's stores visible, then ``*flag = value`` (release, system scope)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag, value, sem="release", scope="sys")
+
+
+@triton.jit
+def all_scan_hop_kernel(
+    x_init,  # address of the incoming state where no rank sends it (initial state, or this rank's own)
+    gamma, delta, s_in, y_out,  # y_out: local copy of the outgoing state (KEEP_Y)
+    here, src, dst,  # addresses of the regions: this rank's, the previous rank's, the next rank's
+    seq, prev_seq,
+    K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
+    HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
+):
+    i_n, i_b = tl.program_id(0), tl.program_id(1)
+    tile = i_n * tl.num_programs(1) + i_b
+    dtype = delta.dtype.element_ty
+    if HAS_SRC:  # the previous rank's block has arrived in this region
+        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        x_in = here.to(tl.pointer_type(dtype))
+    elif HAS_INIT:
+        x_in = x_init.to(tl.pointer_type(dtype))
+    if HAS_DST:  # the next rank has read what this slot sent it last time
+        _wait_at_least((here + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, prev_seq)
+    cols = tl.arange(0, BV)
+    for r in range(0, ROWS, BR):
+        rows = i_b * ROWS + r + tl.arange(0, BR)
+        in_block = rows < i_b * ROWS + ROWS
+        mask = in_block[:, None] & (cols[None, :] < V)
+        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
+        if HAS_SRC or HAS_INIT:
+            x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        else:
+            x = tl.zeros([BR, BV], dtype)
+        decay = tl.load(gamma + i_n * K + rows, mask=in_block, other=0.0)
+        y = decay[:, None] * x + tl.load(delta + offs, mask=mask, other=0.0)
+        if HAS_DST:
+            tl.store(dst.to(tl.pointer_type(dtype)) + offs, y, mask=mask)
+        tl.store(s_in + offs, x, mask=mask)
+        if KEEP_Y:
+            tl.store(y_out + offs, y, mask=mask)
+    if HAS_DST:
+        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+    if HAS_SRC:
+        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+
+
+def all_scan_hop(x_init, gamma, delta, s_in, y_out, here, src, dst, seq, prev_seq, num_blocks, data_bytes,
+                 flag_bytes, *, has_src, has_init, has_dst, keep_y):
+    """Launch one hop over ``delta.shape[0]`` states x ``num_blocks`` blocks of rows (see module doc).
+
+    ``x_init``, ``here``, ``src``, ``dst`` are integer addresses (0 where unused); a region is a
+    receive buffer of ``data_bytes``, then arrival flags and acknowledgements of ``flag_bytes`` each.
+    """
+    N, K, V = delta.shape
+    rows = K // num_blocks
+    BV = triton.next_power_of_2(V)
+    BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
+    all_scan_hop_kernel[(N, num_blocks)](
+        x_init, gamma, delta, s_in, y_out, here, src, dst, seq, prev_seq,
+        K=K, V=V, ROWS=rows, BR=BR, BV=BV, DATA=data_bytes, FLAGS=flag_bytes,
+        HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=keep_y, num_warps=4,
+    )
