@@ -13,7 +13,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
 2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,
    against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, and one send/recv
-   hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop.
+   hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop. Each is timed
+   twice: from an empty queue (host issue time included) and behind a GPU sleep (GPU time only).
 3. ``accuracy``: outputs and gradients of each strategy (bf16, CP=P) and of fla's bf16 chunk_gla on
    one GPU, against an fp32 one-GPU reference over the whole sequence (this package's PyTorch
    chunked GLA, TF32 off), as ||x - ref|| / ||ref||. Gates have per-channel time scales from 1 to
@@ -66,8 +67,10 @@ def log(*args):
         print(*args, flush=True)
 
 
-def timed(fn, iters, warmup):
-    """Median over iterations of the slowest rank's CUDA time of ``fn`` in ms."""
+def timed(fn, iters, warmup, gpu_only=False):
+    """Median over iterations of the slowest rank's CUDA time of ``fn`` in ms. ``gpu_only``: the
+    GPU first sleeps ~1 ms, so the host has issued ``fn``'s work before the timed region starts
+    (what is left is GPU time, and waiting for the peer)."""
     for _ in range(warmup):
         fn()
     times = []
@@ -75,6 +78,8 @@ def timed(fn, iters, warmup):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if gpu_only:
+            torch.cuda._sleep(2_000_000)
         start.record()
         fn()
         end.record()
@@ -204,8 +209,9 @@ def bench_scan(args, world, me, cp_group, rows):
         E, gamma = torch.randn(1, H, 128, 128, device="cuda"), torch.rand(1, H, 128, device="cuda")
         for name, fn in scan_cases(E, gamma, args.scan_blocks, me, cp_group):
             ms = timed(fn, args.iters, args.warmup)
-            rows.append({"part": "scan", "state_mib": size, "cp": world, "method": name, "ms": ms})
-            log(f"scan {size:5.2f} MiB {name:20s} {ms * 1000:8.1f} us")
+            gpu_ms = timed(fn, args.iters, 0, gpu_only=True)
+            rows.append({"part": "scan", "state_mib": size, "cp": world, "method": name, "ms": ms, "gpu_ms": gpu_ms})
+            log(f"scan {size:5.2f} MiB {name:28s} {ms * 1000:8.1f} us  (GPU only {gpu_ms * 1000:7.1f} us)")
 
 
 def bench_accuracy(args, world, me, cp_group, rows):

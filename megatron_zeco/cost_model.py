@@ -29,6 +29,7 @@ import glob
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, replace
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
@@ -48,11 +49,16 @@ BUILDS = {
     "state passes": (("gla_state", "gla_state_grad"), "pass_bytes"),  # own kernels re-read k, v, g / q, g, dO
     "fla piece": (("add_state h", "add_state dh"), "chunk_state_bytes"),  # decayed S_in added to each chunk's state
     "fused": None,  # the state term inside the output and gradient kernels (kernels/chunk_state.py)
+    "peer memory": None,  # fused, and All-Scan through peer memory by default on one node (comm/peer.py)
 }
-BUILD = "fused"
-# The version of the host-issued scan code (comm/all_scan.py) each build ran: the scans' call and
-# per-message costs are fitted per version (v2: one block without concatenation, one addcmul).
-SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2"}
+BUILD = "peer memory"
+# The version of the scan code each build's zeco ran: the scans' call and per-message costs are
+# fitted per version (v1, v2: host-issued NCCL messages, v2 with one block without concatenation
+# and one addcmul; v3: one Triton kernel per piece storing into peer memory). A scan row naming
+# its transport (``all_scan send_recv K=4``) ran the code of that transport.
+SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2", "peer memory": "v3"}
+TRANSPORT_CODE = {"send_recv": "v2", "peer_memory": "v3"}
+_CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -350,10 +356,18 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     # Per version of the scan code: All-Scan = scan_call + (K - 1) * message + hops * hop + wire
     # (stated links), hop >= 0; the all-gather scan = gather_call + its wire and fold.
     scan_fits, scans, gathers = {}, [], []
+    def scan_code(r):
+        m = _CHAIN.match(r["method"])
+        return TRANSPORT_CODE[m.group(1)] if m and m.group(1) else SCAN_CODE.get(r["build"])
+
+    def method(r):  # the same for one code's chain in every file: "all_scan K=4"
+        m = _CHAIN.match(r["method"])
+        return f"all_scan K={m.group(2)}" if m else r["method"]
+
     for version in dict.fromkeys(SCAN_CODE.values()):
-        mine = [r for r in by(part="scan") if SCAN_CODE.get(r["build"]) == version]
-        chain = [(r, _scan_workload(r), int(r["method"].split("=")[1]))
-                 for r in mine if r["method"].startswith("all_scan K=")]
+        mine = _pooled([dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version])
+        chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
+                 for r in mine if _CHAIN.match(r["method"])]
         gather = [r for r in mine if r["method"] == "gather_scan"]
         if not chain or not gather:
             continue
@@ -382,7 +396,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         return replace(sw, **passes[r["build"]], **scan_fits[SCAN_CODE[r["build"]]])
 
     ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
-    nccl_gathers = by(part="scan", method="nccl all_gather")
+    nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"))
     nccl_call = fit_constant(nccl_gathers, ring)
     a2a = [r for r in by(part="op", strategy="a2a") if r["cp"] > 1]
     if a2a:
@@ -406,11 +420,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             for r, v in gathers]
     res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3,
                      True) for r in nccl_gathers]
-    # one hop: NCCL's call (as its all-gathers cost in the same run: runs differ) + one message
-    call_in = {f: fit_constant([r for r in nccl_gathers if r["file"] == f], ring) for f in {r["file"] for r in nccl_gathers}}
+    # one hop: NCCL's call (as its all-gathers cost) + one message
     res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
-                     (call_in.get(r["file"], nccl_call) + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
-            for r in by(part="scan", method="nccl send/recv hop")]
+                     (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
+            for r in _pooled(by(part="scan", method="nccl send/recv hop"))]
     # One point per configuration and build: the mean of its runs (files), each modelled from its own
     # run's one-GPU time, as the same configuration measured in separate runs differs by up to ~17%.
     # The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool across builds.
@@ -445,6 +458,15 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
     builds = {b: replace(sw, **p, **scan_fits.get(SCAN_CODE[b], {})) for b, p in passes.items()}
     return Calibration(sw, builds, nccl_call, op_ms, other_ms, res)
+
+
+def _pooled(scan_rows: list[dict]) -> list[dict]:
+    """One scan row per method, P and size: the mean of its runs. These micro-benchmarks are timed
+    from an empty queue, so host jitter moves a point by up to 2x from run to run."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in scan_rows:
+        groups.setdefault((r["method"], r["cp"], r["state_mib"]), []).append(r)
+    return [dict(rs[0], ms=sum(r["ms"] for r in rs) / len(rs), runs=len(rs)) for rs in groups.values()]
 
 
 def _shape(r: dict) -> tuple[int, int, int]:

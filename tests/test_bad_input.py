@@ -37,6 +37,10 @@ CASES = {
                                    "unknown context-parallel layout"),
     "initial state only on one rank": (lambda r: (_inputs(), {"initial_state": torch.zeros(1, 2, 8, 4, dtype=torch.float64)
                                                               if r == 0 else None}), "initial_state"),
+    "unknown transport on one rank": (lambda r: (_inputs(), {"transport": "nvlink" if r == 0 else "auto"}),
+                                      "unknown All-Scan transport 'nvlink'"),
+    "transport differs across ranks": (lambda r: (_inputs(), {"transport": "send_recv" if r == 0 else "peer_memory"}),
+                                       "transport (argument, $MEGATRON_ZECO_TRANSPORT) must be the same on every rank"),
     "v has another length": (lambda r: ([*_inputs()[:2], torch.randn(1, 11, 2, 4, dtype=torch.float64), _inputs()[3]], {}),
                              "v must be [B, T, H, V]"),
 }

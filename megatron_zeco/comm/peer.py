@@ -76,14 +76,15 @@ class PeerBuffers:
     """
 
     def __init__(self, group, nbytes: int, device: torch.device):
-        self.nbytes = nbytes
-        self._ranks = _symmetric(group, nbytes, device) if device.type == "cuda" else _host_shared(group, nbytes)
+        # _handle keeps the symmetric allocation (and the peers' mappings) alive
+        self._ranks, self._handle = (_symmetric(group, nbytes, device) if device.type == "cuda"
+                                     else (_host_shared(group, nbytes), None))
 
     def of(self, rank: int) -> Tensor:
         return self._ranks[rank]
 
 
-def _symmetric(group, nbytes: int, device: torch.device) -> List[Tensor]:
+def _symmetric(group, nbytes: int, device: torch.device):
     import torch.distributed._symmetric_memory as symm_mem
 
     with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
@@ -94,11 +95,9 @@ def _symmetric(group, nbytes: int, device: torch.device) -> List[Tensor]:
     local.zero_()
     torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes a flag
     dist.barrier(group=group)
-    views = [handle.get_buffer(r, (nbytes,), torch.uint8, 0) for r in range(group.size())]
-    views[group.rank()] = local
-    views.append(local)  # keep the allocation (and its handle) alive with the views
-    views.append(handle)
-    return views
+    views = [local if r == group.rank() else handle.get_buffer(r, (nbytes,), torch.uint8, 0)
+             for r in range(group.size())]
+    return views, handle
 
 
 def _host_shared(group, nbytes: int) -> List[Tensor]:
@@ -129,7 +128,6 @@ class _Channel:
     """
 
     def __init__(self, group, layout, N, K, V, dtype, num_blocks, device):
-        self.N, self.K, self.V, self.num_blocks = N, K, V, num_blocks
         self.data = _aligned(N * K * V * dtype.itemsize)
         self.flags = _aligned(N * num_blocks * 4)
         size = self.data + 2 * self.flags
@@ -143,7 +141,7 @@ class _Channel:
                                   region(link.dst, reverse, link.dst_slot))
                                  for link in layout.links(rank, world, reverse)]
                        for reverse in (False, True)}
-        self._buffers = buffers
+        self._buffers = buffers  # the plans hold raw addresses into them
         self.seq = 0
         self.prev = {False: 0, True: 0}  # seq of the last call in each direction
 
