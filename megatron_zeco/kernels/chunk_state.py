@@ -62,6 +62,22 @@ def _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VARLEN:
             (i_b * T).to(tl.int64), T
 
 
+@triton.jit
+def _program(T, cu_seqlens, chunk_indices, H: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+             IS_VARLEN: tl.constexpr):
+    """What a chunk program of grid ``(cdiv(N, BN) * chunks, B * H)`` works on: (its block along
+    the N-wide dim, head, chunk state index, sequence, the chunk's tokens, their mask, their rows
+    of ``[B*T*H, *]`` tensors, the row of the chunk's last token)."""
+    NB = tl.cdiv(N, BN)
+    i_x, i_t = tl.program_id(0) % NB, tl.program_id(0) // NB
+    i_b, i_h = tl.program_id(1) // H, tl.program_id(1) % H
+    i_s, i_n, i_c, bos, T = _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
+    o_t = i_c * BT + tl.arange(0, BT)
+    row = (bos + o_t) * H + i_h
+    last = (bos + tl.minimum(i_c * BT + BT, T) - 1) * H + i_h
+    return i_x, i_h, i_s, i_n, o_t, o_t < T, row, last
+
+
 @triton.jit(do_not_specialize=["T"])
 def _decays_kernel(g, into, out_of, gamma, cu_seqlens, chunk_offsets, T, HK, BT: tl.constexpr, BC: tl.constexpr,
                    BHK: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -100,15 +116,10 @@ def _decays_kernel(g, into, out_of, gamma, cu_seqlens, chunk_offsets, T, HK, BT:
 def _o_kernel(q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
               BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    NV = tl.cdiv(V, BV)
-    i_v, i_t = tl.program_id(0) % NV, tl.program_id(0) // NV
-    i_b, i_h = tl.program_id(1) // H, tl.program_id(1) % H
-    i_s, i_n, i_c, bos, T = _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
+    i_v, i_h, i_s, i_n, _, m_t, row, _ = _program(T, cu_seqlens, chunk_indices, H, V, BT, BV, IS_VARLEN)
     o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
-    row = (bos + o_t) * H + i_h  # [BT] token rows of [B*T*H, *] tensors
+    m_v = o_v < V
 
     b_o = tl.zeros([BT, BV], dtype=tl.float32)
     for i_k in range(tl.cdiv(K, BK)):
@@ -142,17 +153,11 @@ def _o_kernel(q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T,
 def _dv_kernel(k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    NV = tl.cdiv(V, BV)
-    i_v, i_t = tl.program_id(0) % NV, tl.program_id(0) // NV
-    i_b, i_h = tl.program_id(1) // H, tl.program_id(1) % H
-    i_s, i_n, i_c, bos, T = _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
+    i_v, i_h, i_s, i_n, _, m_t, row, last = _program(T, cu_seqlens, chunk_indices, H, V, BT, BV, IS_VARLEN)
     o_i = tl.arange(0, BT)
-    o_t = i_c * BT + o_i
     o_v = i_v * BV + tl.arange(0, BV)
-    m_t, m_v = o_t < T, o_v < V
+    m_v = o_v < V
     m_tv = m_t[:, None] & m_v[None, :]
-    row = (bos + o_t) * H + i_h
-    last = (bos + tl.minimum(i_c * BT + BT, T) - 1) * H + i_h  # the chunk's last token
 
     b_At = tl.load(A + row[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)  # A^T
     b_At = tl.where(o_i[:, None] <= o_i[None, :], b_At, 0.0)
@@ -179,16 +184,10 @@ def _dv_kernel(k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T,
 def _dqkg_kernel(q, k, v, g, h, do, dh, D, w, dq, dk, dq2, dk2, dg, cu_seqlens, chunk_indices, scale, T,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, IS_VARLEN: tl.constexpr):
-    NK = tl.cdiv(K, BK)
-    i_k, i_t = tl.program_id(0) % NK, tl.program_id(0) // NK
-    i_b, i_h = tl.program_id(1) // H, tl.program_id(1) % H
-    i_s, i_n, i_c, bos, T = _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
-    o_t = i_c * BT + tl.arange(0, BT)
+    i_k, i_h, i_s, i_n, _, m_t, row, last = _program(T, cu_seqlens, chunk_indices, H, K, BT, BK, IS_VARLEN)
     o_k = i_k * BK + tl.arange(0, BK)
-    m_t, m_k = o_t < T, o_k < K
+    m_k = o_k < K
     m_tk = m_t[:, None] & m_k[None, :]
-    row = (bos + o_t) * H + i_h
-    last = (bos + tl.minimum(i_c * BT + BT, T) - 1) * H + i_h
     p_tk = row[:, None] * K + o_k[None, :]
 
     b_g = tl.load(g + p_tk, mask=m_tk, other=0.0)
