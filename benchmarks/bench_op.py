@@ -11,6 +11,9 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
    zeco with All-Scan over NCCL messages instead of peer memory, the default on one node).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
+   ``--modes``: ``eager`` issues the op's kernels from Python every iteration; ``graph`` replays
+   them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over peer
+   memory), which takes the host's issue time out: the GPU cost of each strategy.
 2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,
    against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, and one send/recv
    hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop. Each is timed
@@ -50,6 +53,8 @@ def parse_args():
     p.add_argument("--strategies", nargs="+", default=["zeco", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
                    help="strategy[+overlap][@transport]")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
+                   help="op part: issue from Python, or replay one captured CUDA graph")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scan-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
@@ -88,6 +93,27 @@ def timed(fn, iters, warmup, gpu_only=False):
     t = torch.tensor(times, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
+
+
+def graphed(fn, warmup=3):
+    """``fn`` captured in a CUDA graph (after ``warmup`` calls on a side stream, which also autotune):
+    returns the graph's replay. ``fn``'s inputs and outputs stay where the capture put them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def capturable(strategy, P):
+    """Strategies whose op ``graphed`` can capture: no NCCL call and no host synchronisation."""
+    opts = options(strategy)
+    return strategy in ("fla", "none") or (opts["strategy"] == "zeco" and (P == 1 or opts["transport"] != "send_recv"))
 
 
 def gates(B, N, H, K, device, generator):
@@ -133,15 +159,20 @@ def bench_op(args, world, me, cp_group, self_group, rows):
         x = inputs(1, T, args.heads, args.dim, seed=1000 + me)
         cases = [("fla", None, "contiguous", 1), ("none", None, "contiguous", 1), ("zeco", self_group, "contiguous", 1)]
         cases += [(s, cp_group, lay, world) for s in args.strategies for lay in args.layouts]
-        base = None
-        for strategy, group, layout, P in cases:
-            ms = timed(op_fn(x, strategy, group, layout), args.iters, args.warmup)
-            base = ms if strategy == "none" else base
-            row = {"part": "op", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "strategy": strategy,
-                       "cp": P, "layout": layout, "ms": ms, "vs_none": None if base is None else ms / base}
-            rows.append(row)
-            log(f"op  T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} {ms:8.3f} ms"
-                + ("" if row["vs_none"] is None else f"  x{row['vs_none']:.3f} of none"))
+        base = {}
+        for mode in args.modes:
+            for strategy, group, layout, P in cases:
+                if mode == "graph" and not capturable(strategy, P):
+                    continue
+                fn = op_fn(x, strategy, group, layout)
+                ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup)
+                if strategy == "none":
+                    base[mode] = ms
+                vs_none = ms / base[mode] if mode in base else None
+                rows.append({"part": "op", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
+                             "strategy": strategy, "cp": P, "layout": layout, "ms": ms, "vs_none": vs_none})
+                log(f"op  {mode:5s} T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} {ms:8.3f} ms"
+                    + ("" if vs_none is None else f"  x{vs_none:.3f} of none"))
         bench_kernels(args, x, T, rows)
         del x
         torch.cuda.empty_cache()

@@ -17,8 +17,11 @@ def main(src, dst):
     rows, meta = data["rows"], data["meta"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
     ops = [r for r in rows if r["part"] == "op"]
-    labels = [f"{r['strategy']}\nCP={r['cp']}" + ("" if r["cp"] == 1 else f"\n{r['layout'][:6]}") for r in ops]
-    left.bar(range(len(ops)), [r["ms"] for r in ops], color=["tab:gray" if r["cp"] == 1 else "tab:blue" for r in ops])
+    ops = [r for r in ops if r["tokens_per_gpu"] == ops[0]["tokens_per_gpu"]]  # the first length
+    labels = [f"{r['strategy']}\nCP={r['cp']}" + ("" if r["cp"] == 1 else f"\n{r['layout'][:6]}")
+              + ("\ngraph" if r.get("mode") == "graph" else "") for r in ops]
+    colors = {(True, False): "tab:gray", (False, False): "tab:blue", (True, True): "silver", (False, True): "tab:cyan"}
+    left.bar(range(len(ops)), [r["ms"] for r in ops], color=[colors[r["cp"] == 1, r.get("mode") == "graph"] for r in ops])
     left.set_xticks(range(len(ops)), labels, fontsize=7)
     left.set_ylabel("fwd + bwd, ms (slowest rank, median)")
     left.set_title(f"GLA operator, {ops[0]['tokens_per_gpu']} tokens/GPU, H={ops[0]['heads']}, D={ops[0]['dim']}, bf16")

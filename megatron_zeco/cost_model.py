@@ -258,7 +258,8 @@ def load_rows(pattern: str) -> list[dict]:
     """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
 
     Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
-    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures).
+    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures). Op rows replayed from a CUDA graph
+    (``mode == "graph"``) are left out: the model describes layers issued from Python.
     """
     rows = []
     for path in sorted(glob.glob(pattern)):
@@ -269,6 +270,8 @@ def load_rows(pattern: str) -> list[dict]:
             raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
         shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
         for r in file_rows:
+            if r.get("mode", "eager") != "eager":  # op replayed from a CUDA graph: no host time, not modelled
+                continue
             if "heads" not in r and r["part"] == "kernel":
                 if len(shapes) != 1:
                     raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")

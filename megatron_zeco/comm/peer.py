@@ -119,18 +119,20 @@ def _shm_dir() -> str:
 
 
 class _Channel:
-    """Peer buffers for scans of one state shape over one group and layout, and the call count.
+    """Peer buffers for scans of one state shape over one group and layout.
 
     Each rank has a region per direction and local slot (at most 2 pieces per rank): a receive
-    buffer for the incoming state, its arrival flags, and the acknowledgements of what the slot
-    sends. ``plan(reverse)``: per piece in walk order, its link and the addresses of the regions
-    it reads, and writes on its peers (built once; a call then only launches kernels).
+    buffer for the incoming state, its arrival flags, the acknowledgements of what the slot
+    sends, and the slot's call counters (kept on the device: ``kernels/scan_hop.py``).
+    ``plan(reverse)``: per piece in walk order, its link and the addresses of the regions it
+    reads, and writes on its peers (built once; a call then only launches kernels, so a scan
+    can be captured in a CUDA graph once the channel exists).
     """
 
     def __init__(self, group, layout, N, K, V, dtype, num_blocks, device):
         self.data = _aligned(N * K * V * dtype.itemsize)
         self.flags = _aligned(N * num_blocks * 4)
-        size = self.data + 2 * self.flags
+        size = self.data + 3 * self.flags
         buffers = PeerBuffers(group, 4 * size, device)
         rank, world = group.rank(), group.size()
 
@@ -142,8 +144,6 @@ class _Channel:
                                  for link in layout.links(rank, world, reverse)]
                        for reverse in (False, True)}
         self._buffers = buffers  # the plans hold raw addresses into them
-        self.seq = 0
-        self.prev = {False: 0, True: 0}  # seq of the last call in each direction
 
     def plan(self, reverse: bool):
         return self._plans[reverse]
@@ -168,8 +168,6 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     ch = _CHANNELS.get(key)
     if ch is None:
         ch = _CHANNELS[key] = _Channel(group, layout, N, K, V, like.dtype, num_blocks, like.device)
-    ch.seq += 1
-    seq, prev_seq, ch.prev[reverse] = ch.seq, ch.prev[reverse], ch.seq
     inputs: List[Optional[Tensor]] = [None] * len(delta)
     carried = last = None
     for link, here, src, dst in ch.plan(reverse):
@@ -180,7 +178,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         y = like.new_empty(N, K, V) if keep else None
         all_scan_hop(0 if x is None else x.data_ptr(), gamma[link.slot].reshape(N, K).contiguous(),
                      delta[link.slot].reshape(N, K, V).contiguous(), s_in, s_in if y is None else y, here, src, dst,
-                     seq, prev_seq, num_blocks, ch.data, ch.flags, has_src=link.src is not None,
+                     num_blocks, ch.data, ch.flags, has_src=link.src is not None,
                      has_init=x is not None, has_dst=link.dst is not None, keep_y=keep)
         inputs[link.slot] = s_in.view(like.shape)
         carried = y

@@ -12,12 +12,15 @@ Flags are sequence numbers, never reset: the sender publishes block ``t`` of cal
 by writing ``seq`` to the receiver's ``flag[t]`` after the data (release, system scope);
 the receiver acknowledges by writing ``seq`` to the sender's ``ack[t]`` once it has read
 the block; before overwriting, a sender waits for the acknowledgement of its previous
-message (``prev_seq``), so a slow receiver is never overrun.
+message (``seq - 1``), so a slow receiver is never overrun. ``seq`` is counted on the device:
+each region keeps one call counter per block, read and bumped only by the program owning
+that block, so a launch has no per-call argument and can be captured in a CUDA graph and
+replayed (every rank of a chain counts the calls in one direction alike).
 
 Shapes (all contiguous): ``gamma [N, K]``, ``delta``, ``S_in``, ``y`` ``[N, K, V]``, float32
 or float64; flags int32 ``[N * num_blocks]``. The regions (this rank's and the peers') are
 passed as addresses: a receive buffer, then its arrival flags, then the acknowledgements of
-what the same slot sends.
+what the same slot sends, then the call counters (read only by this rank).
 """
 
 import triton
@@ -44,7 +47,6 @@ def all_scan_hop_kernel(
     x_init,  # address of the incoming state where no rank sends it (initial state, or this rank's own)
     gamma, delta, s_in, y_out,  # y_out: local copy of the outgoing state (KEEP_Y)
     here, src, dst,  # addresses of the regions: this rank's, the previous rank's, the next rank's
-    seq, prev_seq,
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
@@ -52,13 +54,15 @@ def all_scan_hop_kernel(
     i_n, i_b = tl.program_id(0), tl.program_id(1)
     tile = i_n * tl.num_programs(1) + i_b
     dtype = delta.dtype.element_ty
+    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    seq = tl.load(calls) + 1
     if HAS_SRC:  # the previous rank's block has arrived in this region
         _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
         x_in = here.to(tl.pointer_type(dtype))
     elif HAS_INIT:
         x_in = x_init.to(tl.pointer_type(dtype))
     if HAS_DST:  # the next rank has read what this slot sent it last time
-        _wait_at_least((here + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, prev_seq)
+        _wait_at_least((here + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
     cols = tl.arange(0, BV)
     for r in range(0, ROWS, BR):
         rows = i_b * ROWS + r + tl.arange(0, BR)
@@ -80,21 +84,23 @@ def all_scan_hop_kernel(
         _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
     if HAS_SRC:
         _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+    tl.store(calls, seq)
 
 
-def all_scan_hop(x_init, gamma, delta, s_in, y_out, here, src, dst, seq, prev_seq, num_blocks, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst, keep_y):
+def all_scan_hop(x_init, gamma, delta, s_in, y_out, here, src, dst, num_blocks, data_bytes, flag_bytes, *,
+                 has_src, has_init, has_dst, keep_y):
     """Launch one hop over ``delta.shape[0]`` states x ``num_blocks`` blocks of rows (see module doc).
 
     ``x_init``, ``here``, ``src``, ``dst`` are integer addresses (0 where unused); a region is a
-    receive buffer of ``data_bytes``, then arrival flags and acknowledgements of ``flag_bytes`` each.
+    receive buffer of ``data_bytes``, then arrival flags, acknowledgements and call counters of
+    ``flag_bytes`` each.
     """
     N, K, V = delta.shape
     rows = K // num_blocks
     BV = triton.next_power_of_2(V)
     BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
     all_scan_hop_kernel[(N, num_blocks)](
-        x_init, gamma, delta, s_in, y_out, here, src, dst, seq, prev_seq,
+        x_init, gamma, delta, s_in, y_out, here, src, dst,
         K=K, V=V, ROWS=rows, BR=BR, BV=BV, DATA=data_bytes, FLAGS=flag_bytes,
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=keep_y, num_warps=4,
     )
