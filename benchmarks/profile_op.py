@@ -1,0 +1,79 @@
+"""Where the GPU time of the GLA operator goes: CUDA time per kernel, per strategy and rank.
+
+    torchrun --nproc-per-node 2 benchmarks/profile_op.py --tokens 16384 --out results/profile.json
+
+Runs forward + backward of ``none`` (one GPU) and ``zeco`` at CP=P in both layouts (inputs as in
+``bench_op.py``), then profiles ``--iters`` more iterations with torch.profiler and sums the CUDA
+time of every kernel by name, per iteration. A kernel that waits for a peer (the All-Scan hop)
+counts its waiting. Prints each rank's table and writes all of them as JSON.
+"""
+
+import argparse
+import collections
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from bench_op import inputs, op_fn, write
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--strategies", nargs="+", default=["zeco"])
+    p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--out", default="profile.json")
+    return p.parse_args()
+
+
+def kernel_times(fn, iters):
+    """``{kernel name: µs per iteration}`` of ``fn``'s CUDA kernels, and the total."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    times = collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name[:60]] += event.device_time / iters
+    return dict(times.most_common())
+
+
+def main():
+    args = parse_args()
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    world, me = dist.get_world_size(), dist.get_rank()
+    group = dist.new_group(list(range(world)))
+    x = inputs(1, args.tokens, args.heads, args.dim, seed=1000 + me)
+    cases = [("none", None, "contiguous")] + [(s, group, lay) for s in args.strategies for lay in args.layouts]
+    rows = []
+    for strategy, g, layout in cases:
+        times = kernel_times(op_fn(x, strategy, g, layout), args.iters)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, times)
+        for rank, t in enumerate(everyone):
+            rows.append({"part": "profile", "tokens_per_gpu": args.tokens, "strategy": strategy, "layout": layout,
+                         "cp": 1 if g is None else world, "rank": rank, "total_us": sum(t.values()), "kernels_us": t})
+        if me == 0:
+            print(f"\n== {strategy} {layout} T/GPU={args.tokens}: " + ", ".join(
+                f"rank {r} {sum(t.values()):.0f} us" for r, t in enumerate(everyone)))
+            for name in everyone[0]:
+                print(f"  {name:60s} " + " ".join(f"{t.get(name, 0):8.1f}" for t in everyone))
+        if me == 0:
+            write(args, world, rows, script="profile_op.py")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
