@@ -47,8 +47,8 @@ Tensor = torch.Tensor
 # reads the sequence's S (or D) tiles once from L2 and again from L1.
 _CONFIGS = [triton.Config({"BK": 64, "BV": 64, "CPP": 2}, num_warps=4, num_stages=2)] \
     if os.environ.get("TRITON_INTERPRET") else \
-    [triton.Config({"BK": BK, "BV": BV, "CPP": CPP}, num_warps=w, num_stages=s)
-     for BK in (32, 64) for BV in (64, 128) for CPP in (1, 4) for w in (4, 8) for s in (2, 3)]
+    [triton.Config({"BK": BK, "BV": BV, "CPP": CPP}, num_warps=w, num_stages=2 if w == 4 else 3)
+     for BK in (32, 64) for BV in (64, 128) for CPP in (1, 4) for w in (4, 8)]
 
 
 @triton.jit
