@@ -24,9 +24,9 @@ The decays ``w`` (and each sequence's decay ``gamma``) come from ``chunk_decays`
 of the chunks' total gates in float64, one launch.
 
 Roundings: the forward multiplies ``q * exp2(g)`` (rounded to the input dtype, as fla
-does) by ``h[c]`` plus the decayed ``S``, summed in float32 and split into a high and a low
-part of the input dtype, so the sum loses nothing to rounding (two bf16 products cost less
-than one tf32 product); the backward adds ``D`` to the float32 ``dh`` tile before the one
+does) by the local ``h[c]`` and by the decayed ``S`` split into a high and a low part of
+the input dtype, so ``S`` loses nothing to rounding (three bf16 products cost less than
+one tf32 product); the backward adds ``D`` to the float32 ``dh`` tile before the one
 rounding fla applies.
 The decomposition follows fla's kernels (``fla/ops/gla/chunk.py``, MIT).
 
@@ -42,13 +42,10 @@ import triton.language as tl
 
 Tensor = torch.Tensor
 
-# Under the interpreter (CI) one configuration, with two chunks per program so that the chunk loop
-# and its end are tested; on the GPU a few, tuned per shape. CPP: chunks per program, which then
-# reads the sequence's S (or D) tiles once from L2 and again from L1.
-_CONFIGS = [triton.Config({"BK": 64, "BV": 64, "CPP": 2}, num_warps=4, num_stages=2)] \
-    if os.environ.get("TRITON_INTERPRET") else \
-    [triton.Config({"BK": BK, "BV": BV, "CPP": CPP}, num_warps=w, num_stages=2 if w == 4 else 3)
-     for BK in (32, 64) for BV in (64, 128) for CPP in (1, 4) for w in (4, 8)]
+# Under the interpreter (CI) one configuration; on the GPU a few, tuned per shape.
+_CONFIGS = [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)] if os.environ.get("TRITON_INTERPRET") \
+    else [triton.Config({"BK": BK, "BV": BV}, num_warps=w, num_stages=s)
+          for BK in (32, 64) for BV in (64, 128) for w in (4, 8) for s in (2, 3)]
 
 
 @triton.jit
@@ -66,23 +63,19 @@ def _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT: tl.constexpr, IS_VARLEN:
 
 
 @triton.jit
-def _first_chunk(N, BN: tl.constexpr, CPP: tl.constexpr):
-    """A chunk program of grid ``(cdiv(N, BN) * cdiv(chunks, CPP), B * H)``: its block along the
-    N-wide dim, and the first of its CPP chunks."""
+def _program(T, cu_seqlens, chunk_indices, H: tl.constexpr, N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr,
+             IS_VARLEN: tl.constexpr):
+    """What a chunk program of grid ``(cdiv(N, BN) * chunks, B * H)`` works on: (its block along
+    the N-wide dim, head, chunk state index, sequence, the chunk's tokens, their mask, their rows
+    of ``[B*T*H, *]`` tensors, the row of the chunk's last token)."""
     NB = tl.cdiv(N, BN)
-    return tl.program_id(0) % NB, tl.program_id(0) // NB * CPP
-
-
-@triton.jit
-def _chunk(i_t, T, cu_seqlens, chunk_indices, H: tl.constexpr, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """What chunk ``i_t`` of this program's batch entry covers: (head, chunk state index, sequence,
-    the chunk's tokens, their mask, their rows of ``[B*T*H, *]`` tensors, the row of its last token)."""
+    i_x, i_t = tl.program_id(0) % NB, tl.program_id(0) // NB
     i_b, i_h = tl.program_id(1) // H, tl.program_id(1) % H
     i_s, i_n, i_c, bos, T = _locate(i_b, i_t, T, cu_seqlens, chunk_indices, BT, IS_VARLEN)
     o_t = i_c * BT + tl.arange(0, BT)
     row = (bos + o_t) * H + i_h
     last = (bos + tl.minimum(i_c * BT + BT, T) - 1) * H + i_h
-    return i_h, i_s, i_n, o_t, o_t < T, row, last
+    return i_x, i_h, i_s, i_n, o_t, o_t < T, row, last
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -119,124 +112,116 @@ def _decays_kernel(g, into, out_of, gamma, cu_seqlens, chunk_offsets, T, HK, BT:
 
 
 @triton.autotune(configs=_CONFIGS, key=["BT", "K", "V"])
-@triton.jit(do_not_specialize=["T", "NC"])
-def _o_kernel(q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T, NC,
+@triton.jit(do_not_specialize=["T"])
+def _o_kernel(q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T,
               H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, CPP: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, t0 = _first_chunk(V, BV, CPP)
+              BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_h, i_s, i_n, _, m_t, row, _ = _program(T, cu_seqlens, chunk_indices, H, V, BT, BV, IS_VARLEN)
     o_i = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    for j in range(CPP):
-        i_t = t0 + j
-        if i_t < NC:
-            i_h, i_s, i_n, _, m_t, row, _ = _chunk(i_t, T, cu_seqlens, chunk_indices, H, BT, IS_VARLEN)
-            b_o = tl.zeros([BT, BV], dtype=tl.float32)
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_tk, m_kv = m_t[:, None] & m_k[None, :], m_k[:, None] & m_v[None, :]
-                b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-                b_qg = (b_q * tl.exp2(b_g)).to(b_q.dtype)
-                # the chunk's state: local part plus the incoming state decayed to the chunk's start,
-                # in two parts of the input dtype (high, low) so that the sum is not rounded
-                b_w = tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_h = tl.load(h + ((i_s * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-                b_h = b_h.to(tl.float32) + tl.exp2(b_w)[:, None] * tl.load(
-                    S + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-                b_hi = b_h.to(b_q.dtype)
-                b_o = tl.dot(b_qg, b_hi, b_o)
-                b_o = tl.dot(b_qg, (b_h - b_hi.to(tl.float32)).to(b_q.dtype), b_o)
-            b_o *= scale
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_A = tl.load(A + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
-            b_A = tl.where(o_i[:, None] >= o_i[None, :], b_A, 0.0).to(b_v.dtype)
-            b_o = tl.dot(b_A, b_v, b_o)
-            tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+    b_o = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk, m_kv = m_t[:, None] & m_k[None, :], m_k[:, None] & m_v[None, :]
+        b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_h = tl.load(h + ((i_s * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_qg = (b_q * tl.exp2(b_g)).to(b_q.dtype)
+        b_o = tl.dot(b_qg, b_h.to(b_q.dtype), b_o)
+        # the incoming state decayed to the chunk's start, in two parts of the input dtype
+        # (high, low) so that it is not rounded: about 16 bits of mantissa with bf16
+        b_w = tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_S = tl.exp2(b_w)[:, None] * tl.load(S + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :],
+                                               mask=m_kv, other=0.0)
+        b_hi = b_S.to(b_q.dtype)
+        b_o = tl.dot(b_qg, b_hi, b_o)
+        b_o = tl.dot(b_qg, (b_S - b_hi.to(tl.float32)).to(b_q.dtype), b_o)
+    b_o *= scale
+    m_tv = m_t[:, None] & m_v[None, :]
+    b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_A = tl.load(A + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.0)
+    b_A = tl.where(o_i[:, None] >= o_i[None, :], b_A, 0.0).to(b_v.dtype)
+    b_o = tl.dot(b_A, b_v, b_o)
+    tl.store(o + row[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 @triton.autotune(configs=_CONFIGS, key=["BT", "K", "V"])
-@triton.jit(do_not_specialize=["T", "NC"])
-def _dv_kernel(k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T, NC,
+@triton.jit(do_not_specialize=["T"])
+def _dv_kernel(k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr, CPP: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_v, t0 = _first_chunk(V, BV, CPP)
+               BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_v, i_h, i_s, i_n, _, m_t, row, last = _program(T, cu_seqlens, chunk_indices, H, V, BT, BV, IS_VARLEN)
     o_i = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    for j in range(CPP):
-        i_t = t0 + j
-        if i_t < NC:
-            i_h, i_s, i_n, _, m_t, row, last = _chunk(i_t, T, cu_seqlens, chunk_indices, H, BT, IS_VARLEN)
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_At = tl.load(A + row[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)  # A^T
-            b_At = tl.where(o_i[:, None] <= o_i[None, :], b_At, 0.0)
-            b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dv = tl.dot(b_At, b_do.to(b_At.dtype), input_precision="ieee")
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                m_tk, m_kv = m_t[:, None] & m_k[None, :], m_k[:, None] & m_v[None, :]
-                b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-                b_gl = tl.load(g + last * K + o_k, mask=m_k, other=0.0)
-                b_k = (b_k * tl.exp2(b_gl[None, :] - b_g)).to(b_k.dtype)
-                b_dh = tl.load(dh + ((i_s * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-                b_w = tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0)
-                b_D = tl.load(D + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
-                b_dh = b_dh.to(tl.float32) + tl.exp2(b_w)[:, None] * b_D
-                b_dv = tl.dot(b_k, b_dh.to(b_k.dtype), b_dv)
-            tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
+    m_tv = m_t[:, None] & m_v[None, :]
+
+    b_At = tl.load(A + row[None, :] * BT + o_i[:, None], mask=m_t[None, :], other=0.0)  # A^T
+    b_At = tl.where(o_i[:, None] <= o_i[None, :], b_At, 0.0)
+    b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_dv = tl.dot(b_At, b_do.to(b_At.dtype), input_precision="ieee")
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        m_tk, m_kv = m_t[:, None] & m_k[None, :], m_k[:, None] & m_v[None, :]
+        b_k = tl.load(k + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_gl = tl.load(g + last * K + o_k, mask=m_k, other=0.0)
+        b_k = (b_k * tl.exp2(b_gl[None, :] - b_g)).to(b_k.dtype)
+        b_dh = tl.load(dh + ((i_s * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_w = tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0)
+        b_D = tl.load(D + ((i_n * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = b_dh.to(tl.float32) + tl.exp2(b_w)[:, None] * b_D
+        b_dv = tl.dot(b_k, b_dh.to(b_k.dtype), b_dv)
+    tl.store(dv + row[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
 
 
 @triton.autotune(configs=_CONFIGS, key=["BT", "K", "V"])
-@triton.jit(do_not_specialize=["T", "NC"])
-def _dqkg_kernel(q, k, v, g, h, do, dh, D, w, dq, dk, dq2, dk2, dg, cu_seqlens, chunk_indices, scale, T, NC,
+@triton.jit(do_not_specialize=["T"])
+def _dqkg_kernel(q, k, v, g, h, do, dh, D, w, dq, dk, dq2, dk2, dg, cu_seqlens, chunk_indices, scale, T,
                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                 BV: tl.constexpr, CPP: tl.constexpr, IS_VARLEN: tl.constexpr):
-    i_k, t0 = _first_chunk(K, BK, CPP)
+                 BV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    i_k, i_h, i_s, i_n, _, m_t, row, last = _program(T, cu_seqlens, chunk_indices, H, K, BT, BK, IS_VARLEN)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < K
-    for j in range(CPP):
-        i_t = t0 + j
-        if i_t < NC:
-            i_h, i_s, i_n, _, m_t, row, last = _chunk(i_t, T, cu_seqlens, chunk_indices, H, BT, IS_VARLEN)
-            m_tk = m_t[:, None] & m_k[None, :]
-            p_tk = row[:, None] * K + o_k[None, :]
-            b_g = tl.load(g + p_tk, mask=m_tk, other=0.0)
-            b_gl = tl.load(g + last * K + o_k, mask=m_k, other=0.0)
-            b_ew = tl.exp2(tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0))
-            b_dq = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-            b_dgl = tl.zeros([BK], dtype=tl.float32)
-            for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_v = o_v < V
-                m_tv, m_vk = m_t[:, None] & m_v[None, :], m_v[:, None] & m_k[None, :]
-                b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-                b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-                p_vk = o_k[None, :] * V + o_v[:, None]  # [BV, BK] tiles of [K, V] states
-                b_h = tl.load(h + (i_s * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0)
-                b_dh = tl.load(dh + (i_s * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0).to(tl.float32)
-                b_dh += b_ew[None, :] * tl.load(D + (i_n * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0)
-                b_dgl += tl.sum(b_h * b_dh, axis=0)
-                b_dq = tl.dot(b_do, b_h.to(b_do.dtype), b_dq)
-                b_dk = tl.dot(b_v, b_dh.to(b_v.dtype), b_dk)
-            b_dgl *= tl.exp2(b_gl)
-            b_dq *= scale * tl.exp2(b_g)
-            b_dk *= tl.exp2(b_gl[None, :] - b_g)
-            b_q = tl.load(q + p_tk, mask=m_tk, other=0.0)
-            b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
-            b_dgl += tl.sum(b_dk * b_k, axis=0)
-            b_dq += tl.load(dq + p_tk, mask=m_tk, other=0.0)
-            b_dk += tl.load(dk + p_tk, mask=m_tk, other=0.0)
-            b_dg = b_q * b_dq - b_k * b_dk
-            b_dg = b_dg - tl.cumsum(b_dg, axis=0) + tl.sum(b_dg, axis=0)[None, :] + b_dgl[None, :]  # reverse cumsum
-            tl.store(dq2 + p_tk, b_dq.to(dq2.dtype.element_ty), mask=m_tk)
-            tl.store(dk2 + p_tk, b_dk.to(dk2.dtype.element_ty), mask=m_tk)
-            tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = row[:, None] * K + o_k[None, :]
+
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0)
+    b_gl = tl.load(g + last * K + o_k, mask=m_k, other=0.0)
+    b_ew = tl.exp2(tl.load(w + (i_s * H + i_h) * K + o_k, mask=m_k, other=0.0))
+    b_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dgl = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv, m_vk = m_t[:, None] & m_v[None, :], m_v[:, None] & m_k[None, :]
+        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        p_vk = o_k[None, :] * V + o_v[:, None]  # [BV, BK] tiles of [K, V] states
+        b_h = tl.load(h + (i_s * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0)
+        b_dh = tl.load(dh + (i_s * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0).to(tl.float32)
+        b_dh += b_ew[None, :] * tl.load(D + (i_n * H + i_h) * K * V + p_vk, mask=m_vk, other=0.0)
+        b_dgl += tl.sum(b_h * b_dh, axis=0)
+        b_dq = tl.dot(b_do, b_h.to(b_do.dtype), b_dq)
+        b_dk = tl.dot(b_v, b_dh.to(b_v.dtype), b_dk)
+    b_dgl *= tl.exp2(b_gl)
+    b_dq *= scale * tl.exp2(b_g)
+    b_dk *= tl.exp2(b_gl[None, :] - b_g)
+    b_q = tl.load(q + p_tk, mask=m_tk, other=0.0)
+    b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+    b_dgl += tl.sum(b_dk * b_k, axis=0)
+    b_dq += tl.load(dq + p_tk, mask=m_tk, other=0.0)
+    b_dk += tl.load(dk + p_tk, mask=m_tk, other=0.0)
+    b_dg = b_q * b_dq - b_k * b_dk
+    b_dg = b_dg - tl.cumsum(b_dg, axis=0) + tl.sum(b_dg, axis=0)[None, :] + b_dgl[None, :]  # reverse cumsum
+    tl.store(dq2 + p_tk, b_dq.to(dq2.dtype.element_ty), mask=m_tk)
+    tl.store(dk2 + p_tk, b_dk.to(dk2.dtype.element_ty), mask=m_tk)
+    tl.store(dg + p_tk, b_dg.to(dg.dtype.element_ty), mask=m_tk)
 
 
 def _launch(x: Tensor, h: Tensor, w: Tensor, S: Tensor, BT: int, cu_seqlens: Optional[Tensor],
@@ -298,7 +283,8 @@ def chunk_decays(g: Tensor, chunk_size: int = 64, cu_seqlens: Optional[Tensor] =
         N, C = len(cu_seqlens) - 1, len(chunk_indices)
     into, out_of = g.new_empty(C, H, K), g.new_empty(C, H, K)
     gamma = g.new_empty(N, H, K)
-    BHK = min(32, triton.next_power_of_2(H * K))  # many programs: each walks its sequence's chunks
+    # Latency-bound (each program walks its sequence's chunks twice): many narrow programs, long steps.
+    BHK = min(32, triton.next_power_of_2(H * K))
     _decays_kernel[(triton.cdiv(H * K, BHK), N)](g, into, out_of, gamma, cu_seqlens, chunk_offsets, T, H * K, BT=BT,
                                                  BC=64, BHK=BHK, IS_VARLEN=cu_seqlens is not None)
     return into, out_of, gamma
@@ -324,8 +310,8 @@ def chunk_o_with_state(q: Tensor, v: Tensor, g: Tensor, A: Tensor, h: Tensor, S:
     B, T, H, C = _launch(q, h, w, S, chunk_size, cu_seqlens, chunk_indices, "chunk_o_with_state")
     K, V = q.shape[-1], v.shape[-1]
     o = torch.empty_like(v)
-    _o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * triton.cdiv(C // B, meta["CPP"]), B * H)](
-        q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T, C // B, H=H, K=K, V=V, BT=chunk_size,
+    _o_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * (C // B), B * H)](
+        q, v, g, h, A, S, w, o, cu_seqlens, chunk_indices, scale, T, H=H, K=K, V=V, BT=chunk_size,
         IS_VARLEN=cu_seqlens is not None)
     return o
 
@@ -347,8 +333,8 @@ def chunk_dv_with_state(k: Tensor, g: Tensor, A: Tensor, do: Tensor, dh: Tensor,
     B, T, H, C = _launch(k, dh, w, D, chunk_size, cu_seqlens, chunk_indices, "chunk_dv_with_state")
     K, V = k.shape[-1], do.shape[-1]
     dv = torch.empty_like(do)
-    _dv_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * triton.cdiv(C // B, meta["CPP"]), B * H)](
-        k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T, C // B, H=H, K=K, V=V, BT=chunk_size,
+    _dv_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * (C // B), B * H)](
+        k, g, A, do, dh, D, w, dv, cu_seqlens, chunk_indices, T, H=H, K=K, V=V, BT=chunk_size,
         IS_VARLEN=cu_seqlens is not None)
     return dv
 
@@ -372,7 +358,7 @@ def chunk_dqkg_with_state(q: Tensor, k: Tensor, v: Tensor, g: Tensor, h: Tensor,
         raise ValueError(f"chunk_dqkg_with_state: h {tuple(h.shape)} and dh {tuple(dh.shape)} differ in size")
     K, V = q.shape[-1], v.shape[-1]
     dq2, dk2, dg = torch.empty_like(dq), torch.empty_like(dk), torch.empty_like(g)
-    _dqkg_kernel[lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(C // B, meta["CPP"]), B * H)](
-        q, k, v, g, h, do, dh, D, w, dq, dk, dq2, dk2, dg, cu_seqlens, chunk_indices, scale, T, C // B,
+    _dqkg_kernel[lambda meta: (triton.cdiv(K, meta["BK"]) * (C // B), B * H)](
+        q, k, v, g, h, do, dh, D, w, dq, dk, dq2, dk2, dg, cu_seqlens, chunk_indices, scale, T,
         H=H, K=K, V=V, BT=chunk_size, IS_VARLEN=cu_seqlens is not None)
     return dq2, dk2, dg
