@@ -11,9 +11,11 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
    zeco with All-Scan over NCCL messages instead of peer memory, the default on one node).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
-   ``--modes``: ``eager`` issues the op's kernels from Python every iteration; ``graph`` replays
-   them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over peer
-   memory), which takes the host's issue time out: the GPU cost of each strategy.
+   ``--modes``: ``eager`` issues the op's kernels from Python every iteration and times each from
+   an empty queue; ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
+   training loop's view: the host runs ahead where its issue time is below the GPU's); ``graph``
+   replays them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over
+   peer memory), which takes the host's issue time out: the GPU cost of each strategy.
 2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,
    against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, and one send/recv
    hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop. Each is timed
@@ -53,8 +55,9 @@ def parse_args():
     p.add_argument("--strategies", nargs="+", default=["zeco", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
                    help="strategy[+overlap][@transport]")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
-    p.add_argument("--modes", nargs="+", default=["eager", "graph"], choices=["eager", "graph"],
-                   help="op part: issue from Python, or replay one captured CUDA graph")
+    p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
+                   help="op part: issue from Python (each iteration from an empty queue, or back to back), "
+                        "or replay one captured CUDA graph")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scan-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
@@ -72,24 +75,26 @@ def log(*args):
         print(*args, flush=True)
 
 
-def timed(fn, iters, warmup, gpu_only=False):
+def timed(fn, iters, warmup, gpu_only=False, steady=False):
     """Median over iterations of the slowest rank's CUDA time of ``fn`` in ms. ``gpu_only``: the
     GPU first sleeps ~1 ms, so the host has issued ``fn``'s work before the timed region starts
-    (what is left is GPU time, and waiting for the peer)."""
+    (what is left is GPU time, and waiting for the peer). ``steady``: each sample is the mean of
+    ``iters`` calls issued back to back, as in training (the host runs ahead where it can); five samples."""
     for _ in range(warmup):
         fn()
     times = []
-    for _ in range(iters):
+    for _ in range(5 if steady else iters):
         torch.cuda.synchronize()
         dist.barrier()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if gpu_only:
             torch.cuda._sleep(2_000_000)
         start.record()
-        fn()
+        for _ in range(iters if steady else 1):
+            fn()
         end.record()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / (iters if steady else 1))
     t = torch.tensor(times, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
@@ -165,7 +170,7 @@ def bench_op(args, world, me, cp_group, self_group, rows):
                 if mode == "graph" and not capturable(strategy, P):
                     continue
                 fn = op_fn(x, strategy, group, layout)
-                ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup)
+                ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
                 if strategy == "none":
                     base[mode] = ms
                 vs_none = ms / base[mode] if mode in base else None

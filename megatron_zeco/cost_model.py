@@ -258,8 +258,9 @@ def load_rows(pattern: str) -> list[dict]:
     """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
 
     Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
-    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures). Op rows replayed from a CUDA graph
-    (``mode == "graph"``) are left out: the model describes layers issued from Python.
+    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures). Op rows timed back to back or replayed
+    from a CUDA graph (``mode`` ``steady`` or ``graph``) are left out: the model describes one layer
+    issued from Python and timed from an empty queue.
     """
     rows = []
     for path in sorted(glob.glob(pattern)):
@@ -270,7 +271,7 @@ def load_rows(pattern: str) -> list[dict]:
             raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
         shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
         for r in file_rows:
-            if r.get("mode", "eager") != "eager":  # op replayed from a CUDA graph: no host time, not modelled
+            if r.get("mode", "eager") != "eager":  # op back to back or from a CUDA graph: not what the model describes
                 continue
             if "heads" not in r and r["part"] == "kernel":
                 if len(shapes) != 1:
