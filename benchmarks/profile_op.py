@@ -1,11 +1,14 @@
 """Where the GPU time of the GLA operator goes: CUDA time per kernel, per strategy and rank.
 
     torchrun --nproc-per-node 2 benchmarks/profile_op.py --tokens 16384 --out results/profile.json
+    torchrun --nproc-per-node 2 benchmarks/profile_op.py --tokens 16384 --doc-tokens 2048 --out results/profile-packed.json
 
 Runs forward + backward of ``none`` (one GPU) and ``zeco`` at CP=P in both layouts (inputs as in
-``bench_op.py``), then profiles ``--iters`` more iterations with torch.profiler and sums the CUDA
-time of every kernel by name, per iteration. A kernel that waits for a peer (the All-Scan hop)
-counts its waiting. Prints each rank's table and writes all of them as JSON.
+``bench_op.py``; with ``--doc-tokens``, also on a packed sequence of documents of that mean
+length, split as a whole and, under zigzag, document by document, as bench_op's ``packed`` part),
+then profiles ``--iters`` more iterations with torch.profiler and sums the CUDA time of every
+kernel by name, per iteration. A kernel that waits for a peer (the All-Scan hop) counts its
+waiting. Prints each rank's table and writes all of them as JSON.
 """
 
 import argparse
@@ -17,7 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from bench_op import inputs, op_fn, write
+from megatron_zeco import zeco_gla
+
+from bench_op import documents, inputs, op_fn, write
 
 
 def parse_args():
@@ -28,6 +33,7 @@ def parse_args():
     p.add_argument("--strategies", nargs="+", default=["zeco"])
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--doc-tokens", type=int, default=None, help="also profile packed documents of this mean length")
     p.add_argument("--out", default="profile.json")
     return p.parse_args()
 
@@ -49,6 +55,18 @@ def kernel_times(fn, iters):
     return dict(times.most_common())
 
 
+def packed_fn(x, group, layout, cu_seqlens, per_document):
+    """fwd + bwd of zeco on the packed sequence ``cu_seqlens`` (bench_op's ``packed`` part)."""
+    leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
+
+    def run():
+        o, _ = zeco_gla(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
+                        validate=False)
+        return torch.autograd.grad(o, leaves, x["o"])
+
+    return run
+
+
 def main():
     args = parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -56,10 +74,18 @@ def main():
     world, me = dist.get_world_size(), dist.get_rank()
     group = dist.new_group(list(range(world)))
     x = inputs(1, args.tokens, args.heads, args.dim, seed=1000 + me)
-    cases = [("none", None, "contiguous")] + [(s, group, lay) for s in args.strategies for lay in args.layouts]
+    cases = [("none", None, "contiguous", None)]
+    cases += [(s, group, lay, None) for s in args.strategies for lay in args.layouts]
+    if args.doc_tokens:
+        gen = torch.Generator().manual_seed(11)  # the same documents on every rank
+        cases += [("zeco packed", group, lay, (documents(world * args.tokens, args.doc_tokens, 1, gen), False))
+                  for lay in args.layouts]
+        cases.append(("zeco packed per document", group, "zigzag",
+                      (documents(world * args.tokens, args.doc_tokens, 2 * world, gen), True)))
     rows = []
-    for strategy, g, layout in cases:
-        times = kernel_times(op_fn(x, strategy, g, layout), args.iters)
+    for strategy, g, layout, packed in cases:
+        times = kernel_times(op_fn(x, strategy, g, layout) if packed is None else packed_fn(x, g, layout, *packed),
+                             args.iters)
         everyone = [None] * world
         dist.all_gather_object(everyone, times)
         for rank, t in enumerate(everyone):
