@@ -102,7 +102,8 @@ def zeco_gla(
             rank's tokens under either.
         validate: all-gather a description of every rank's inputs and raise the
             same ``ValueError`` on all ranks if any is unusable (costs one small
-            collective; turn off after a first validated call).
+            collective; turn off after a first validated call). Off, the op can be
+            captured in a CUDA graph (no CP, or zeco over peer memory; warm up first).
         name: names the caller in communication errors (the layer passes its number).
 
     Returns:
