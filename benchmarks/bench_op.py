@@ -9,7 +9,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
    CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts
    (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
-   zeco with All-Scan over NCCL messages instead of peer memory, the default on one node).
+   zeco with All-Scan over NCCL messages instead of peer memory, the default on one node;
+   ``zeco:2``: each piece run as two sub-pieces, ``piece_split=2``).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
    ``--modes``: ``eager`` issues the op's kernels from Python every iteration and times each from
    an empty queue; ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
@@ -52,8 +53,9 @@ def parse_args():
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--strategies", nargs="+", default=["zeco", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
-                   help="strategy[+overlap][@transport]")
+    p.add_argument("--strategies", nargs="+",
+                   default=["zeco", "zeco:2", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
+                   help="strategy[+overlap][@transport][:piece_split]")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
                    help="op part: issue from Python (each iteration from an empty queue, or back to back), "
@@ -138,10 +140,11 @@ def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
 
 
 def options(strategy):
-    """``zeco_gla`` keywords of a row name ``strategy[+overlap][@transport]``."""
+    """``zeco_gla`` keywords of a row name ``strategy[+overlap][@transport][:piece_split]``."""
+    strategy, _, split = strategy.partition(":")
     name, _, transport = strategy.partition("@")
     return dict(strategy=name.removesuffix("+overlap"), overlap=name.endswith("+overlap"),
-                transport=transport or "auto")
+                transport=transport or "auto", piece_split=int(split or 1))
 
 
 def op_fn(x, strategy, group, layout):

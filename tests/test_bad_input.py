@@ -43,6 +43,11 @@ CASES = {
                                        "transport (argument, $MEGATRON_ZECO_TRANSPORT) must be the same on every rank"),
     "v has another length": (lambda r: ([*_inputs()[:2], torch.randn(1, 11, 2, 4, dtype=torch.float64), _inputs()[3]], {}),
                              "v must be [B, T, H, V]"),
+    "sub-pieces do not divide the pieces": (lambda r: (_inputs(), {"layout": "zigzag", "piece_split": 4}),
+                                            "T = 12 must be divisible by 8"),
+    "piece_split not positive": (lambda r: (_inputs(), {"piece_split": 0}), "must be a positive integer"),
+    "piece_split differs across ranks": (lambda r: (_inputs(), {"piece_split": 2 if r == 0 else 3}),
+                                         "piece_split must be the same on every rank"),
 }
 
 
@@ -74,6 +79,8 @@ def test_one_rank_groups_validate_locally():
         zeco_gla(q, k, v, g, strategy="ring")
     with pytest.raises(ValueError, match="unknown strategy"):
         zeco_gla(q, k, v, g, strategy="ring", validate=False)
+    with pytest.raises(ValueError, match="T = 7 must be divisible by 2"):
+        zeco_gla(q, k, v, g, piece_split=2, validate=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int32, torch.complex64])

@@ -1,8 +1,9 @@
 """zeco_gla on real gloo process groups against GLA over the whole sequence (float64 loop).
 
 Every strategy, both layouts, several All-Scan block counts, every gate regime,
-with and without initial/final state; piece lengths are not multiples of the
-chunk size. Outputs, final states and all gradients must agree to 1e-10.
+with and without initial/final state, pieces run as sub-pieces (down to one
+token each); piece lengths are not multiples of the chunk size. Outputs, final
+states and all gradients must agree to 1e-10.
 """
 
 import itertools
@@ -20,18 +21,22 @@ K, V, B = 8, 4, 2
 
 
 def _cases(world):
-    """(strategy, layout, num_blocks, gate, initial_state, output_final_state, transport)."""
+    """(strategy, layout, num_blocks, gate, initial_state, output_final_state, transport, piece_split)."""
     cases = []
     for strategy, layout in itertools.product(("zeco", "lasp1", "lasp2", "a2a"), Layout):
         for gate in GATES:
-            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True, "auto"))
-        cases.append((strategy, layout, 1, "normal", False, False, "auto"))
-        cases.append((strategy, layout, 1, "normal", True, False, "auto"))
-        cases.append((strategy, layout, 1, "normal", False, True, "auto"))
+            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True, "auto", 1))
+        cases.append((strategy, layout, 1, "normal", False, False, "auto", 1))
+        cases.append((strategy, layout, 1, "normal", True, False, "auto", 1))
+        cases.append((strategy, layout, 1, "normal", False, True, "auto", 1))
         if strategy == "zeco":
-            cases += [(strategy, layout, nb, "normal", True, True, "auto") for nb in (1, 4, K)]
+            cases += [(strategy, layout, nb, "normal", True, True, "auto", 1) for nb in (1, 4, K)]
             # All-Scan through peer memory (the Triton hop kernel, interpreted on the CPU)
-            cases += [(strategy, layout, nb, "strong", True, True, "peer_memory") for nb in (1, 4)]
+            cases += [(strategy, layout, nb, "strong", True, True, "peer_memory", 1) for nb in (1, 4)]
+    # Pieces run as sub-pieces: two of 19 tokens, and 19 of one token each under zigzag
+    cases += [("zeco", Layout.CONTIGUOUS, 2, "normal", True, True, "auto", 2),
+              ("zeco", Layout.ZIGZAG, 1, "mixed", True, True, "auto", 19),
+              ("lasp2", Layout.CONTIGUOUS, 1, "normal", True, True, "auto", 19)]
     return cases
 
 
@@ -39,7 +44,7 @@ def _check_all(rank, world, seed, local_len):
     group = dist.new_group(list(range(world)))
     heads = world if world > 2 else 2  # a2a needs H divisible by the group size
     failures, references = [], {}
-    for n, (strategy, layout, nb, gate, with_h0, with_ht, transport) in enumerate(_cases(world)):
+    for n, (strategy, layout, nb, gate, with_h0, with_ht, transport, split) in enumerate(_cases(world)):
         key = (gate, with_h0)
         if key not in references:
             x = problem(seed + len(references), B, world * local_len, heads, K, V, gate, with_h0)
@@ -54,7 +59,7 @@ def _check_all(rank, world, seed, local_len):
         h0 = x["h0"].clone().requires_grad_() if with_h0 else None
         o, ht = zeco_gla(local["q"], local["k"], local["v"], local["g"], group=group, strategy=strategy,
                          layout=layout, num_blocks=nb, initial_state=h0, output_final_state=with_ht,
-                         transport=transport)
+                         transport=transport, piece_split=split)
         loss = (o * layout.shard(x["do"], rank, world)).sum()
         if with_ht:
             loss = loss + weights[rank] * (ht * x["dht"]).sum()
@@ -71,7 +76,7 @@ def _check_all(rank, world, seed, local_len):
         bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
         if bad:
             failures.append(f"{strategy} {layout.value} blocks={nb} gates={gate} h0={with_h0} ht={with_ht} "
-                            f"transport={transport}: {bad}")
+                            f"transport={transport} piece_split={split}: {bad}")
     return failures
 
 

@@ -21,7 +21,7 @@ import torch
 from ..comm import Layout, as_layout
 from ..comm.functional import broadcast
 from .a2a import a2a_gla
-from .checks import STRATEGIES, check_inputs, packed_problems
+from .checks import STRATEGIES, check_inputs, packed_problems, split_problems
 from .local import LocalGLA
 from .packed import Packing, packed_positions
 from .ring import RingGLA
@@ -47,6 +47,7 @@ def zeco_gla(
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
     per_document: bool = False,
+    piece_split: int = 1,
     validate: bool = True,
     name: str = "zeco_gla",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -100,6 +101,10 @@ def zeco_gla(
             ``per_document=False`` is Megatron-LM's split of a packed sequence with
             ``--dataloader-inter-document-masking``. :func:`packed_positions` gives a
             rank's tokens under either.
+        piece_split: ``zeco`` and ``lasp2`` at CP > 1, not packed: run each of the rank's
+            pieces as this many consecutive sub-pieces, batched (each rank's T must divide into
+            pieces x piece_split). Exact; on GPUs fla's sequential state kernels then get
+            piece_split times more independent sequences, which pays where B x H x pieces is small.
         validate: all-gather a description of every rank's inputs and raise the
             same ``ValueError`` on all ranks if any is unusable (costs one small
             collective; turn off after a first validated call). Off, the op can be
@@ -113,13 +118,14 @@ def zeco_gla(
     if validate:
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
                      num_blocks=num_blocks, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     per_document=per_document, transport=transport)
+                     per_document=per_document, transport=transport, piece_split=piece_split)
     layout = as_layout(layout)
     world = 1 if group is None else group.size()
     if strategy not in STRATEGIES:  # reached only with validate=False
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if not validate and (cu_seqlens is not None or per_document):  # local and cheap: never skipped
+    if not validate and (cu_seqlens is not None or per_document or piece_split != 1):  # local and cheap
         problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
+        problems += split_problems(q, piece_split, cu_seqlens, len(layout.pieces(0, world)))
         if problems:
             raise ValueError("zeco_gla: invalid input: " + "; ".join(problems))
     if scale is None:
@@ -136,7 +142,8 @@ def zeco_gla(
         o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
     else:
         o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", overlap, output_final_state, name, packing, transport)
+                                 strategy == "zeco", overlap, output_final_state, name, packing, transport,
+                                 piece_split)
     if not output_final_state:
         return o, None
     last_piece = layout.num_pieces(world) - 1

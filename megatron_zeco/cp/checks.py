@@ -110,12 +110,27 @@ def packed_problems(q, cu_seqlens, per_document, initial_state, output_final_sta
     return problems
 
 
+def split_problems(q, piece_split, cu_seqlens, pieces_per_rank) -> List[str]:
+    """This rank's problems with ``piece_split`` (sub-pieces per piece)."""
+    if not isinstance(piece_split, int) or isinstance(piece_split, bool) or piece_split < 1:
+        return [f"piece_split = {piece_split!r} must be a positive integer"]
+    if piece_split == 1:
+        return []
+    if cu_seqlens is not None:
+        return ["piece_split applies to unpacked sequences; packed ones (cu_seqlens) run their documents' "
+                "segments as a batch already"]
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[1] % (pieces_per_rank * piece_split):
+        return [f"piece_split = {piece_split} cuts each of the rank's {pieces_per_rank} piece(s) into equal "
+                f"sub-pieces: T = {q.shape[1]} must be divisible by {pieces_per_rank * piece_split}"]
+    return []
+
+
 def _describe(x: Optional[torch.Tensor]):
     return None if not isinstance(x, torch.Tensor) else (tuple(x.shape), str(x.dtype), x.device.type)
 
 
 def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
-                 cu_seqlens=None, per_document=False, transport="auto"):
+                 cu_seqlens=None, per_document=False, transport="auto", piece_split=1):
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
     world = 1 if group is None else dist.get_world_size(group)
     problems = []
@@ -131,6 +146,7 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
     # Per document, each document is cut into pieces, not each rank's tokens.
     problems += _local_problems(q, k, v, g, initial_state, num_blocks,
                                 1 if per_document else len(layout.pieces(0, world)))
+    problems += split_problems(q, piece_split, cu_seqlens, len(layout.pieces(0, world)))
     packed = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
     cu = None
     if cu_seqlens is not None and not packed:
@@ -140,7 +156,7 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
     row = {
         "problems": problems + packed, "cu_seqlens": cu, "per_document": bool(per_document),
         "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
-        "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks,
+        "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks, "piece_split": piece_split,
         "output_final_state": bool(output_final_state),
         "transport": (transport, os.environ.get(TRANSPORT_ENV)),
     }
@@ -155,6 +171,7 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
                       ("v", "v's shape, dtype and device"),
                       ("initial_state", "initial_state (given or not, shape, dtype)"),
                       ("strategy", "strategy"), ("layout", "layout"), ("num_blocks", "num_blocks"),
+                      ("piece_split", "piece_split"),
                       ("output_final_state", "output_final_state"), ("cu_seqlens", "cu_seqlens"),
                       ("per_document", "per_document"),
                       ("transport", f"transport (argument, ${TRANSPORT_ENV})")):

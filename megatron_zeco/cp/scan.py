@@ -9,7 +9,12 @@ Backward runs the same scan in reverse on ``dL/dS_in = A_p + gamma_p * D(p)``
 from ``S_in`` with final-state gradient ``D(p)`` gives exact dq, dk, dv, dg.
 
 A rank's pieces (two under zigzag) have equal lengths and run as one batch:
-one launch of each local operation per layer whatever the layout. Packed
+one launch of each local operation per layer whatever the layout. With
+``piece_split`` s > 1 each piece runs as s consecutive sub-pieces in that batch,
+joined locally by the scan's own recurrence (their summaries fold into the
+piece's before the scan; the piece's incoming state, and in backward the
+outgoing state's gradient, unfold to the sub-pieces after it): exact, and on
+GPUs fla's sequential state kernels get s times more independent sequences. Packed
 sequences (``packed.Packing``) run as one varlen launch over the pieces' document
 segments instead, and the scan carries one chain per document where each
 document is split on its own.
@@ -28,9 +33,9 @@ from .local import initial_state_grad
 class ScanGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, overlap, output_final_state,
-                name, packing=None, transport="auto"):
+                name, packing=None, transport="auto", piece_split=1):
         n = len(layout.pieces(0, group.size()))
-        pieces = _Pieces(n) if packing is None else packing
+        pieces = _Pieces(n, piece_split) if packing is None else packing
         piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
                           cu_seqlens_cpu=pieces.cu_cpu)
         E, gamma = pieces.summaries(piece.E, piece.gamma)
@@ -58,32 +63,67 @@ class ScanGLA(torch.autograd.Function):
         grads = piece.grads(pieces.final_grads(_batch(D)))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, D[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None, None, None
 
 
 class _Pieces:
-    """A rank's n equal pieces of B sequences as B*n batch entries of the local operations
-    (the dense counterpart of ``packed.Packing``: one segment per piece, no resets)."""
+    """A rank's n equal pieces of B sequences, each as ``split`` consecutive sub-pieces: B*n*split
+    batch entries of the local operations (the dense counterpart of ``packed.Packing``: no resets).
+
+    Sub-pieces j = 0..s-1 of a piece are joined by ``S_in(j+1) = gamma_j S_in(j) + E_j`` (forward)
+    and ``D(j) = A_(j+1) + gamma_(j+1) D(j+1)`` (backward), in float32 like the scan.
+    """
 
     cu = cu_cpu = None
 
-    def __init__(self, n):
-        self.n = n
+    def __init__(self, n, split=1):
+        self.n, self.split = n, split
 
     def local(self, x):
-        return _as_batch(x, self.n)
+        return _as_batch(x, self.n * self.split)
 
     def summaries(self, E, gamma):
-        return E, gamma
+        """Per sub-piece ``(E, gamma)`` -> per piece (the sub-pieces' maps composed in order)."""
+        if self.split == 1:
+            return E, gamma
+        self._E, self._gamma = _subs(E, self.split), _subs(gamma, self.split)
+        e, g = self._E[0], self._gamma[0]
+        for E_j, gamma_j in zip(self._E[1:], self._gamma[1:]):
+            e, g = torch.addcmul(E_j, gamma_j.unsqueeze(-1), e), g * gamma_j
+        return e, g
 
     def initial_states(self, S_in):
-        return S_in
+        """Per piece ``S_in`` -> per sub-piece."""
+        if self.split == 1:
+            return S_in
+        xs = [S_in]
+        for E_j, gamma_j in zip(self._E[:-1], self._gamma[:-1]):
+            xs.append(torch.addcmul(E_j, gamma_j.unsqueeze(-1), xs[-1]))
+        return torch.stack(xs, dim=1).flatten(0, 1)
 
     def entering_grads(self, A):
-        return A
+        """Per sub-piece local ``dL/dS_in`` -> per piece."""
+        if self.split == 1:
+            return A
+        self._A = _subs(A, self.split)
+        a = self._A[-1]
+        for A_j, gamma_j in zip(self._A[-2::-1], self._gamma[-2::-1]):
+            a = torch.addcmul(A_j, gamma_j.unsqueeze(-1), a)
+        return a
 
     def final_grads(self, D):
-        return D
+        """Per piece gradient of the state leaving it -> per sub-piece."""
+        if self.split == 1:
+            return D
+        ds = [D]
+        for A_j, gamma_j in zip(self._A[:0:-1], self._gamma[:0:-1]):
+            ds.append(torch.addcmul(A_j, gamma_j.unsqueeze(-1), ds[-1]))
+        return torch.stack(ds[::-1], dim=1).flatten(0, 1)
+
+
+def _subs(x, split):
+    """``[N*split, ...]`` -> the ``split`` sub-pieces' ``[N, ...]``."""
+    return x.view(-1, split, *x.shape[1:]).unbind(1)
 
 
 def _as_batch(x, n):
