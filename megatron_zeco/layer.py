@@ -63,6 +63,10 @@ class GatedLinearAttention(MegatronModule):
         cp_transport: how All-Scan moves states: ``auto`` (peer memory over NVLink when the CP group
             is on one node, else NCCL messages), ``peer_memory`` or ``send_recv``
             (``transport`` of :func:`megatron_zeco.zeco_gla`).
+        cp_piece_split: ``zeco`` and ``lasp2``, unpacked batches: run each of a rank's pieces as
+            this many batched sub-pieces (``piece_split`` of :func:`megatron_zeco.zeco_gla`; exact,
+            more parallel work for fla's state kernels; --seq-length must then divide into
+            --context-parallel-size x pieces per rank x cp_piece_split).
         cp_packed_split: how packed sequences (THD) are split over CP ranks: ``document``
             (each document cut by ``cp_layout``: Megatron's THD split,
             ``get_thd_batch_on_this_cp_rank`` / ``--sft``), ``sequence`` (the whole packed
@@ -89,6 +93,7 @@ class GatedLinearAttention(MegatronModule):
         cp_num_blocks: int = 1,
         cp_overlap_scan: bool = False,
         cp_transport: str = "auto",
+        cp_piece_split: int = 1,
         cp_packed_split: str = "auto",
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
@@ -107,12 +112,14 @@ class GatedLinearAttention(MegatronModule):
 
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
-        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, cp_transport, tp, cp)
+        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, cp_transport,
+                      cp_piece_split, tp, cp)
         if not config.use_cpu_initialization:  # parameters, so the layer, live on the GPU
             require_backend("cuda", config.params_dtype)
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split, self.cp_overlap_scan, self.cp_transport = cp_packed_split, cp_overlap_scan, cp_transport
+        self.cp_piece_split = cp_piece_split
         self.gate_normalizer = gate_normalizer
         self._validated = False
         self._warned_rotary = False
@@ -193,7 +200,7 @@ class GatedLinearAttention(MegatronModule):
             self._validate(q, k, v, g, group, strategy, name, packed)
         o, _ = zeco_gla(q, k, v, g, group=group, strategy=strategy, layout=self.cp_layout,
                         num_blocks=self.cp_num_blocks, overlap=self.cp_overlap_scan, transport=self.cp_transport,
-                        validate=False, name=name, **packed)
+                        piece_split=self._piece_split(packed), validate=False, name=name, **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight
@@ -208,13 +215,18 @@ class GatedLinearAttention(MegatronModule):
         try:
             check_inputs(q, k, v, g, None, group=group, strategy=strategy, layout=self.cp_layout,
                          num_blocks=self.cp_num_blocks, output_final_state=False, transport=self.cp_transport,
-                         **packed)
+                         piece_split=self._piece_split(packed), **packed)
         except ValueError as e:
             raise ValueError(
                 f"{name}: {e}\n  (through Megatron, each context-parallel rank gets --seq-length / "
                 "--context-parallel-size tokens: --seq-length must be a multiple of 2 x --context-parallel-size "
-                "for the zigzag layout, of --context-parallel-size for the contiguous one)") from None
+                "for the zigzag layout, of --context-parallel-size for the contiguous one, times cp_piece_split)") \
+                from None
         self._validated = True
+
+    def _piece_split(self, packed) -> int:
+        """Sub-pieces per piece for this batch: packed batches already run as segments."""
+        return 1 if packed else self.cp_piece_split
 
     def _packed(self, packed_seq_params):
         """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
@@ -251,9 +263,11 @@ def _megatron_lm_arg(name):
         return False
 
 
-def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, tp, cp):
+def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, piece_split, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
+    if not isinstance(piece_split, int) or isinstance(piece_split, bool) or piece_split < 1:
+        raise ValueError(f"GatedLinearAttention: cp_piece_split {piece_split!r} must be a positive integer")
     if transport not in TRANSPORTS:
         raise ValueError(f"GatedLinearAttention: cp_transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
     if packed_split not in ("auto", "document", "sequence"):

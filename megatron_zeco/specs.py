@@ -68,6 +68,7 @@ def gla_layer_spec(
     cp_num_blocks: int = 1,
     cp_overlap_scan: bool = False,
     cp_transport: str = "auto",
+    cp_piece_split: int = 1,
     cp_packed_split: str = "auto",
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
@@ -85,6 +86,7 @@ def gla_layer_spec(
         cp_overlap_scan: run the scan on a side CUDA stream (see GatedLinearAttention).
         cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``send_recv``;
             see GatedLinearAttention).
+        cp_piece_split: batched sub-pieces per piece (see GatedLinearAttention).
         cp_packed_split: how packed (THD) batches are split over CP: ``document``
             (Megatron's THD split), ``sequence`` (``--dataloader-inter-document-masking``)
             or ``auto`` (from Megatron-LM's arguments; see GatedLinearAttention).
@@ -95,7 +97,8 @@ def gla_layer_spec(
             TE norms follow ``--normalization`` by themselves.
     """
     params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                  cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_packed_split=cp_packed_split,
+                  cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
+                  cp_packed_split=cp_packed_split,
                   gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing)
@@ -150,6 +153,7 @@ def hybrid_layer_spec(
     cp_strategy: str = "zeco",
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
+    cp_piece_split: int = 1,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
@@ -162,8 +166,8 @@ def hybrid_layer_spec(
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
         cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
-        cp_strategy, cp_num_blocks, gate_low_rank_dim, gate_timescales: the GLA layers'
-            (:func:`gla_layer_spec`).
+        cp_strategy, cp_num_blocks, cp_piece_split, gate_low_rank_dim, gate_timescales: the
+            GLA layers' (:func:`gla_layer_spec`).
         normalization: as in :func:`gla_layer_spec`.
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
@@ -174,8 +178,8 @@ def hybrid_layer_spec(
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
     gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                         gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales,
-                         normalization=normalization)
+                         cp_piece_split=cp_piece_split, gate_low_rank_dim=gate_low_rank_dim,
+                         gate_timescales=gate_timescales, normalization=normalization)
     return ModuleSpec(module=HybridTransformerLayer, params={"pattern": pattern, "cp_layout": cp_layout},
                       submodules=HybridLayerSubmodules(gla=gla.submodules, attention=attention.submodules))
 

@@ -34,6 +34,7 @@ class TrainConfig:
     strategy: str = "zeco"
     layout: str = "zigzag"
     num_blocks: int = 1
+    piece_split: int = 1  # batched sub-pieces per CP piece (zeco_gla's piece_split)
     pattern: str = "G"  # layer symbols, repeated: G = GLA, * = softmax attention (megatron_zeco.hybrid)
     position_embedding: str = "none"  # or "rope" (softmax layers only; under CP > 1 megatron-core needs CUDA)
     layers: int = 2
@@ -90,10 +91,11 @@ def init_distributed(cfg: TrainConfig):
         cfg.cp = world // (cfg.tp * cfg.dp)
     if cfg.tp * cfg.cp * cfg.dp != world:
         raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
-    pieces = as_layout(cfg.layout).num_pieces(cfg.cp)
+    pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * (cfg.piece_split if cfg.cp > 1 else 1)
     if cfg.cp > 1 and cfg.seq_len % pieces:
         raise ValueError(f"--seq-len {cfg.seq_len} must be a multiple of {pieces}: the {cfg.layout} layout cuts "
-                         f"each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks")
+                         f"each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks"
+                         + (f" (x --piece-split {cfg.piece_split})" if cfg.piece_split > 1 else ""))
     parallel_state.initialize_model_parallel(cfg.tp, 1, context_parallel_size=cfg.cp)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
@@ -116,7 +118,7 @@ def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
         deterministic_mode=cfg.deterministic,
     )
     gla = dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
-               gate_timescales=(1.0, 4.0 * cfg.seq_len))
+               cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
     spec = gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
     model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                      max_sequence_length=cfg.seq_len, position_embedding_type=cfg.position_embedding)

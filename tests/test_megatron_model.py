@@ -89,6 +89,7 @@ def reference():
     (2, dict(cp=2, strategy="lasp1")),
     (2, dict(cp=2, strategy="lasp2")),
     (2, dict(cp=2, strategy="a2a")),
+    (2, dict(cp=2, piece_split=3)),
     (4, dict(tp=2, cp=2)),
     (4, dict(dp=2, cp=2)),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))

@@ -146,6 +146,8 @@ MISUSE = {
     "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError, ["cp_packed_split 'docs'"]),
     "unknown transport": (1, 1, lambda: _build({"cp_transport": "nvlink"}), ValueError,
                           ["cp_transport 'nvlink' is not one of auto, send_recv, peer_memory"]),
+    "sub-pieces not positive": (1, 1, lambda: _build({"cp_piece_split": 0}), ValueError,
+                                ["cp_piece_split 0 must be a positive integer"]),
     "fp8 with Megatron-Core linears": (1, 1, lambda: _build(fp8="e4m3"), ValueError, ["--fp8-format", "gla_te_spec"]),
     "fp4 with Megatron-Core linears": (1, 1, lambda: _build(fp4="e2m1"), ValueError, ["--fp4-format", "gla_te_spec"]),
     "fla missing on GPU": (1, 1, _fla_missing_without_override, ImportError,
