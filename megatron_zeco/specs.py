@@ -189,6 +189,7 @@ gla_te_spec = gla_layer_spec(use_te=True)
 gla_local_lasp1_spec = gla_layer_spec(use_te=False, cp_strategy="lasp1")
 gla_local_lasp2_spec = gla_layer_spec(use_te=False, cp_strategy="lasp2")
 gla_local_a2a_spec = gla_layer_spec(use_te=False, cp_strategy="a2a")
+gla_local_split2_spec = gla_layer_spec(use_te=False, cp_piece_split=2)  # zeco, pieces as two batched halves
 gla_te_lasp1_spec = gla_layer_spec(use_te=True, cp_strategy="lasp1")
 gla_te_lasp2_spec = gla_layer_spec(use_te=True, cp_strategy="lasp2")
 gla_te_a2a_spec = gla_layer_spec(use_te=True, cp_strategy="a2a")

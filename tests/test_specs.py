@@ -11,8 +11,8 @@ import torch
 
 from distributed import host_as_cuda, run_ranks
 
-SPEC_NAMES = ["gla_local_spec", "gla_te_spec"] + [f"gla_{flavour}_{s}_spec" for flavour in ("local", "te")
-                                                   for s in ("lasp1", "lasp2", "a2a")]
+SPEC_NAMES = ["gla_local_spec", "gla_te_spec", "gla_local_split2_spec"] + [
+    f"gla_{flavour}_{s}_spec" for flavour in ("local", "te") for s in ("lasp1", "lasp2", "a2a")]
 
 
 @pytest.mark.parametrize("name", SPEC_NAMES)
@@ -34,8 +34,10 @@ def test_spec_imports_as_pretrain_gpt_does(name):
     assert spec.module is TransformerLayer
     mixer = spec.submodules.self_attention
     assert mixer.module is GatedLinearAttention
-    expected = name.split("_")[2] if name.count("_") == 3 else "zeco"
-    assert mixer.params["cp_strategy"] == expected and mixer.params["cp_layout"] == "zigzag"
+    strategy = name.split("_")[2] if name.count("_") == 3 else "zeco"
+    expected = ("zeco", 2) if strategy == "split2" else (strategy, 1)
+    assert (mixer.params["cp_strategy"], mixer.params["cp_piece_split"]) == expected
+    assert mixer.params["cp_layout"] == "zigzag"
     assert "input_layernorm." not in spec.submodules.sharded_state_dict_keys_map
 
 
