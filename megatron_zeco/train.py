@@ -262,7 +262,8 @@ def train(cfg: TrainConfig, log=_log):
         kind = "GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})"
         log(f"megatron_zeco: {kind} GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
-            f"layout {cfg.layout} | seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
+            f"layout {cfg.layout}{f', pieces split in {cfg.piece_split}' if cfg.piece_split > 1 else ''} | "
+            f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")
     history, start, window_start, tokens_seen = [], time.time(), time.time(), 0
     for step in range(1, cfg.steps + 1):
