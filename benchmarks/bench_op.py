@@ -147,7 +147,8 @@ def options(strategy):
                 transport=transport or "auto", piece_split=int(split or 1))
 
 
-def op_fn(x, strategy, group, layout):
+def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False):
+    """fwd + bwd of one row's op on ``x`` (a packed sequence of documents with ``cu_seqlens``)."""
     leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
     if strategy == "fla":
         from fla.ops.gla import chunk_gla as fla_chunk_gla
@@ -156,7 +157,8 @@ def op_fn(x, strategy, group, layout):
         if strategy == "fla":
             o, _ = fla_chunk_gla(*leaves)
         else:
-            o, _ = zeco_gla(*leaves, group=group, layout=layout, validate=False, **options(strategy))
+            o, _ = zeco_gla(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
+                            validate=False, **options(strategy))
         return torch.autograd.grad(o, leaves, x["o"])
 
     return run
@@ -305,18 +307,12 @@ def bench_packed(args, world, me, cp_group, rows):
     gen = torch.Generator().manual_seed(11)  # the same documents on every rank
     for T in args.tokens:
         x = inputs(1, T, args.heads, args.dim, seed=2000 + me)
-        leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
         cases = [("unpacked", lay, None, False) for lay in args.layouts]
         cases += [("sequence", lay, documents(world * T, args.doc_tokens, 1, gen), False) for lay in args.layouts]
         cases.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
         base = {}
         for split, layout, cu, per_document in cases:
-            def run():
-                o, _ = zeco_gla(*leaves, group=cp_group, layout=layout, cu_seqlens=cu, per_document=per_document,
-                                validate=False)
-                return torch.autograd.grad(o, leaves, x["o"])
-
-            ms = timed(run, args.iters, args.warmup)
+            ms = timed(op_fn(x, "zeco", cp_group, layout, cu, per_document), args.iters, args.warmup)
             base.setdefault(layout, ms)
             row = {"part": "packed", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "cp": world,
                    "split": split, "layout": layout, "documents": 1 if cu is None else len(cu) - 1, "ms": ms,
@@ -324,7 +320,7 @@ def bench_packed(args, world, me, cp_group, rows):
             rows.append(row)
             log(f"packed T/GPU={T:6d} zeco CP={world} {split:8s} {layout:10s} {row['documents']:4d} documents "
                 f"{ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
-        del x, leaves
+        del x
         torch.cuda.empty_cache()
 
 

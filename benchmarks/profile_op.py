@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_zeco import zeco_gla
-
 from bench_op import documents, inputs, op_fn, write
 
 
@@ -55,18 +53,6 @@ def kernel_times(fn, iters):
     return dict(times.most_common())
 
 
-def packed_fn(x, group, layout, cu_seqlens, per_document):
-    """fwd + bwd of zeco on the packed sequence ``cu_seqlens`` (bench_op's ``packed`` part)."""
-    leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
-
-    def run():
-        o, _ = zeco_gla(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
-                        validate=False)
-        return torch.autograd.grad(o, leaves, x["o"])
-
-    return run
-
-
 def main():
     args = parse_args()
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -84,8 +70,7 @@ def main():
                       (documents(world * args.tokens, args.doc_tokens, 2 * world, gen), True)))
     rows = []
     for strategy, g, layout, packed in cases:
-        times = kernel_times(op_fn(x, strategy, g, layout) if packed is None else packed_fn(x, g, layout, *packed),
-                             args.iters)
+        times = kernel_times(op_fn(x, "zeco" if packed else strategy, g, layout, *(packed or ())), args.iters)
         everyone = [None] * world
         dist.all_gather_object(everyone, times)
         for rank, t in enumerate(everyone):

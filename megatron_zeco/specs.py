@@ -98,8 +98,7 @@ def gla_layer_spec(
     """
     params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
                   cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                  cp_packed_split=cp_packed_split,
-                  gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
+                  cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing)
     if use_te:
