@@ -10,7 +10,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts
    (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
    zeco with All-Scan over NCCL messages instead of peer memory, the default on one node;
-   ``zeco:2``: each piece run as two sub-pieces, ``piece_split=2``).
+   ``zeco:s``: each piece run as s sub-pieces, ``piece_split=s``; plain ``zeco`` lets the op
+   choose: 2 for contiguous, 1 for zigzag).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
    ``--modes``: ``eager`` issues the op's kernels from Python every iteration and times each from
    an empty queue; ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
@@ -54,7 +55,7 @@ def parse_args():
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--strategies", nargs="+",
-                   default=["zeco", "zeco:2", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
+                   default=["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
                    help="strategy[+overlap][@transport][:piece_split]")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
@@ -144,7 +145,7 @@ def options(strategy):
     strategy, _, split = strategy.partition(":")
     name, _, transport = strategy.partition("@")
     return dict(strategy=name.removesuffix("+overlap"), overlap=name.endswith("+overlap"),
-                transport=transport or "auto", piece_split=int(split or 1))
+                transport=transport or "auto", piece_split=int(split) if split else None)
 
 
 def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False):

@@ -40,7 +40,7 @@ from megatron_zeco.cost_model import BUILD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SPECS = {"zeco": "gla_local_spec", "lasp1": "gla_local_lasp1_spec", "lasp2": "gla_local_lasp2_spec",
-         "a2a": "gla_local_a2a_spec", "zeco_split2": "gla_local_split2_spec"}
+         "a2a": "gla_local_a2a_spec"}
 MEMORY = re.compile(r"max allocated: ([0-9.]+)")
 
 

@@ -453,7 +453,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         by_shape.setdefault(tuple(key), []).append(ms)
     other_ms = {k: sum(v) / len(v) for k, v in by_shape.items()}
     for r in models:
-        if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants (e.g. zeco_split2) are not modelled
+        if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
             key = (r["file"], *_shape(r), r["layers"])
             if key not in per_file:
                 raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in its file")

@@ -66,7 +66,8 @@ class GatedLinearAttention(MegatronModule):
         cp_piece_split: ``zeco`` and ``lasp2``, unpacked batches: run each of a rank's pieces as
             this many batched sub-pieces (``piece_split`` of :func:`megatron_zeco.zeco_gla`; exact,
             more parallel work for fla's state kernels; --seq-length must then divide into
-            --context-parallel-size x pieces per rank x cp_piece_split).
+            --context-parallel-size x pieces per rank x cp_piece_split). None: chosen by the op
+            (2 for zeco with the contiguous layout, else 1).
         cp_packed_split: how packed sequences (THD) are split over CP ranks: ``document``
             (each document cut by ``cp_layout``: Megatron's THD split,
             ``get_thd_batch_on_this_cp_rank`` / ``--sft``), ``sequence`` (the whole packed
@@ -93,7 +94,7 @@ class GatedLinearAttention(MegatronModule):
         cp_num_blocks: int = 1,
         cp_overlap_scan: bool = False,
         cp_transport: str = "auto",
-        cp_piece_split: int = 1,
+        cp_piece_split: Optional[int] = None,
         cp_packed_split: str = "auto",
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
@@ -266,8 +267,9 @@ def _megatron_lm_arg(name):
 def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, piece_split, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
-    if not isinstance(piece_split, int) or isinstance(piece_split, bool) or piece_split < 1:
-        raise ValueError(f"GatedLinearAttention: cp_piece_split {piece_split!r} must be a positive integer")
+    if piece_split is not None and (not isinstance(piece_split, int) or isinstance(piece_split, bool)
+                                    or piece_split < 1):
+        raise ValueError(f"GatedLinearAttention: cp_piece_split {piece_split!r} must be a positive integer or None")
     if transport not in TRANSPORTS:
         raise ValueError(f"GatedLinearAttention: cp_transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
     if packed_split not in ("auto", "document", "sequence"):

@@ -68,7 +68,7 @@ def gla_layer_spec(
     cp_num_blocks: int = 1,
     cp_overlap_scan: bool = False,
     cp_transport: str = "auto",
-    cp_piece_split: int = 1,
+    cp_piece_split: Optional[int] = None,
     cp_packed_split: str = "auto",
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
@@ -152,7 +152,7 @@ def hybrid_layer_spec(
     cp_strategy: str = "zeco",
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
-    cp_piece_split: int = 1,
+    cp_piece_split: Optional[int] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
@@ -188,7 +188,6 @@ gla_te_spec = gla_layer_spec(use_te=True)
 gla_local_lasp1_spec = gla_layer_spec(use_te=False, cp_strategy="lasp1")
 gla_local_lasp2_spec = gla_layer_spec(use_te=False, cp_strategy="lasp2")
 gla_local_a2a_spec = gla_layer_spec(use_te=False, cp_strategy="a2a")
-gla_local_split2_spec = gla_layer_spec(use_te=False, cp_piece_split=2)  # zeco, pieces as two batched halves
 gla_te_lasp1_spec = gla_layer_spec(use_te=True, cp_strategy="lasp1")
 gla_te_lasp2_spec = gla_layer_spec(use_te=True, cp_strategy="lasp2")
 gla_te_a2a_spec = gla_layer_spec(use_te=True, cp_strategy="a2a")

@@ -34,7 +34,7 @@ class TrainConfig:
     strategy: str = "zeco"
     layout: str = "zigzag"
     num_blocks: int = 1
-    piece_split: int = 1  # batched sub-pieces per CP piece (zeco_gla's piece_split)
+    piece_split: Optional[int] = None  # batched sub-pieces per CP piece (zeco_gla's piece_split; None: auto)
     pattern: str = "G"  # layer symbols, repeated: G = GLA, * = softmax attention (megatron_zeco.hybrid)
     position_embedding: str = "none"  # or "rope" (softmax layers only; under CP > 1 megatron-core needs CUDA)
     layers: int = 2
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> TrainConfig:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true")
         else:
-            parser.add_argument(flag, type=int if name == "cp" else type(default), default=default)
+            parser.add_argument(flag, type=int if name in ("cp", "piece_split") else type(default), default=default)
     return TrainConfig(**vars(parser.parse_args(argv)))
 
 
@@ -91,11 +91,12 @@ def init_distributed(cfg: TrainConfig):
         cfg.cp = world // (cfg.tp * cfg.dp)
     if cfg.tp * cfg.cp * cfg.dp != world:
         raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
-    pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * (cfg.piece_split if cfg.cp > 1 else 1)
+    split = cfg.piece_split or 1
+    pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * (split if cfg.cp > 1 else 1)
     if cfg.cp > 1 and cfg.seq_len % pieces:
         raise ValueError(f"--seq-len {cfg.seq_len} must be a multiple of {pieces}: the {cfg.layout} layout cuts "
                          f"each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks"
-                         + (f" (x --piece-split {cfg.piece_split})" if cfg.piece_split > 1 else ""))
+                         + (f" (x --piece-split {split})" if split > 1 else ""))
     parallel_state.initialize_model_parallel(cfg.tp, 1, context_parallel_size=cfg.cp)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
@@ -262,7 +263,7 @@ def train(cfg: TrainConfig, log=_log):
         kind = "GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})"
         log(f"megatron_zeco: {kind} GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
-            f"layout {cfg.layout}{f', pieces split in {cfg.piece_split}' if cfg.piece_split > 1 else ''} | "
+            f"layout {cfg.layout}, piece split {cfg.piece_split or 'auto'} | "
             f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")
     history, start, window_start, tokens_seen = [], time.time(), time.time(), 0

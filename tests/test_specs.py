@@ -11,7 +11,7 @@ import torch
 
 from distributed import host_as_cuda, run_ranks
 
-SPEC_NAMES = ["gla_local_spec", "gla_te_spec", "gla_local_split2_spec"] + [
+SPEC_NAMES = ["gla_local_spec", "gla_te_spec"] + [
     f"gla_{flavour}_{s}_spec" for flavour in ("local", "te") for s in ("lasp1", "lasp2", "a2a")]
 
 
@@ -35,8 +35,7 @@ def test_spec_imports_as_pretrain_gpt_does(name):
     mixer = spec.submodules.self_attention
     assert mixer.module is GatedLinearAttention
     strategy = name.split("_")[2] if name.count("_") == 3 else "zeco"
-    expected = ("zeco", 2) if strategy == "split2" else (strategy, 1)
-    assert (mixer.params["cp_strategy"], mixer.params["cp_piece_split"]) == expected
+    assert (mixer.params["cp_strategy"], mixer.params["cp_piece_split"]) == (strategy, None)
     assert mixer.params["cp_layout"] == "zigzag"
     assert "input_layernorm." not in spec.submodules.sharded_state_dict_keys_map
 

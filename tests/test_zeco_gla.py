@@ -25,16 +25,17 @@ def _cases(world):
     cases = []
     for strategy, layout in itertools.product(("zeco", "lasp1", "lasp2", "a2a"), Layout):
         for gate in GATES:
-            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True, "auto", 1))
-        cases.append((strategy, layout, 1, "normal", False, False, "auto", 1))
-        cases.append((strategy, layout, 1, "normal", True, False, "auto", 1))
-        cases.append((strategy, layout, 1, "normal", False, True, "auto", 1))
+            cases.append((strategy, layout, 2 if strategy == "zeco" else 1, gate, True, True, "auto", None))
+        cases.append((strategy, layout, 1, "normal", False, False, "auto", None))
+        cases.append((strategy, layout, 1, "normal", True, False, "auto", None))
+        cases.append((strategy, layout, 1, "normal", False, True, "auto", None))
         if strategy == "zeco":
-            cases += [(strategy, layout, nb, "normal", True, True, "auto", 1) for nb in (1, 4, K)]
+            cases += [(strategy, layout, nb, "normal", True, True, "auto", None) for nb in (1, 4, K)]
             # All-Scan through peer memory (the Triton hop kernel, interpreted on the CPU)
-            cases += [(strategy, layout, nb, "strong", True, True, "peer_memory", 1) for nb in (1, 4)]
-    # Pieces run as sub-pieces: two of 19 tokens, and 19 of one token each under zigzag
-    cases += [("zeco", Layout.CONTIGUOUS, 2, "normal", True, True, "auto", 2),
+            cases += [(strategy, layout, nb, "strong", True, True, "peer_memory", None) for nb in (1, 4)]
+    # Pieces whole (the default runs zeco's contiguous pieces as two halves of 19 tokens), and
+    # zigzag pieces as 19 sub-pieces of one token each
+    cases += [("zeco", Layout.CONTIGUOUS, 2, "normal", True, True, "auto", 1),
               ("zeco", Layout.ZIGZAG, 1, "mixed", True, True, "auto", 19),
               ("lasp2", Layout.CONTIGUOUS, 1, "normal", True, True, "auto", 19)]
     return cases
@@ -85,3 +86,32 @@ def test_every_strategy_matches_whole_sequence_reference(seed, world):
     # 38 tokens per rank: zigzag pieces of 19, contiguous pieces of 38; chunks are 32.
     failures = run_ranks(_check_all, world, seed, 38)
     assert not any(failures), "\n".join(f"rank {r}: {f}" for r, fs in enumerate(failures) for f in fs)
+
+
+def _default_splits(rank, world, seed):
+    """For each case: does the default piece_split give bit for bit what piece_split=s gives?"""
+    group = dist.new_group(list(range(world)))
+    out = {}
+    for strategy, layout, local_len in (("zeco", Layout.CONTIGUOUS, 40), ("zeco", Layout.ZIGZAG, 40),
+                                        ("zeco", Layout.CONTIGUOUS, 39), ("lasp2", Layout.CONTIGUOUS, 40)):
+        x = problem(seed, B, world * local_len, 2, K, V, "normal", True)
+        local = {n: layout.shard(x[n], rank, world) for n in ("q", "k", "v", "g", "do")}
+        results = {}
+        for split in (None, 1, 2):
+            leaves = [local[n].clone().requires_grad_() for n in "qkvg"]
+            if split == 2 and local_len % 2:
+                continue
+            o, _ = zeco_gla(*leaves, group=group, strategy=strategy, layout=layout, piece_split=split)
+            results[split] = [o, *torch.autograd.grad((o * local["do"]).sum(), leaves)]
+        out[strategy, layout.value, local_len] = {
+            s: all(torch.equal(a, b) for a, b in zip(results[None], results[s])) for s in results if s is not None}
+    return out
+
+
+def test_default_piece_split_is_two_for_zeco_contiguous_only(seed):
+    """piece_split=None runs zeco's contiguous pieces as two halves (when T is even) and leaves
+    zigzag, odd lengths and the other strategies whole; 1 and 2 round differently, so a wrong
+    choice shows up bit for bit."""
+    got = run_ranks(_default_splits, 2, seed)[0]
+    assert got == {("zeco", "contiguous", 40): {1: False, 2: True}, ("zeco", "zigzag", 40): {1: True, 2: False},
+                   ("zeco", "contiguous", 39): {1: True}, ("lasp2", "contiguous", 40): {1: True, 2: False}}, got

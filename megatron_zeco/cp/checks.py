@@ -112,8 +112,10 @@ def packed_problems(q, cu_seqlens, per_document, initial_state, output_final_sta
 
 def split_problems(q, piece_split, cu_seqlens, pieces_per_rank) -> List[str]:
     """This rank's problems with ``piece_split`` (sub-pieces per piece)."""
+    if piece_split is None:  # chosen by zeco_gla, always valid
+        return []
     if not isinstance(piece_split, int) or isinstance(piece_split, bool) or piece_split < 1:
-        return [f"piece_split = {piece_split!r} must be a positive integer"]
+        return [f"piece_split = {piece_split!r} must be a positive integer or None"]
     if piece_split == 1:
         return []
     if cu_seqlens is not None:
@@ -130,7 +132,7 @@ def _describe(x: Optional[torch.Tensor]):
 
 
 def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
-                 cu_seqlens=None, per_document=False, transport="auto", piece_split=1):
+                 cu_seqlens=None, per_document=False, transport="auto", piece_split=None):
     """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
     world = 1 if group is None else dist.get_world_size(group)
     problems = []
