@@ -14,7 +14,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    choose: 2 for contiguous, 1 for zigzag).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
    ``--modes``: ``eager`` issues the op's kernels from Python every iteration and times each from
-   an empty queue; ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
+   an empty queue (the row also gives the host's time to issue one call, measured while the GPU
+   is busy: where it exceeds the GPU time, it is what an empty queue measures); ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
    training loop's view: the host runs ahead where its issue time is below the GPU's); ``graph``
    replays them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over
    peer memory), which takes the host's issue time out: the GPU cost of each strategy.
@@ -37,6 +38,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -101,6 +103,20 @@ def timed(fn, iters, warmup, gpu_only=False, steady=False):
     t = torch.tensor(times, device="cuda")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
+
+
+def host_ms(fn, iters):
+    """Median host time of issuing one ``fn`` (ms), the GPU held busy by a sleep so that nothing
+    waits on it: what an empty queue waits for where it exceeds the GPU time."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(50_000_000)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def graphed(fn, warmup=3):
@@ -177,13 +193,16 @@ def bench_op(args, world, me, cp_group, self_group, rows):
                     continue
                 fn = op_fn(x, strategy, group, layout)
                 ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
+                host = host_ms(fn, args.iters) if mode == "eager" else None
                 if strategy == "none":
                     base[mode] = ms
                 vs_none = ms / base[mode] if mode in base else None
                 rows.append({"part": "op", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
-                             "strategy": strategy, "cp": P, "layout": layout, "ms": ms, "vs_none": vs_none})
+                             "strategy": strategy, "cp": P, "layout": layout, "ms": ms, "vs_none": vs_none,
+                             "host_ms": host})
                 log(f"op  {mode:5s} T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} {ms:8.3f} ms"
-                    + ("" if vs_none is None else f"  x{vs_none:.3f} of none"))
+                    + ("" if vs_none is None else f"  x{vs_none:.3f} of none")
+                    + ("" if host is None else f"  (host issue {host:.3f} ms)"))
         bench_kernels(args, x, T, rows)
         del x
         torch.cuda.empty_cache()
