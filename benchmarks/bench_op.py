@@ -29,7 +29,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    the whole sequence, so states matter across the rank boundary.
 4. ``packed``: ``zeco`` at CP=P on a packed sequence (THD, ``cu_seqlens``) of documents with
    random lengths (exponential, mean ``--doc-tokens``), split as a whole sequence (both layouts)
-   and document by document (zigzag, Megatron's THD split), against the same tokens unpacked.
+   and document by document (zigzag, Megatron's THD split), against the same tokens unpacked,
+   in the ``eager`` and ``steady`` modes of ``--modes``.
 """
 
 import argparse
@@ -331,15 +332,17 @@ def bench_packed(args, world, me, cp_group, rows):
         cases += [("sequence", lay, documents(world * T, args.doc_tokens, 1, gen), False) for lay in args.layouts]
         cases.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
         base = {}
-        for split, layout, cu, per_document in cases:
-            ms = timed(op_fn(x, "zeco", cp_group, layout, cu, per_document), args.iters, args.warmup)
-            base.setdefault(layout, ms)
-            row = {"part": "packed", "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim, "cp": world,
-                   "split": split, "layout": layout, "documents": 1 if cu is None else len(cu) - 1, "ms": ms,
-                   "vs_unpacked": ms / base[layout]}
-            rows.append(row)
-            log(f"packed T/GPU={T:6d} zeco CP={world} {split:8s} {layout:10s} {row['documents']:4d} documents "
-                f"{ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
+        for mode in [m for m in args.modes if m != "graph"]:
+            for split, layout, cu, per_document in cases:
+                ms = timed(op_fn(x, "zeco", cp_group, layout, cu, per_document), args.iters, args.warmup,
+                           steady=mode == "steady")
+                base.setdefault((mode, layout), ms)
+                row = {"part": "packed", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
+                       "cp": world, "split": split, "layout": layout, "documents": 1 if cu is None else len(cu) - 1,
+                       "ms": ms, "vs_unpacked": ms / base[mode, layout]}
+                rows.append(row)
+                log(f"packed {mode:6s} T/GPU={T:6d} zeco CP={world} {split:8s} {layout:10s} {row['documents']:4d} "
+                    f"documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
         del x
         torch.cuda.empty_cache()
 

@@ -141,6 +141,44 @@ def test_packed_documents_on_gpus_match_float64(seed, world):
     assert not bad, bad
 
 
+def _no_host_sync(rank, world, seed):
+    """zeco's fwd + bwd, unpacked and packed, after a warm-up call, under torch's sync debug mode
+    "error": any host synchronisation (a ``.item()``, a blocking copy) raises where it happens.
+    One would hold the rank's host until its GPU drains, and its peer's hop would wait for it."""
+    from megatron_zeco import packed_positions
+
+    group = dist.new_group(list(range(world)))
+    x = problem(seed, B=1, T=1024, H=4, K=64, V=64)
+    cu = torch.tensor([0, 300, 301, 650, 1024])
+    cases = {"unpacked contiguous": (Layout.CONTIGUOUS, None, False), "packed zigzag": (Layout.ZIGZAG, cu, False),
+             "packed per document": (Layout.ZIGZAG, torch.tensor([0, 296, 300, 648, 1024]), True)}
+    for name, (layout, cu, per_document) in cases.items():
+        mine = layout.shard(torch.arange(1024), rank, world) if cu is None else \
+            packed_positions(cu, layout, world, rank, per_document)
+        leaves = [x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in "qkvg"]
+        do = x["do"][:, mine].to("cuda", torch.bfloat16)
+        kw = dict(group=group, layout=layout, validate=False)
+        if cu is not None:
+            kw.update(cu_seqlens=cu.cuda(), per_document=per_document)
+        for check in (False, True):  # the first call autotunes and builds the cached tables
+            torch.cuda.synchronize()
+            dist.barrier()
+            torch.cuda.set_sync_debug_mode("error" if check else "default")
+            try:
+                o, _ = zeco_gla(*leaves, **kw)
+                torch.autograd.grad(o, leaves, do)
+            except RuntimeError as e:
+                raise AssertionError(f"{name}: host synchronisation: {e}") from e
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_zeco_issues_without_host_sync(seed):
+    run_ranks(_no_host_sync, 2, seed, backend="nccl")
+
+
 def _peer_scans(rank, world, seed):
     """All-Scan through symmetric memory (the Triton hop kernel over NVLink) against a float64
     fold: both layouts and directions, several block counts and shapes, 10 calls each on fresh

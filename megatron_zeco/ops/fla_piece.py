@@ -41,14 +41,14 @@ Tensor = torch.Tensor
 @functools.lru_cache(maxsize=None)
 def _fla() -> SimpleNamespace:
     """fla's internal kernels this module calls (imported on first use: fla needs a GPU driver)."""
-    from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+    from fla.ops.common.chunk_h import chunk_bwd_kernel_dh, chunk_fwd_kernel_h
     from fla.ops.gla import chunk as gla
     from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.cumsum import chunk_local_cumsum
-    return SimpleNamespace(chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh, gla=gla, RCP_LN2=RCP_LN2,
-                           chunk_local_cumsum=chunk_local_cumsum, prepare_chunk_indices=prepare_chunk_indices,
-                           prepare_chunk_offsets=prepare_chunk_offsets)
+    return SimpleNamespace(chunk_fwd_kernel_h=chunk_fwd_kernel_h, chunk_bwd_kernel_dh=chunk_bwd_kernel_dh, gla=gla,
+                           RCP_LN2=RCP_LN2, chunk_local_cumsum=chunk_local_cumsum,
+                           prepare_chunk_indices=prepare_chunk_indices, prepare_chunk_offsets=prepare_chunk_offsets)
 
 
 class _Chunks:
@@ -67,6 +67,47 @@ class _Chunks:
     def kw(self) -> dict:
         return dict(cu_seqlens=self.cu, chunk_size=self.size)
 
+    def sequences(self, B: int) -> int:
+        return B if self.cu is None else len(self.cu) - 1
+
+    def count(self, T: int) -> int:
+        """Chunks per batch entry (dense) or in all segments (packed), known on the host."""
+        return triton.cdiv(T, self.size) if self.cu is None else len(self.indices)
+
+    def launch_states(self, kernel, B: int, T: int, H: int, K: int, V: int, **kw) -> None:
+        """fla's chunk-state kernel ``kernel`` (fwd ``h`` or bwd ``dh``) with per-key gates, launched
+        as fla's ``chunk_fwd_h`` / ``chunk_bwd_dh`` do, except that with packed input those read the
+        chunk count back from the GPU (``.item()``): a host synchronisation per call, which held
+        each CP rank's host until its GPU caught up, so the ranks' hops waited on each other."""
+        N = self.sequences(B)
+        kernel[lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)](
+            cu_seqlens=self.cu, split_offsets=self.offsets, T=T, H=H, K=K, V=V, BT=self.size, BS=self.size,
+            g=None, g_gamma=None, gv=None, USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False,
+            STATE_V_FIRST=False, **kw)
+
+
+def _states(c: _Chunks, k: Tensor, v: Tensor, gk: Tensor, h0: Optional[Tensor], output_final_state: bool,
+            states_in_fp32: bool) -> Tuple[Tensor, Optional[Tensor]]:
+    """Chunk states ``h [B, C, H, K, V]`` and, if asked, the final state (float32)."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    h = k.new_empty(B, c.count(T), H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
+    ht = k.new_empty(c.sequences(B), H, K, V, dtype=torch.float) if output_final_state else None
+    c.launch_states(_fla().chunk_fwd_kernel_h, B, T, H, K, V, k=k, v=v, h=h, gk=gk, h0=h0, ht=ht)
+    return h, ht
+
+
+def _state_grads(c: _Chunks, q: Tensor, do: Tensor, gk: Tensor, h0: Tensor, scale: float) -> Tuple[Tensor, Tensor]:
+    """Chunk state gradients ``dh [B, C, H, K, V]`` (float32) of ``<do, o>`` alone (no final-state
+    gradient), and the initial state's."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    dh = q.new_empty(B, c.count(T), H, K, V, dtype=torch.float)
+    dh0 = torch.empty_like(h0, dtype=torch.float)
+    c.launch_states(_fla().chunk_bwd_kernel_dh, B, T, H, K, V, q=q, gk=gk, do=do, dh=dh, dht=None, dh0=dh0,
+                    scale=scale, HQ=H, NG=1)
+    return dh, dh0
+
 
 class FlaPiece:
     """One rank's piece of the sequence through fla's kernels (see the module docstring).
@@ -79,13 +120,12 @@ class FlaPiece:
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-        fla = _fla()
         self.q, self.k, self.v, self.g = (x.contiguous() for x in (q, k, v, g))
         self.scale = scale
         self.chunks = c = _Chunks(q.shape[1], cu_seqlens, cu_seqlens_cpu)
         self._g_cumsum = g_cumsum = self._cumsum()
-        self._h, self.E = fla.chunk_fwd_h(k=self.k, v=self.v, gk=g_cumsum, h0=None, output_final_state=True,
-                                          **c.kw)  # states in the input dtype, as fla's forward keeps them
+        # states in the input dtype, as fla's forward keeps them
+        self._h, self.E = _states(c, self.k, self.v, g_cumsum, None, output_final_state=True, states_in_fp32=False)
         self._into, self._out_of, self.gamma = chunk_decays(g_cumsum, c.size, c.cu, c.indices, c.offsets)
         self.A = None
 
@@ -115,12 +155,9 @@ class FlaPiece:
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
-        fla = _fla()
-        c = self.chunks
         self.do = do.contiguous()
         self._g_cumsum = self._cumsum()
-        self._dh, A = fla.chunk_bwd_dh(q=self.q, k=self.k, v=self.v, do=self.do, h0=self.S_in, dht=None,
-                                       gk=self._g_cumsum, scale=self.scale, states_in_fp32=True, **c.kw)
+        self._dh, A = _state_grads(self.chunks, self.q, self.do, self._g_cumsum, self.S_in, self.scale)
         self._local = None
         return A
 
@@ -129,7 +166,7 @@ class FlaPiece:
         the chunk states from ``S_in`` and the in-chunk gradients."""
         fla = _fla()
         c, g_cumsum, q, k, v, do = self.chunks, self._g_cumsum, self.q, self.k, self.v, self.do
-        h, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cumsum, h0=self.S_in, states_in_fp32=True, **c.kw)
+        h, _ = _states(c, k, v, g_cumsum, self.S_in, output_final_state=False, states_in_fp32=True)
         dA = fla.gla.chunk_gla_bwd_dA(v=v, do=do, scale=self.scale, chunk_indices=c.indices, **c.kw)
         dq, dk = fla.gla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cumsum, dA=dA, chunk_indices=c.indices, **c.kw)
         self._local = (h, dq, dk)
