@@ -153,7 +153,7 @@ def _no_host_sync(rank, world, seed):
     cases = {"unpacked contiguous": (Layout.CONTIGUOUS, None, False), "packed zigzag": (Layout.ZIGZAG, cu, False),
              "packed per document": (Layout.ZIGZAG, torch.tensor([0, 296, 300, 648, 1024]), True)}
     for name, (layout, cu, per_document) in cases.items():
-        mine = layout.shard(torch.arange(1024), rank, world) if cu is None else \
+        mine = layout.shard(torch.arange(1024), rank, world, dim=0) if cu is None else \
             packed_positions(cu, layout, world, rank, per_document)
         leaves = [x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in "qkvg"]
         do = x["do"][:, mine].to("cuda", torch.bfloat16)
