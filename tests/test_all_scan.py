@@ -92,6 +92,36 @@ def test_peer_memory_waits_for_slow_receivers(seed):
     assert not any(failures), failures
 
 
+def _varying_counts_worker(rank, world, seed, counts):
+    """Scans over peer memory whose number of states changes from call to call (one per document
+    under the per-document packed split): right every time, from a few shared channels."""
+    from megatron_zeco.comm import peer
+
+    group = dist.new_group(list(range(world)))
+    failures = []
+    for call, n in enumerate(counts):
+        gen = torch.Generator().manual_seed(seed + call)
+        gammas = [torch.rand(n, 4, generator=gen, dtype=torch.float64) for _ in range(2 * world)]
+        deltas = [torch.randn(n, 4, 3, generator=gen, dtype=torch.float64) for _ in range(2 * world)]
+        mine = Layout.ZIGZAG.pieces(rank, world)
+        for reverse in (False, True):
+            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=Layout.ZIGZAG,
+                                   group=group, num_blocks=2, reverse=reverse, transport="peer_memory")
+            order = range(2 * world - 1, -1, -1) if reverse else range(2 * world)
+            want, _ = _fold(gammas, deltas, None, order)
+            if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
+                failures.append(f"call {call}: {n} states, reverse={reverse}")
+    return failures, sum(key[0] is group for key in peer._CHANNELS)
+
+
+def test_peer_memory_state_counts_change_between_calls(seed):
+    """Channels come in powers of two of states and are reused: 3, 5, 4, 7, 8, 2, 5 states need
+    the channels for 4, 8 and 2, not one per count (each is a collective allocation kept alive)."""
+    results = run_ranks(_varying_counts_worker, 3, seed, [3, 5, 4, 7, 8, 2, 5])
+    assert not any(failures for failures, _ in results), results
+    assert [channels for _, channels in results] == [3, 3, 3], results
+
+
 def _bad_transport_worker(rank, world):
     with pytest.raises(ValueError, match="unknown All-Scan transport 'nvlink'"):
         all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,

@@ -119,7 +119,7 @@ def _shm_dir() -> str:
 
 
 class _Channel:
-    """Peer buffers for scans of one state shape over one group and layout.
+    """Peer buffers for scans of up to N states of one shape over one group and layout.
 
     Each rank has a region per direction and local slot (at most 2 pieces per rank): a receive
     buffer for the incoming state, its arrival flags, the acknowledgements of what the slot
@@ -164,10 +164,14 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     like = delta[0]
     K, V = like.shape[-2:]
     N = like.numel() // (K * V)
-    key = (group, layout, N, K, V, like.dtype, num_blocks, like.device)
+    # Channels hold a power of two of states: packed batches split per document pass one state
+    # per document, a count that changes every step, and each new channel is a collective
+    # allocation that is never freed (a peer may still be writing into it). A call uses the first N.
+    capacity = 1 << (N - 1).bit_length()
+    key = (group, layout, capacity, K, V, like.dtype, num_blocks, like.device)
     ch = _CHANNELS.get(key)
     if ch is None:
-        ch = _CHANNELS[key] = _Channel(group, layout, N, K, V, like.dtype, num_blocks, like.device)
+        ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, num_blocks, like.device)
     inputs: List[Optional[Tensor]] = [None] * len(delta)
     carried = last = None
     for link, here, src, dst in ch.plan(reverse):
