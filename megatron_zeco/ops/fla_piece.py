@@ -23,7 +23,8 @@ are those of fla's ``chunk_gla`` with ``initial_state=S_in`` and final-state gra
 unrounded) rather than rounding it into ``h``; the backward adds ``D`` to the float32
 ``dh`` as fla does.
 
-Built on fla-core's internal kernels (checked with fla-core 0.6).
+Built on fla-core's internal kernels (checked with fla-core 0.6); the two chunk-state kernels
+are launched here, not through fla's wrappers, which synchronise the host for packed input.
 """
 
 import functools
