@@ -15,8 +15,9 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
    ``--modes``: ``eager`` issues the op's kernels from Python every iteration and times each from
    an empty queue (the row also gives the host's time to issue one call, measured while the GPU
-   is busy: where it exceeds the GPU time, it is what an empty queue measures); ``steady`` issues ``--iters`` iterations back to back and takes their mean (a
-   training loop's view: the host runs ahead where its issue time is below the GPU's); ``graph``
+   is busy: where it exceeds the GPU time, it is what an empty queue measures); ``steady``
+   issues ``--iters`` iterations back to back and takes their mean (a training loop's view: the
+   host runs ahead where its issue time is below the GPU's); ``graph``
    replays them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over
    peer memory), which takes the host's issue time out: the GPU cost of each strategy.
 2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,

@@ -76,14 +76,13 @@ def _two_ranks(rank, world, seed):
     out = {}
     for gate in ("normal", "tiny"):
         x = problem(seed, B=2, T=2 * 320, H=4, K=64, V=64, gate=gate)
-        for strategy in ("zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"):
-            rest, _, split = strategy.partition(":")
-            name, _, transport = rest.partition("@")
+        cases = {"zeco": {}, "zeco, pieces whole": dict(piece_split=1), "zeco@send_recv": dict(transport="send_recv"),
+                 "zeco+overlap": dict(overlap=True), "lasp1": dict(strategy="lasp1"), "lasp2": dict(strategy="lasp2"),
+                 "a2a": dict(strategy="a2a")}
+        for strategy, kw in cases.items():
             for layout in Layout:
                 shard = {n: layout.shard(x[n], rank, world) if n in SEQUENCE else x[n] for n in x}
-                got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, strategy=name.removesuffix("+overlap"),
-                           overlap=name.endswith("+overlap"), transport=transport or "auto", layout=layout,
-                           piece_split=int(split) if split else None)
+                got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, layout=layout, **kw)
                 parts = {}
                 for n in ("o", "dq", "dk", "dv", "dg"):
                     pieces = [torch.empty_like(got[n]).cuda() for _ in range(world)]
