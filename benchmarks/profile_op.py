@@ -13,7 +13,6 @@ waiting. Prints each rank's table and writes all of them as JSON.
 
 import argparse
 import collections
-import json
 import os
 
 import torch

@@ -44,6 +44,7 @@ def chain_scan(
     num_blocks: int = 1,
     reverse: bool = False,
     what: str = "chain scan",
+    out: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Walk the pieces in order, passing a state from each to the next, block by block.
 
@@ -58,10 +59,12 @@ def chain_scan(
         reverse: walk from the last piece to the first.
         what: names the operation in errors (a failed or timed-out transfer raises a
             ``RuntimeError`` naming it, this rank, the peer and the piece).
+        out: per local slot, a tensor to write the entering state into (views of one
+            batch, say), or None.
 
     Returns:
-        The state entering each local slot, and the state leaving the walk's last
-        piece on the rank holding it (None elsewhere).
+        The state entering each local slot (``out`` if given), and the state leaving the
+        walk's last piece on the rank holding it (None elsewhere).
     """
     K = like.shape[-2]
     rows = [slice(b * K // num_blocks, (b + 1) * K // num_blocks) for b in range(num_blocks)]
@@ -96,7 +99,7 @@ def chain_scan(
                 sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
-        inputs[link.slot] = _join(xs)
+        inputs[link.slot] = _join(xs) if out is None else out[link.slot].copy_(_join(xs))
         carried = ys
         if link.last:
             last = _join(ys)
@@ -131,6 +134,7 @@ def all_scan(
     reverse: bool = False,
     transport: str = "auto",
     what: str = "All-Scan",
+    out: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
 
@@ -141,19 +145,22 @@ def all_scan(
         transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
             (one-sided stores into the peers' memory, one kernel per piece: ``peer.py``)
             or ``auto`` (peer memory for CUDA states on one node).
+        out: per local slot, where ``S_in`` goes (e.g. the slots' views of one batch, which
+            the peer-memory kernel writes in place), or None.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
         chain on the rank that ends it.
     """
     if resolve_transport(transport, group, delta[0]) == "peer_memory":
-        return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse)
+        return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
+                             out=out)
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
         return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)
 
     return chain_scan(combine, init, delta[0], layout=layout, group=group,
-                      num_blocks=num_blocks, reverse=reverse, what=what)
+                      num_blocks=num_blocks, reverse=reverse, what=what, out=out)
 
 
 def gather_scan(
@@ -165,8 +172,9 @@ def gather_scan(
     group,
     reverse: bool = False,
     what: str = "all-gather scan",
+    out: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """Same result as :func:`all_scan` by one all-gather and a local fold (LASP-2)."""
+    """Same result as :func:`all_scan` (and ``out``) by one all-gather and a local fold (LASP-2)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     n = layout.num_pieces(world)
     first_piece, order = (n - 1, range(n - 1, -1, -1)) if reverse else (0, range(n))
@@ -188,6 +196,8 @@ def gather_scan(
         rank, slot = layout.owner(piece, world)
         if rank == me:
             inputs[slot] = init if (piece == first_piece and init is not None) else x
+            if out is not None:
+                inputs[slot] = out[slot].copy_(inputs[slot])
         summary = gathered[rank][slot]
         x = summary[..., -1].unsqueeze(-1) * x + summary[..., :-1]
     last_owner = layout.owner(order[-1], world)[0]

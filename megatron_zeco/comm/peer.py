@@ -124,8 +124,9 @@ class _Channel:
     Each rank has a region per direction and local slot (at most 2 pieces per rank): a receive
     buffer for the incoming state, its arrival flags, the acknowledgements of what the slot
     sends, and the slot's call counters (kept on the device: ``kernels/scan_hop.py``).
-    ``plan(reverse)``: per piece in walk order, its link and the addresses of the regions it
-    reads, and writes on its peers (built once; a call then only launches kernels, so a scan
+    ``plan(reverse)``: the rank's hops in walk order, each one launch: its links (two where the
+    chain visits both of the rank's pieces in a row) and the addresses of the regions it reads
+    and writes, here and on its peers (built once; a call then only launches kernels, so a scan
     can be captured in a CUDA graph once the channel exists).
     """
 
@@ -139,10 +140,18 @@ class _Channel:
         def region(r, reverse, slot):
             return 0 if r is None else buffers.of(r).data_ptr() + (2 * int(reverse) + slot) * size
 
-        self._plans = {reverse: [(link, region(rank, reverse, link.slot), region(link.src, reverse, link.src_slot),
-                                  region(link.dst, reverse, link.dst_slot))
-                                 for link in layout.links(rank, world, reverse)]
-                       for reverse in (False, True)}
+        def plan(reverse):
+            hops = []
+            for link in layout.links(rank, world, reverse):
+                if hops and hops[-1][-1].dst is None and not hops[-1][-1].last:  # the previous piece is ours
+                    hops[-1].append(link)
+                else:
+                    hops.append([link])
+            return [(hop, (region(rank, reverse, hop[0].slot), region(rank, reverse, hop[-1].slot),
+                           region(hop[0].src, reverse, hop[0].src_slot), region(hop[-1].dst, reverse, hop[-1].dst_slot)))
+                    for hop in hops]
+
+        self._plans = {reverse: plan(reverse) for reverse in (False, True)}
         self._buffers = buffers  # the plans hold raw addresses into them
 
     def plan(self, reverse: bool):
@@ -153,11 +162,22 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
+    """The one stride of dim 0 (elements) by which the hop kernel can address every tensor of ``ts``
+    (``tail`` trailing dims per state: each entry of dim 0 contiguous, as a local slot's view of a
+    batch of pieces is), 0 where dim 0 has one entry or is not a batch dim; None if there is none."""
+    if any(not (t.is_contiguous() if t.dim() <= tail else t[0].is_contiguous()) for t in ts):
+        return None
+    strides = {t.stride(0) for t in ts if t.dim() > tail and t.shape[0] > 1}
+    return strides.pop() if len(strides) == 1 else (0 if not strides else None)
+
+
 _CHANNELS: Dict[tuple, _Channel] = {}
 
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
-                  layout, group, num_blocks: int, reverse: bool) -> Tuple[List[Tensor], Optional[Tensor]]:
+                  layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None
+                  ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over peer memory (same arguments and result)."""
     from ..kernels.scan_hop import all_scan_hop
 
@@ -172,20 +192,27 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     ch = _CHANNELS.get(key)
     if ch is None:
         ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, num_blocks, like.device)
-    inputs: List[Optional[Tensor]] = [None] * len(delta)
-    carried = last = None
-    for link, here, src, dst in ch.plan(reverse):
-        x = None if link.src is not None else (init if link.first else carried)
-        x = None if x is None else x.to(like.dtype).reshape(N, K, V).contiguous()
-        s_in = like.new_empty(N, K, V)
-        keep = link.dst is None  # the outgoing state is needed here: the chain goes on locally, or ends
-        y = like.new_empty(N, K, V) if keep else None
-        all_scan_hop(0 if x is None else x.data_ptr(), gamma[link.slot].reshape(N, K).contiguous(),
-                     delta[link.slot].reshape(N, K, V).contiguous(), s_in, s_in if y is None else y, here, src, dst,
-                     num_blocks, ch.data, ch.flags, has_src=link.src is not None,
-                     has_init=x is not None, has_dst=link.dst is not None, keep_y=keep)
-        inputs[link.slot] = s_in.view(like.shape)
-        carried = y
-        if link.last:
-            last = y.view(like.shape)
+    inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
+    # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
+    # (ScanGLA's slot views of its batches); otherwise through contiguous copies.
+    gammas, deltas, s_ins = list(gamma), list(delta), inputs
+    strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
+    if None in strides:
+        gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
+        s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
+        strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
+    last = None
+    for hop, regions in ch.plan(reverse):
+        first, final = hop[0], hop[-1]
+        x = None if init is None or not first.first else init.to(like.dtype).reshape(N, K, V).contiguous()
+        y = like.new_empty(like.shape) if final.last else None
+        slots = [link.slot for link in hop]
+        all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
+                     [s_ins[s] for s in slots], y, regions, *strides, num_blocks, ch.data, ch.flags,
+                     has_src=first.src is not None, has_init=x is not None, has_dst=final.dst is not None)
+        if final.last:
+            last = y
+    if s_ins is not inputs:
+        for target, s_in in zip(inputs, s_ins):
+            target.copy_(s_in)
     return inputs, last

@@ -103,6 +103,10 @@ class Packing:
         # Every piece one segment (no document starts inside a piece, as under the per-document
         # split): segments and pieces are the same list and the maps below need no gather or scatter.
         self.one_to_one = head == tail == list(range(len(head)))
+        # Per document, each chain is a document: its first piece is entered by the scan's initial
+        # state (zeros: packed input has none) and what the scan carries out of it backwards is
+        # dropped, so the resets below would change nothing and are skipped.
+        self.resets = not per_document
         # One host-to-device copy that does not wait for the GPU (a pageable copy would).
         tables = [bounds, seg, head, tail, entered, through]
         flat = torch.tensor([x for t in tables for x in t], dtype=torch.long)
@@ -131,12 +135,16 @@ class Packing:
 
     def summaries(self, E: Tensor, gamma: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-segment ``(E, gamma)`` -> per-piece: the last segment's E; gamma 0 at a document start."""
+        if not self.resets:
+            return E, gamma
         if self.one_to_one:
             return E, torch.where(self.through[:, None, None], gamma, 0)
         return E[self.tail], torch.where(self.through[:, None, None], gamma[self.head], 0)
 
     def initial_states(self, S_in: Tensor) -> Tensor:
         """Per-piece ``S_in`` -> per-segment initial states (zero where a document starts)."""
+        if not self.resets:
+            return S_in
         entering = torch.where(self.entered[:, None, None, None], S_in, 0)
         if self.one_to_one:
             return entering
@@ -144,6 +152,8 @@ class Packing:
 
     def entering_grads(self, A: Tensor) -> Tensor:
         """Per-segment local ``dL/dS_in`` -> per-piece (what reaches the state entering the piece)."""
+        if not self.resets:
+            return A
         return torch.where(self.entered[:, None, None, None], A if self.one_to_one else A[self.head], 0)
 
     def final_grads(self, D: Tensor) -> Tensor:

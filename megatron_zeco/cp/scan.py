@@ -41,10 +41,11 @@ class ScanGLA(torch.autograd.Function):
         E, gamma = pieces.summaries(piece.E, piece.gamma)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
-        S_in, last = _while_scanning(
+        S_in = torch.empty_like(E)  # the scan writes each slot's part of it
+        _, last = _while_scanning(
             lambda: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, transport, name,
-                          reverse=False), piece.before_output, overlap)
-        o = piece.output(pieces.initial_states(_batch(S_in)))
+                          reverse=False, out=_slots(S_in, n)), piece.before_output, overlap)
+        o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
         ctx.overlap = overlap
@@ -58,11 +59,12 @@ class ScanGLA(torch.autograd.Function):
         n, pieces, piece, (gamma,) = ctx.n, ctx.pieces, ctx.piece, ctx.saved_tensors
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
-        D, dh0 = _while_scanning(lambda: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True),
-                                 piece.before_grads, ctx.overlap)
-        grads = piece.grads(pieces.final_grads(_batch(D)))
+        D = torch.empty_like(A)
+        Ds, dh0 = _while_scanning(lambda: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True,
+                                                out=_slots(D, n)), piece.before_grads, ctx.overlap)
+        grads = piece.grads(pieces.final_grads(D))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
-        dh0 = initial_state_grad(ctx, dh0, D[0])
+        dh0 = initial_state_grad(ctx, dh0, Ds[0])
         return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -136,11 +138,6 @@ def _slots(x, n):
     return list(x.view(-1, n, *x.shape[1:]).unbind(1))
 
 
-def _batch(xs):
-    """Per local slot ``[B, ...]`` -> ``[B*n, ...]``."""
-    return xs[0] if len(xs) == 1 else torch.stack(xs, dim=1).flatten(0, 1)
-
-
 _SIDE_STREAMS = {}
 
 
@@ -171,10 +168,10 @@ def _while_scanning(scan, work, overlap):
     return states, last
 
 
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse):
+def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse, out):
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     if use_all_scan:
         return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                        transport=transport, what=what)
-    return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what)
+                        transport=transport, what=what, out=out)
+    return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what, out=out)

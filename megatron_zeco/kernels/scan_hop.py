@@ -6,7 +6,9 @@ the buffers). Program ``(n, b)`` owns block ``b`` of the key rows of state ``n``
 of a sequence, or of a document): it waits until the previous rank's program ``(n, b)``
 has published that block, combines, stores the result straight into the next rank's
 buffer and publishes it there. Blocks move independently, so a block is forwarded while
-the next one is still arriving: the paper's pipelined chain, issued by one launch.
+the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
+the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
+(``TWO``) combines both, so the blocks stay pipelined through the turn.
 
 Flags are sequence numbers, never reset: the sender publishes block ``t`` of call ``seq``
 by writing ``seq`` to the receiver's ``flag[t]`` after the data (release, system scope);
@@ -17,10 +19,12 @@ each region keeps one call counter per block, read and bumped only by the progra
 that block, so a launch has no per-call argument and can be captured in a CUDA graph and
 replayed (every rank of a chain counts the calls in one direction alike).
 
-Shapes (all contiguous): ``gamma [N, K]``, ``delta``, ``S_in``, ``y`` ``[N, K, V]``, float32
-or float64; flags int32 ``[N * num_blocks]``. The regions (this rank's and the peers') are
-passed as addresses: a receive buffer, then its arrival flags, then the acknowledgements of
-what the same slot sends, then the call counters (read only by this rank).
+Shapes: ``gamma [B, ..., K]``; ``delta``, ``S_in`` ``[B, ..., K, V]``, float32 or float64, each
+entry of dim 0 contiguous (dim 0 may be strided: a local slot's view of a batch of pieces);
+the incoming state and ``y`` contiguous ``[N, K, V]`` (N states in all); flags int32
+``[N * num_blocks]``. The regions (this rank's and the peers') are passed as addresses: a
+receive buffer, then its arrival flags, then the acknowledgements of what the slot sends,
+then the call counters (read only by this rank).
 """
 
 import triton
@@ -45,11 +49,16 @@ def _publish(flag, value):
 @triton.jit
 def all_scan_hop_kernel(
     x_init,  # address of the incoming state where no rank sends it (initial state, or this rank's own)
-    gamma, delta, s_in, y_out,  # y_out: local copy of the outgoing state (KEEP_Y)
-    here, src, dst,  # addresses of the regions: this rank's, the previous rank's, the next rank's
+    gamma, delta, s_in,  # the (first) piece's decay and delta, and where its incoming state goes
+    gamma2, delta2, s_in2,  # TWO: the next piece, also on this rank (the zigzag turn-around)
+    y_out,  # local copy of the outgoing state (KEEP_Y)
+    here, sent, src, dst,  # addresses of the regions: this rank's receiving one and sending one, the peers'
+    G_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (gamma; delta and s_in)
+    INNER: tl.constexpr,  # states per entry of dim 0
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
+    TWO: tl.constexpr,
 ):
     i_n, i_b = tl.program_id(0), tl.program_id(1)
     tile = i_n * tl.num_programs(1) + i_b
@@ -61,23 +70,30 @@ def all_scan_hop_kernel(
         x_in = here.to(tl.pointer_type(dtype))
     elif HAS_INIT:
         x_in = x_init.to(tl.pointer_type(dtype))
-    if HAS_DST:  # the next rank has read what this slot sent it last time
-        _wait_at_least((here + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+    if HAS_DST:  # the next rank has read what this rank sent it last time
+        _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
     cols = tl.arange(0, BV)
+    i_o, i_h = i_n // INNER, i_n % INNER
     for r in range(0, ROWS, BR):
         rows = i_b * ROWS + r + tl.arange(0, BR)
         in_block = rows < i_b * ROWS + ROWS
         mask = in_block[:, None] & (cols[None, :] < V)
-        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
+        offs = i_n * K * V + rows[:, None] * V + cols[None, :]  # in the contiguous buffers
+        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
+        g_offs = i_o * G_STRIDE + i_h * K + rows
         if HAS_SRC or HAS_INIT:
             x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
         else:
             x = tl.zeros([BR, BV], dtype)
-        decay = tl.load(gamma + i_n * K + rows, mask=in_block, other=0.0)
-        y = decay[:, None] * x + tl.load(delta + offs, mask=mask, other=0.0)
+        decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
+        y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
+        tl.store(s_in + s_offs, x, mask=mask)
+        if TWO:
+            tl.store(s_in2 + s_offs, y, mask=mask)
+            decay = tl.load(gamma2 + g_offs, mask=in_block, other=0.0)
+            y = decay[:, None] * y + tl.load(delta2 + s_offs, mask=mask, other=0.0)
         if HAS_DST:
             tl.store(dst.to(tl.pointer_type(dtype)) + offs, y, mask=mask)
-        tl.store(s_in + offs, x, mask=mask)
         if KEEP_Y:
             tl.store(y_out + offs, y, mask=mask)
     if HAS_DST:
@@ -87,20 +103,28 @@ def all_scan_hop_kernel(
     tl.store(calls, seq)
 
 
-def all_scan_hop(x_init, gamma, delta, s_in, y_out, here, src, dst, num_blocks, data_bytes, flag_bytes, *,
-                 has_src, has_init, has_dst, keep_y):
-    """Launch one hop over ``delta.shape[0]`` states x ``num_blocks`` blocks of rows (see module doc).
+def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, num_blocks, data_bytes,
+                 flag_bytes, *, has_src, has_init, has_dst):
+    """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
+    x ``num_blocks`` blocks of rows (see the module docstring).
 
-    ``x_init``, ``here``, ``src``, ``dst`` are integer addresses (0 where unused); a region is a
-    receive buffer of ``data_bytes``, then arrival flags, acknowledgements and call counters of
-    ``flag_bytes`` each.
+    ``gammas``, ``deltas``, ``s_ins``: per piece; entry i of dim 0 starts ``i * g_stride``
+    (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
+    integer addresses (0 where unused): this rank's receiving region and sending region, the
+    previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
+    flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
+    a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
     """
-    N, K, V = delta.shape
+    delta = deltas[-1]
+    K, V = delta.shape[-2:]
+    N = delta.numel() // (K * V)
     rows = K // num_blocks
     BV = triton.next_power_of_2(V)
     BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
     all_scan_hop_kernel[(N, num_blocks)](
-        x_init, gamma, delta, s_in, y_out, here, src, dst,
-        K=K, V=V, ROWS=rows, BR=BR, BV=BV, DATA=data_bytes, FLAGS=flag_bytes,
-        HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=keep_y, num_warps=4,
+        x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
+        s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
+        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
+        DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, num_warps=4,
     )
