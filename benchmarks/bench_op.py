@@ -30,8 +30,9 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    the whole sequence, so states matter across the rank boundary.
 4. ``packed``: ``zeco`` at CP=P on a packed sequence (THD, ``cu_seqlens``) of documents with
    random lengths (exponential, mean ``--doc-tokens``), split as a whole sequence (both layouts)
-   and document by document (zigzag, Megatron's THD split), against the same tokens unpacked,
-   in the ``eager`` and ``steady`` modes of ``--modes``.
+   and document by document (zigzag, Megatron's THD split), against the same tokens unpacked
+   (plain ``zeco``), in the ``eager`` and ``steady`` modes of ``--modes``; packed rows for each of
+   ``--packed-strategies`` (row names as in part 1).
 """
 
 import argparse
@@ -71,6 +72,7 @@ def parse_args():
     p.add_argument("--scan-blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     p.add_argument("--accuracy-tokens", type=int, default=16384, help="tokens per GPU for part 3")
     p.add_argument("--doc-tokens", type=int, default=2048, help="mean document length for part 4")
+    p.add_argument("--packed-strategies", nargs="+", default=["zeco"], help="part 4's packed rows, as --strategies")
     p.add_argument("--parts", nargs="+", default=["op", "scan", "accuracy", "packed"],
                    choices=["op", "scan", "accuracy", "packed"])
     p.add_argument("--out", default="op.json")
@@ -329,21 +331,22 @@ def bench_packed(args, world, me, cp_group, rows):
     gen = torch.Generator().manual_seed(11)  # the same documents on every rank
     for T in args.tokens:
         x = inputs(1, T, args.heads, args.dim, seed=2000 + me)
-        cases = [("unpacked", lay, None, False) for lay in args.layouts]
-        cases += [("sequence", lay, documents(world * T, args.doc_tokens, 1, gen), False) for lay in args.layouts]
-        cases.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
+        packs = [("sequence", lay, documents(world * T, args.doc_tokens, 1, gen), False) for lay in args.layouts]
+        packs.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
+        cases = [("zeco", "unpacked", lay, None, False) for lay in args.layouts]
+        cases += [(strategy, *pack) for pack in packs for strategy in args.packed_strategies]
         base = {}
         for mode in [m for m in args.modes if m != "graph"]:
-            for split, layout, cu, per_document in cases:
-                ms = timed(op_fn(x, "zeco", cp_group, layout, cu, per_document), args.iters, args.warmup,
+            for strategy, split, layout, cu, per_document in cases:
+                ms = timed(op_fn(x, strategy, cp_group, layout, cu, per_document), args.iters, args.warmup,
                            steady=mode == "steady")
                 base.setdefault((mode, layout), ms)
                 row = {"part": "packed", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
-                       "cp": world, "split": split, "layout": layout, "documents": 1 if cu is None else len(cu) - 1,
-                       "ms": ms, "vs_unpacked": ms / base[mode, layout]}
+                       "cp": world, "strategy": strategy, "split": split, "layout": layout,
+                       "documents": 1 if cu is None else len(cu) - 1, "ms": ms, "vs_unpacked": ms / base[mode, layout]}
                 rows.append(row)
-                log(f"packed {mode:6s} T/GPU={T:6d} zeco CP={world} {split:8s} {layout:10s} {row['documents']:4d} "
-                    f"documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
+                log(f"packed {mode:6s} T/GPU={T:6d} {strategy:12s} CP={world} {split:8s} {layout:10s} "
+                    f"{row['documents']:4d} documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
         del x
         torch.cuda.empty_cache()
 
