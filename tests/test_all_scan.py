@@ -76,17 +76,18 @@ def test_scans_match_sequential_fold(seed, groups):
 
 def _slow_receiver_worker(rank, world, seed, calls):
     """The chain's first rank runs ahead while the others sleep before every scan: it must wait
-    for their acknowledgements, never overwrite a block they have not read."""
+    for their acknowledgements, never overwrite a tile they have not read. 64 key rows in one
+    block move as two 32-row tiles."""
     group = dist.group.WORLD
     failures = []
     for call in range(calls):
         gen = torch.Generator().manual_seed(seed + call)
-        gammas = [torch.rand(3, 4, generator=gen, dtype=torch.float64) for _ in range(world)]
-        deltas = [torch.randn(3, 4, 2, generator=gen, dtype=torch.float64) for _ in range(world)]
+        gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(world)]
+        deltas = [torch.randn(3, 64, 2, generator=gen, dtype=torch.float64) for _ in range(world)]
         if rank:
             time.sleep(0.3)
         entering, _ = all_scan([gammas[rank]], [deltas[rank]], None, layout=Layout.CONTIGUOUS, group=group,
-                               num_blocks=2, transport="peer_memory")
+                               num_blocks=1, transport="peer_memory")
         want, _ = _fold(gammas, deltas, None, range(world))
         if not torch.allclose(entering[0], want[rank], rtol=1e-12, atol=1e-12):
             failures.append(f"call {call}")

@@ -2,27 +2,27 @@
 
 A rank's part of the All-Scan for one piece, with the state passed by one-sided stores
 into the next rank's memory instead of messages (``comm/peer.py`` holds the protocol and
-the buffers). Program ``(n, b)`` owns block ``b`` of the key rows of state ``n`` (a head
+the buffers). Program ``(n, b)`` owns tile ``b`` of the key rows of state ``n`` (a head
 of a sequence, or of a document): it waits until the previous rank's program ``(n, b)``
-has published that block, combines, stores the result straight into the next rank's
-buffer and publishes it there. Blocks move independently, so a block is forwarded while
+has published that tile, combines, stores the result straight into the next rank's
+buffer and publishes it there. Tiles move independently, so a tile is forwarded while
 the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
 the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
-(``TWO``) combines both, so the blocks stay pipelined through the turn.
+(``TWO``) combines both, so the tiles stay pipelined through the turn.
 
-Flags are sequence numbers, never reset: the sender publishes block ``t`` of call ``seq``
+Flags are sequence numbers, never reset: the sender publishes tile ``t`` of call ``seq``
 by writing ``seq`` to the receiver's ``flag[t]`` after the data (release, system scope);
 the receiver acknowledges by writing ``seq`` to the sender's ``ack[t]`` once it has read
-the block; before overwriting, a sender waits for the acknowledgement of its previous
+the tile; before overwriting, a sender waits for the acknowledgement of its previous
 message (``seq - 1``), so a slow receiver is never overrun. ``seq`` is counted on the device:
-each region keeps one call counter per block, read and bumped only by the program owning
-that block, so a launch has no per-call argument and can be captured in a CUDA graph and
+each region keeps one call counter per tile, read and bumped only by the program owning
+that tile, so a launch has no per-call argument and can be captured in a CUDA graph and
 replayed (every rank of a chain counts the calls in one direction alike).
 
 Shapes: ``gamma [B, ..., K]``; ``delta``, ``S_in`` ``[B, ..., K, V]``, float32 or float64, each
 entry of dim 0 contiguous (dim 0 may be strided: a local slot's view of a batch of pieces);
 the incoming state and ``y`` contiguous ``[N, K, V]`` (N states in all); flags int32
-``[N * num_blocks]``. The regions (this rank's and the peers') are passed as addresses: a
+``[N * tiles]``. The regions (this rank's and the peers') are passed as addresses: a
 receive buffer, then its arrival flags, then the acknowledgements of what the slot sends,
 then the call counters (read only by this rank).
 """
@@ -65,7 +65,7 @@ def all_scan_hop_kernel(
     dtype = delta.dtype.element_ty
     calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
     seq = tl.load(calls) + 1
-    if HAS_SRC:  # the previous rank's block has arrived in this region
+    if HAS_SRC:  # the previous rank's tile has arrived in this region
         _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
         x_in = here.to(tl.pointer_type(dtype))
     elif HAS_INIT:
@@ -103,10 +103,10 @@ def all_scan_hop_kernel(
     tl.store(calls, seq)
 
 
-def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, num_blocks, data_bytes,
+def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
                  flag_bytes, *, has_src, has_init, has_dst):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
-    x ``num_blocks`` blocks of rows (see the module docstring).
+    x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
     ``gammas``, ``deltas``, ``s_ins``: per piece; entry i of dim 0 starts ``i * g_stride``
     (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
@@ -118,13 +118,13 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     delta = deltas[-1]
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
-    rows = K // num_blocks
+    rows = K // tiles
     BV = triton.next_power_of_2(V)
     BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
-    all_scan_hop_kernel[(N, num_blocks)](
+    all_scan_hop_kernel[(N, tiles)](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
         INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, num_warps=4,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, num_warps=min(16, max(1, BR * BV // 256)),
     )
