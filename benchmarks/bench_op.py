@@ -21,8 +21,10 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    replays them from one CUDA graph captured after warm-up (``fla``, ``none`` and ``zeco`` over
    peer memory), which takes the host's issue time out: the GPU cost of each strategy.
 2. ``scan``: All-Scan of one state alone (K blocks) over peer memory and over NCCL messages,
-   against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, and one send/recv
-   hop, for fp32 states of 0.25-4 MiB. At P = 2 (contiguous) All-Scan is one hop. Each is timed
+   against the all-gather scan (LASP-2), a raw NCCL all-gather of the state, one send/recv
+   hop, and a plain device copy of the state into the peer's memory (the link's pace), for
+   fp32 states of 0.25-4 MiB; also the zigzag chain over peer memory (two states per rank, as a
+   zigzag rank or the per-document packed split passes). At P = 2 (contiguous) All-Scan is one hop. Each is timed
    twice: from an empty queue (host issue time included) and behind a GPU sleep (GPU time only).
 3. ``accuracy``: outputs and gradients of each strategy (bf16, CP=P) and of fla's bf16 chunk_gla on
    one GPU, against an fp32 one-GPU reference over the whole sequence (this package's PyTorch
@@ -49,7 +51,8 @@ import torch.nn.functional as F
 
 from megatron_zeco import zeco_gla
 from megatron_zeco.cost_model import BUILD
-from megatron_zeco.comm import all_scan, as_layout, gather_scan
+from megatron_zeco.comm import Layout, all_scan, as_layout, gather_scan
+from megatron_zeco.comm.peer import PeerBuffers
 from megatron_zeco.kernels.chunk_state import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 from megatron_zeco.ops import chunk_gla
 
@@ -246,9 +249,13 @@ def bench_kernels(args, x, T, rows):
 
 
 def scan_cases(E, gamma, blocks, me, group):
-    """(name, fn) pairs passing the state ``E [1, H, 128, 128]`` from rank 0 onwards."""
+    """(name, fn) pairs passing the state ``E [1, H, 128, 128]`` from rank 0 onwards; and the
+    zigzag chain (two such states per rank, 2P - 1 hops, P of them between ranks), and a plain
+    device copy (cudaMemcpy) of E into rank 1's memory: one hop's bytes at the link's pace."""
     layout = as_layout("contiguous")
     gathered = torch.empty(group.size(), *E.shape, device=E.device)
+    peer = PeerBuffers(group, E.numel() * E.element_size(), E.device)  # kept alive by the lambda below
+    zigzag = Layout.ZIGZAG
 
     def hop():
         if me == 0:
@@ -261,9 +268,11 @@ def scan_cases(E, gamma, blocks, me, group):
                                                 transport=t))
              for transport in ("peer_memory", "send_recv") for b in blocks]
     return cases + [
+        ("all_scan peer_memory zigzag", lambda: all_scan([gamma, gamma], [E, E], None, layout=zigzag, group=group)),
         ("gather_scan", lambda: gather_scan([gamma], [E], None, layout=layout, group=group)),
         ("nccl all_gather", lambda: dist.all_gather_into_tensor(gathered, E, group=group)),
         ("nccl send/recv hop", hop),
+        ("memcpy into peer memory", lambda: peer.of(1).view(E.dtype).copy_(E.view(-1)) if me == 0 else None),
     ]
 
 

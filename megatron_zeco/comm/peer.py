@@ -191,7 +191,8 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     # allocation that is never freed (a peer may still be writing into it). A call uses the first N.
     capacity = 1 << (N - 1).bit_length()
     # Blocks of more than 32 rows move as 32-row tiles, each with its own flag: more programs in flight
-    # and a finer pipeline (on 2 H200 a 19 MiB zigzag scan went from ~125 to ~100 us).
+    # and a finer pipeline through the zigzag turn-around (what a per-document packed batch's one
+    # state per document needs to keep the link busy; bench_op.py's scan part times it).
     rows = K // num_blocks
     tiles = num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
     key = (group, layout, capacity, K, V, like.dtype, tiles, like.device)
