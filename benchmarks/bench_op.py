@@ -33,8 +33,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
 4. ``packed``: ``zeco`` at CP=P on a packed sequence (THD, ``cu_seqlens``) of documents with
    random lengths (exponential, mean ``--doc-tokens``), split as a whole sequence (both layouts)
    and document by document (zigzag, Megatron's THD split), against the same tokens unpacked
-   (plain ``zeco``), in the ``eager`` and ``steady`` modes of ``--modes``; packed rows for each of
-   ``--packed-strategies`` (row names as in part 1).
+   (plain ``zeco``), in the ``eager`` (with the host's issue time) and ``steady`` modes of
+   ``--modes``; packed rows for each of ``--packed-strategies`` (row names as in part 1).
 """
 
 import argparse
@@ -347,15 +347,18 @@ def bench_packed(args, world, me, cp_group, rows):
         base = {}
         for mode in [m for m in args.modes if m != "graph"]:
             for strategy, split, layout, cu, per_document in cases:
-                ms = timed(op_fn(x, strategy, cp_group, layout, cu, per_document), args.iters, args.warmup,
-                           steady=mode == "steady")
+                fn = op_fn(x, strategy, cp_group, layout, cu, per_document)
+                ms = timed(fn, args.iters, args.warmup, steady=mode == "steady")
+                host = host_ms(fn, args.iters) if mode == "eager" else None
                 base.setdefault((mode, layout), ms)
                 row = {"part": "packed", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
                        "cp": world, "strategy": strategy, "split": split, "layout": layout,
-                       "documents": 1 if cu is None else len(cu) - 1, "ms": ms, "vs_unpacked": ms / base[mode, layout]}
+                       "documents": 1 if cu is None else len(cu) - 1, "ms": ms, "vs_unpacked": ms / base[mode, layout],
+                       "host_ms": host}
                 rows.append(row)
                 log(f"packed {mode:6s} T/GPU={T:6d} {strategy:12s} CP={world} {split:8s} {layout:10s} "
-                    f"{row['documents']:4d} documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked")
+                    f"{row['documents']:4d} documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked"
+                    + ("" if host is None else f"  (host issue {host:.3f} ms)"))
         del x
         torch.cuda.empty_cache()
 
