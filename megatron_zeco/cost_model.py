@@ -382,6 +382,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         scan_call, message, hop = _weighted_fit(xs, ys) if len({x[2] for x in xs}) > 1 else (0.0, 0.0, -1.0)
         if hop < 0:
             (scan_call, message), hop = _weighted_fit([x[:2] for x in xs], ys), 0.0
+        if message < 0:  # no per-block cost measurable (peer memory: blocks are tiles of one kernel)
+            cols = [0, 2] if hop > 0 else [0]
+            fitted = _weighted_fit([[x[c] for c in cols] for x in xs], ys)
+            scan_call, message, hop = fitted[0], 0.0, (fitted[1] if hop > 0 else 0.0)
         fit = dict(scan_call=scan_call, message=message, hop=hop)
         fit["gather_call"] = fit_constant(gather, lambda r: sum(gather_time(_scan_workload(r), cluster,
                                                                              replace(sw, **fit))))

@@ -42,7 +42,7 @@ def test_state_passing_micro_benchmarks_fit_within_bounds():
     bad = [f"{r.what}: {r.rel:+.1%}" for r in cal.residuals if abs(r.rel) > 0.60]
     assert not bad, bad
     sw = cal.software
-    assert min(sw.message, sw.scan_call, sw.gather_call, cal.nccl_call, sw.a2a_copy) > 0, sw
+    assert min(sw.scan_call, sw.gather_call, cal.nccl_call, sw.a2a_copy) > 0 and sw.message >= 0, sw
     measured = [b for b, spec in cm.BUILDS.items() if spec is not None and b in cal.builds]
     assert len(measured) >= 2 and all(min(cal.builds[b].state_pass, cal.builds[b].state_grad_pass) > 0
                                       for b in measured), cal.builds
