@@ -50,6 +50,8 @@ def _scan_worker(rank, world, seed, groups):
         if n % 2:  # as ScanGLA calls it: the slots are strided views of one batch, written in place
             my_gammas, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_gammas, my_deltas))
             kwargs["out"] = torch.full((2, len(mine), 3, 4, 5), float("nan"), dtype=torch.float64).unbind(1)
+            if n % 4 == 3:  # views no single dim-0 stride addresses (peer memory: via contiguous copies)
+                kwargs["out"] = torch.full((2, 3, len(mine), 4, 5), float("nan"), dtype=torch.float64).unbind(2)
         entering, last = scan(my_gammas, my_deltas, init, **kwargs)
         if "out" in kwargs and not all(e is o for e, o in zip(entering, kwargs["out"])):
             failures.append(f"{impl}: the result is not out")

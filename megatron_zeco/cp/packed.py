@@ -100,13 +100,10 @@ class Packing:
             entered.append(a not in first_tokens)  # no document starts at the piece's first token
             through.append(entered[-1] and not cuts)
         self.cu_cpu = torch.tensor(seg, dtype=torch.long)  # segment offsets for host-side launch tables
-        # Every piece one segment (no document starts inside a piece, as under the per-document
-        # split): segments and pieces are the same list and the maps below need no gather or scatter.
-        self.one_to_one = head == tail == list(range(len(head)))
-        # Per document, each chain is a document: its first piece is entered by the scan's initial
-        # state (zeros: packed input has none) and what the scan carries out of it backwards is
-        # dropped, so the resets below would change nothing and are skipped.
-        self.resets = not per_document
+        # Per document, every piece is one segment and every chain one document, whose first piece
+        # the scan enters with its initial state (zeros: packed input has none) and whose backward
+        # result out of that piece is dropped: the maps below are the identity there.
+        self.identity = per_document
         # One host-to-device copy that does not wait for the GPU (a pageable copy would).
         tables = [bounds, seg, head, tail, entered, through]
         flat = torch.tensor([x for t in tables for x in t], dtype=torch.long)
@@ -135,30 +132,26 @@ class Packing:
 
     def summaries(self, E: Tensor, gamma: Tensor) -> Tuple[Tensor, Tensor]:
         """Per-segment ``(E, gamma)`` -> per-piece: the last segment's E; gamma 0 at a document start."""
-        if not self.resets:
+        if self.identity:
             return E, gamma
-        if self.one_to_one:
-            return E, torch.where(self.through[:, None, None], gamma, 0)
         return E[self.tail], torch.where(self.through[:, None, None], gamma[self.head], 0)
 
     def initial_states(self, S_in: Tensor) -> Tensor:
         """Per-piece ``S_in`` -> per-segment initial states (zero where a document starts)."""
-        if not self.resets:
+        if self.identity:
             return S_in
         entering = torch.where(self.entered[:, None, None, None], S_in, 0)
-        if self.one_to_one:
-            return entering
         return S_in.new_zeros(len(self.cu) - 1, *S_in.shape[1:]).index_copy(0, self.head, entering)
 
     def entering_grads(self, A: Tensor) -> Tensor:
         """Per-segment local ``dL/dS_in`` -> per-piece (what reaches the state entering the piece)."""
-        if not self.resets:
+        if self.identity:
             return A
-        return torch.where(self.entered[:, None, None, None], A if self.one_to_one else A[self.head], 0)
+        return torch.where(self.entered[:, None, None, None], A[self.head], 0)
 
     def final_grads(self, D: Tensor) -> Tensor:
         """Per-piece gradient of the state leaving it -> per-segment final-state gradients."""
-        if self.one_to_one:
+        if self.identity:
             return D
         return D.new_zeros(len(self.cu) - 1, *D.shape[1:]).index_copy(0, self.tail, D)
 
