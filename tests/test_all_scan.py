@@ -52,9 +52,24 @@ def _scan_worker(rank, world, seed, groups):
             kwargs["out"] = torch.full((2, len(mine), 3, 4, 5), float("nan"), dtype=torch.float64).unbind(1)
             if n % 4 == 3:  # views no single dim-0 stride addresses (peer memory: via contiguous copies)
                 kwargs["out"] = torch.full((2, 3, len(mine), 4, 5), float("nan"), dtype=torch.float64).unbind(2)
+        seen = []  # per call of while_waiting: which slots of out were written by then
+        if impl.startswith("all_scan"):
+            kwargs["while_waiting"] = lambda: seen.append(
+                [not o.isnan().any().item() for o in kwargs["out"]] if "out" in kwargs else None)
         entering, last = scan(my_gammas, my_deltas, init, **kwargs)
         if "out" in kwargs and not all(e is o for e, o in zip(entering, kwargs["out"])):
             failures.append(f"{impl}: the result is not out")
+        if impl.startswith("all_scan"):
+            # zigzag: the chain comes back to every rank but the turn-around one; only the piece
+            # walked first is written by then
+            first_slot = layout.links(me, P, reverse)[0].slot
+            returns = layout is Layout.ZIGZAG and me != P - 1
+            written = [not returns or slot == first_slot for slot in range(len(mine))]
+            if len(seen) != 1:
+                failures.append(f"{impl}: while_waiting called {len(seen)} times")
+            elif seen[0] is not None and n % 4 != 3 and seen[0] != written:  # (n % 4 == 3: copied back at the end)
+                failures.append(f"{impl} {layout.value} reverse={reverse}: while_waiting ran with slots written "
+                                f"{seen[0]}, expected {written} (just before the chain's return)")
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
         want, want_last = _fold(gammas, deltas, init, order)
         ok = all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine))

@@ -45,6 +45,7 @@ def chain_scan(
     reverse: bool = False,
     what: str = "chain scan",
     out: Optional[Sequence[Tensor]] = None,
+    while_waiting: Optional[Callable[[], None]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Walk the pieces in order, passing a state from each to the next, block by block.
 
@@ -61,6 +62,9 @@ def chain_scan(
             ``RuntimeError`` naming it, this rank, the peer and the piece).
         out: per local slot, a tensor to write the entering state into (views of one
             batch, say), or None.
+        while_waiting: called once, with local work that needs no result of the scan: just
+            before the rank waits for the chain to come back to it (``Layout.return_leg``),
+            after the rest of the walk otherwise.
 
     Returns:
         The state entering each local slot (``out`` if given), and the state leaving the
@@ -80,7 +84,10 @@ def chain_scan(
     # posted ahead of the sends a peer is waiting for (the zigzag chain goes both ways).
     inputs: List[Optional[Tensor]] = [None] * len(walk)
     sends, carried, last = [], None, None
-    for link in walk:
+    wait_at = Layout.return_leg(walk)
+    for i, link in enumerate(walk):
+        if i == wait_at and while_waiting is not None:
+            while_waiting()
         xs, ys = [], []
         for b, r in enumerate(rows):
             if link.first:
@@ -103,6 +110,8 @@ def chain_scan(
         carried = ys
         if link.last:
             last = _join(ys)
+    if wait_at == len(walk) and while_waiting is not None:
+        while_waiting()
     for link, dst, work in sends:
         with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {dst}"):
             work.wait()
@@ -135,6 +144,7 @@ def all_scan(
     transport: str = "auto",
     what: str = "All-Scan",
     out: Optional[Sequence[Tensor]] = None,
+    while_waiting: Optional[Callable[[], None]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
 
@@ -147,6 +157,8 @@ def all_scan(
             or ``auto`` (peer memory for CUDA states on one node).
         out: per local slot, where ``S_in`` goes (e.g. the slots' views of one batch, which
             the peer-memory kernel writes in place), or None.
+        while_waiting: as :func:`chain_scan`: local work issued where this rank would wait
+            longest (zigzag: after sending, before the chain's return), else after the scan.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
@@ -154,13 +166,13 @@ def all_scan(
     """
     if resolve_transport(transport, group, delta[0]) == "peer_memory":
         return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                             out=out)
+                             out=out, while_waiting=while_waiting)
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
         return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)
 
     return chain_scan(combine, init, delta[0], layout=layout, group=group,
-                      num_blocks=num_blocks, reverse=reverse, what=what, out=out)
+                      num_blocks=num_blocks, reverse=reverse, what=what, out=out, while_waiting=while_waiting)
 
 
 def gather_scan(

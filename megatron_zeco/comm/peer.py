@@ -27,10 +27,12 @@ import socket
 import tempfile
 import uuid
 import warnings
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from .layout import Layout
 
 Tensor = torch.Tensor
 TRANSPORTS = ("auto", "send_recv", "peer_memory")
@@ -178,8 +180,8 @@ _CHANNELS: Dict[tuple, _Channel] = {}
 
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
-                  layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None
-                  ) -> Tuple[List[Tensor], Optional[Tensor]]:
+                  layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
+                  while_waiting: Optional[Callable[[], None]] = None) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over peer memory (same arguments and result)."""
     from ..kernels.scan_hop import all_scan_hop
 
@@ -209,7 +211,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
     last = None
-    for hop, regions in ch.plan(reverse):
+    plan = ch.plan(reverse)
+    wait_at = Layout.return_leg([hop[0] for hop, _ in plan])
+    for i, (hop, regions) in enumerate(plan):
+        if i == wait_at and while_waiting is not None:
+            while_waiting()
         first, final = hop[0], hop[-1]
         x = None if init is None or not first.first else init.to(like.dtype).reshape(N, K, V).contiguous()
         y = like.new_empty(like.shape) if final.last else None
@@ -219,6 +225,8 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                      has_src=first.src is not None, has_init=x is not None, has_dst=final.dst is not None)
         if final.last:
             last = y
+    if wait_at == len(plan) and while_waiting is not None:
+        while_waiting()
     if s_ins is not inputs:
         for target, s_in in zip(inputs, s_ins):
             target.copy_(s_in)

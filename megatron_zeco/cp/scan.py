@@ -43,8 +43,9 @@ class ScanGLA(torch.autograd.Function):
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
         _, last = _while_scanning(
-            lambda: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, transport, name,
-                          reverse=False, out=_slots(S_in, n)), piece.before_output, overlap)
+            lambda between: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan,
+                                  transport, name, reverse=False, out=_slots(S_in, n), between=between),
+            piece.before_output, overlap)
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
@@ -60,8 +61,9 @@ class ScanGLA(torch.autograd.Function):
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D = torch.empty_like(A)
-        Ds, dh0 = _while_scanning(lambda: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True,
-                                                out=_slots(D, n)), piece.before_grads, ctx.overlap)
+        Ds, dh0 = _while_scanning(lambda between: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args,
+                                                        reverse=True, out=_slots(D, n), between=between),
+                                  piece.before_grads, ctx.overlap)
         grads = piece.grads(pieces.final_grads(D))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, Ds[0])
@@ -142,9 +144,10 @@ _SIDE_STREAMS = {}
 
 
 def _while_scanning(scan, work, overlap):
-    """With ``overlap`` on CUDA: ``scan()`` on a side stream while ``work()`` runs on the
+    """With ``overlap`` on CUDA: ``scan(None)`` on a side stream while ``work()`` runs on the
     current one; the current stream then waits for the scan (no host synchronisation).
-    Otherwise one after the other.
+    Otherwise ``scan(work)``: one stream, ``work`` issued where the scan would wait longest
+    (all_scan's ``while_waiting``: under zigzag, between sending and the chain's return).
 
     The scan's NCCL messages and combines are ordered after everything issued before this
     call; what the scan returns is marked as used on the current stream, so the allocator does
@@ -153,13 +156,11 @@ def _while_scanning(scan, work, overlap):
     main = torch.cuda.current_stream() if overlap and torch.cuda.is_available() and torch.cuda.is_initialized() \
         else None
     if main is None:
-        result = scan()
-        work()
-        return result
+        return scan(work)
     side = _SIDE_STREAMS.setdefault(main.device, torch.cuda.Stream(main.device))
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        states, last = scan()
+        states, last = scan(None)
     work()
     main.wait_stream(side)
     for t in (*states, last):
@@ -168,10 +169,14 @@ def _while_scanning(scan, work, overlap):
     return states, last
 
 
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse, out):
+def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse, out, between):
+    """All-Scan (``between`` where it waits) or the all-gather scan (``between`` after it)."""
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     if use_all_scan:
         return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                        transport=transport, what=what, out=out)
-    return gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what, out=out)
+                        transport=transport, what=what, out=out, while_waiting=between)
+    result = gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what, out=out)
+    if between is not None:
+        between()
+    return result
