@@ -60,16 +60,17 @@ def _scan_worker(rank, world, seed, groups):
         if "out" in kwargs and not all(e is o for e, o in zip(entering, kwargs["out"])):
             failures.append(f"{impl}: the result is not out")
         if impl.startswith("all_scan"):
-            # zigzag: the chain comes back to every rank but the turn-around one; only the piece
-            # walked first is written by then
+            # before the rank first waits for a peer: the rank holding the walk's first piece has
+            # written it (zigzag: rank 0 either way, the chain then comes back to it; contiguous:
+            # that is its only piece), the others nothing yet
+            starter = P - 1 if layout is Layout.CONTIGUOUS and reverse else 0
             first_slot = layout.links(me, P, reverse)[0].slot
-            returns = layout is Layout.ZIGZAG and me != P - 1
-            written = [not returns or slot == first_slot for slot in range(len(mine))]
+            written = [P == 1 or (me == starter and slot == first_slot) for slot in range(len(mine))]
             if len(seen) != 1:
                 failures.append(f"{impl}: while_waiting called {len(seen)} times")
             elif seen[0] is not None and n % 4 != 3 and seen[0] != written:  # (n % 4 == 3: copied back at the end)
                 failures.append(f"{impl} {layout.value} reverse={reverse}: while_waiting ran with slots written "
-                                f"{seen[0]}, expected {written} (just before the chain's return)")
+                                f"{seen[0]}, expected {written} (just before its first wait)")
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
         want, want_last = _fold(gammas, deltas, init, order)
         ok = all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine))

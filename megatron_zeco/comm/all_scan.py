@@ -63,8 +63,8 @@ def chain_scan(
         out: per local slot, a tensor to write the entering state into (views of one
             batch, say), or None.
         while_waiting: called once, with local work that needs no result of the scan: just
-            before the rank waits for the chain to come back to it (``Layout.return_leg``),
-            after the rest of the walk otherwise.
+            before the rank first waits for a state from another rank (``Layout.first_wait``),
+            after the walk where it never does.
 
     Returns:
         The state entering each local slot (``out`` if given), and the state leaving the
@@ -84,7 +84,7 @@ def chain_scan(
     # posted ahead of the sends a peer is waiting for (the zigzag chain goes both ways).
     inputs: List[Optional[Tensor]] = [None] * len(walk)
     sends, carried, last = [], None, None
-    wait_at = Layout.return_leg(walk)
+    wait_at = Layout.first_wait(walk)
     for i, link in enumerate(walk):
         if i == wait_at and while_waiting is not None:
             while_waiting()
@@ -157,8 +157,8 @@ def all_scan(
             or ``auto`` (peer memory for CUDA states on one node).
         out: per local slot, where ``S_in`` goes (e.g. the slots' views of one batch, which
             the peer-memory kernel writes in place), or None.
-        while_waiting: as :func:`chain_scan`: local work issued where this rank would wait
-            longest (zigzag: after sending, before the chain's return), else after the scan.
+        while_waiting: as :func:`chain_scan`: local work issued before this rank first waits
+            for another rank (after what it sends at once), else after the scan.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the

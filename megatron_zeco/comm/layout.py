@@ -65,12 +65,12 @@ class Layout(str, Enum):
         return sorted(links, key=lambda link: link.piece, reverse=reverse)
 
     @staticmethod
-    def return_leg(walk: Sequence[Link]) -> int:
-        """Index in a rank's walk (``links``) of the first piece after its first whose state comes
-        from another rank: under zigzag, where the chain comes back to the rank after visiting
-        the others (``len(walk)`` if none). Waiting there is the longest wait of a scan, so local
-        work that needs no scan result is best issued just before it."""
-        return next((i for i, link in enumerate(walk) if i > 0 and link.src is not None), len(walk))
+    def first_wait(walk: Sequence[Link]) -> int:
+        """Index in a rank's walk (``links``) of its first piece whose state comes from another
+        rank (``len(walk)`` if none): where the rank first waits on the chain. Local work that needs
+        no scan result is best issued just before it: the rank computes while the chain reaches it
+        (then finds its state there), and what it sent before (a chain's first piece) is on its way."""
+        return next((i for i, link in enumerate(walk) if link.src is not None), len(walk))
 
     def shard(self, x: torch.Tensor, rank: int, world: int, dim: int = 1) -> torch.Tensor:
         """This rank's part of a full sequence ``x`` (length divisible by the number of pieces)."""

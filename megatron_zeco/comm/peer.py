@@ -212,7 +212,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
     last = None
     plan = ch.plan(reverse)
-    wait_at = Layout.return_leg([hop[0] for hop, _ in plan])
+    wait_at = Layout.first_wait([hop[0] for hop, _ in plan])
     for i, (hop, regions) in enumerate(plan):
         if i == wait_at and while_waiting is not None:
             while_waiting()

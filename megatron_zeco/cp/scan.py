@@ -146,8 +146,8 @@ _SIDE_STREAMS = {}
 def _while_scanning(scan, work, overlap):
     """With ``overlap`` on CUDA: ``scan(None)`` on a side stream while ``work()`` runs on the
     current one; the current stream then waits for the scan (no host synchronisation).
-    Otherwise ``scan(work)``: one stream, ``work`` issued where the scan would wait longest
-    (all_scan's ``while_waiting``: under zigzag, between sending and the chain's return).
+    Otherwise ``scan(work)``: one stream, ``work`` issued where the scan would first wait for
+    another rank (all_scan's ``while_waiting``), so the chain's data arrives while it runs.
 
     The scan's NCCL messages and combines are ordered after everything issued before this
     call; what the scan returns is marked as used on the current stream, so the allocator does
@@ -170,7 +170,7 @@ def _while_scanning(scan, work, overlap):
 
 
 def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse, out, between):
-    """All-Scan (``between`` where it waits) or the all-gather scan (``between`` after it)."""
+    """All-Scan (``between`` before it waits) or the all-gather scan (``between`` after it)."""
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     if use_all_scan:
