@@ -33,8 +33,8 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
 4. ``packed``: ``zeco`` at CP=P on a packed sequence (THD, ``cu_seqlens``) of documents with
    random lengths (exponential, mean ``--doc-tokens``), split as a whole sequence (both layouts)
    and document by document (zigzag, Megatron's THD split), against the same tokens unpacked
-   (plain ``zeco``), in the ``eager`` (with the host's issue time) and ``steady`` modes of
-   ``--modes``; packed rows for each of ``--packed-strategies`` (row names as in part 1).
+   (plain ``zeco``), in the modes of ``--modes`` (``graph``: the GPU's cost alone, the documents
+   fixed at capture); packed rows for each of ``--packed-strategies`` (row names as in part 1).
 """
 
 import argparse
@@ -345,10 +345,12 @@ def bench_packed(args, world, me, cp_group, rows):
         cases = [("zeco", "unpacked", lay, None, False) for lay in args.layouts]
         cases += [(strategy, *pack) for pack in packs for strategy in args.packed_strategies]
         base = {}
-        for mode in [m for m in args.modes if m != "graph"]:
+        for mode in args.modes:
             for strategy, split, layout, cu, per_document in cases:
+                if mode == "graph" and not capturable(strategy, world):
+                    continue
                 fn = op_fn(x, strategy, cp_group, layout, cu, per_document)
-                ms = timed(fn, args.iters, args.warmup, steady=mode == "steady")
+                ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
                 host = host_ms(fn, args.iters) if mode == "eager" else None
                 base.setdefault((mode, layout), ms)
                 row = {"part": "packed", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
