@@ -93,22 +93,26 @@ def test_scans_match_sequential_fold(seed, groups):
 
 
 def _slow_receiver_worker(rank, world, seed, calls):
-    """The chain's first rank runs ahead while the others sleep before every scan: it must wait
-    for their acknowledgements, never overwrite a tile they have not read. 64 key rows in one
-    block move as two 32-row tiles."""
+    """Some ranks sleep inside every scan (in ``while_waiting``, before their first wait for a peer:
+    after sending what they send at once) while the others run ahead into the next call: a sender
+    must wait for the acknowledgements, never overwrite a tile its receiver has not read. Slow
+    ranks: all but one (a different one each call); or, under zigzag on even calls, rank 0 alone,
+    which then reads the return leg's map late while the map's sender is already in the next call.
+    64 key rows in one block move as two 32-row tiles."""
     group = dist.group.WORLD
     failures = []
-    for call in range(calls):
+    for layout, call in itertools.product(Layout, range(calls)):  # calls of one layout back to back
         gen = torch.Generator().manual_seed(seed + call)
-        gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(world)]
-        deltas = [torch.randn(3, 64, 2, generator=gen, dtype=torch.float64) for _ in range(world)]
-        if rank:
-            time.sleep(0.3)
-        entering, _ = all_scan([gammas[rank]], [deltas[rank]], None, layout=Layout.CONTIGUOUS, group=group,
-                               num_blocks=1, transport="peer_memory")
-        want, _ = _fold(gammas, deltas, None, range(world))
-        if not torch.allclose(entering[0], want[rank], rtol=1e-12, atol=1e-12):
-            failures.append(f"call {call}")
+        pieces, mine = layout.num_pieces(world), layout.pieces(rank, world)
+        gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        deltas = [torch.randn(3, 64, 2, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        slow = rank == 0 if layout is Layout.ZIGZAG and call % 2 == 0 else rank != call % world
+        entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=layout,
+                               group=group, num_blocks=1, transport="peer_memory",
+                               while_waiting=(lambda: time.sleep(0.3)) if slow else None)
+        want, _ = _fold(gammas, deltas, None, range(pieces))
+        if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
+            failures.append(f"call {call} {layout.value}")
     return failures
 
 

@@ -17,6 +17,10 @@ piece it holds: the least any exact method can move.
 
 :func:`all_scan` passes its blocks as the group's point-to-point messages, or, on one
 node, by one-sided stores into the peers' memory with device-side flags (``peer.py``).
+Over peer memory a zigzag scan runs as two legs at once instead of one chain of 2P - 1
+pieces: states go up the ranks, maps (composed pieces) come down from the turn-around
+rank, and each rank applies the map it receives to its own state: the same volume, half
+the waits.
 
 Both take the group explicitly and address peers through it (global ranks from
 ``dist.get_global_rank``), so any Megatron context-parallel group works.

@@ -27,12 +27,12 @@ import socket
 import tempfile
 import uuid
 import warnings
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from .layout import Layout
+from .layout import Layout, Link
 
 Tensor = torch.Tensor
 TRANSPORTS = ("auto", "send_recv", "peer_memory")
@@ -121,21 +121,43 @@ def _shm_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+class _Launch(NamedTuple):
+    """One kernel of a rank's part of a scan: ``hop`` (``all_scan_hop``: the links it walks, two at a
+    zigzag turn-around), ``out`` (the same for a zigzag rank's outgoing piece a, keeping the state
+    leaving it), ``map`` or ``close`` (the zigzag return leg: ``all_scan_map``, ``all_scan_close``;
+    links = the rank's pieces a and b); the addresses of the regions it uses; whether it waits for
+    another rank."""
+
+    kind: str
+    links: List[Link]
+    regions: Tuple[int, ...]
+    waits: bool
+
+
 class _Channel:
     """Peer buffers for scans of up to N states of one shape, in ``tiles`` tiles of rows each, over one
     group and layout.
 
     Each rank has a region per direction and local slot (at most 2 pieces per rank): a receive
-    buffer for the incoming state, its arrival flags, the acknowledgements of what the slot
-    sends, and the slot's call counters (kept on the device: ``kernels/scan_hop.py``).
-    ``plan(reverse)``: the rank's hops in walk order, each one launch: its links (two where the
-    chain visits both of the rank's pieces in a row) and the addresses of the regions it reads
-    and writes, here and on its peers (built once; a call then only launches kernels, so a scan
-    can be captured in a CUDA graph once the channel exists).
+    buffer for the incoming state (or map: state and decays), its arrival flags, the
+    acknowledgements of what the slot sends, and the slot's call counters (kept on the device:
+    ``kernels/scan_hop.py``). ``plan(reverse)``: the rank's launches (``_Launch``) in issue order
+    with the addresses of the regions each reads and writes, here and on its peers (built once; a
+    call then only launches kernels, so a scan can be captured in a CUDA graph once the channel
+    exists).
+
+    Contiguous layout: the chain, one hop per rank. Zigzag over two or more ranks: two legs that
+    need nothing from each other run at once. The outgoing leg passes states up the ranks as the
+    chain does (rank r's piece a = r); the return leg passes maps down from the turn-around rank,
+    each rank's ``C_r = M_b o C_(r+1) o M_a`` over the pieces between its two (its piece b's
+    incoming state is then ``C_(r+1)(S_out(a))``). The states moved are those of the chain (one
+    per rank and direction, plus a row of decays per map); the waits halve: a zigzag chain of
+    2P - 1 pieces becomes two legs of P.
     """
 
     def __init__(self, group, layout, N, K, V, dtype, tiles, device):
-        self.data = _aligned(N * K * V * dtype.itemsize)
+        self.data = _aligned(N * K * (V + 1) * dtype.itemsize)
+        self.decays = N * K * V  # elements into a receive buffer: a map's decays
         self.flags = _aligned(N * tiles * 4)
         size = self.data + 3 * self.flags
         buffers = PeerBuffers(group, 4 * size, device)
@@ -144,21 +166,36 @@ class _Channel:
         def region(r, reverse, slot):
             return 0 if r is None else buffers.of(r).data_ptr() + (2 * int(reverse) + slot) * size
 
-        def plan(reverse):
+        def chain(reverse):
             hops = []
             for link in layout.links(rank, world, reverse):
                 if hops and hops[-1][-1].dst is None and not hops[-1][-1].last:  # the previous piece is ours
                     hops[-1].append(link)
                 else:
                     hops.append([link])
-            return [(hop, (region(rank, reverse, hop[0].slot), region(rank, reverse, hop[-1].slot),
-                           region(hop[0].src, reverse, hop[0].src_slot), region(hop[-1].dst, reverse, hop[-1].dst_slot)))
+            return [_Launch("hop", hop, (region(rank, reverse, hop[0].slot), region(rank, reverse, hop[-1].slot),
+                                         region(hop[0].src, reverse, hop[0].src_slot),
+                                         region(hop[-1].dst, reverse, hop[-1].dst_slot)), hop[0].src is not None)
                     for hop in hops]
 
+        def two_legs(reverse):
+            a, b = layout.links(rank, world, reverse)
+            here_a, here_b = region(rank, reverse, a.slot), region(rank, reverse, b.slot)
+            src_a = region(a.src, reverse, a.src_slot)
+            if a.dst is None:  # the turn-around rank: C = M_b o M_a goes down at once; a and b as one hop
+                return [_Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), False),
+                        _Launch("hop", [a, b], (here_a, here_a, src_a, 0), True)]
+            launches = [] if b.last else [
+                _Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), True)]
+            return launches + [
+                _Launch("out", [a], (here_a, here_a, src_a, region(a.dst, reverse, a.dst_slot)), a.src is not None),
+                _Launch("close", [a, b], (here_b, region(b.src, reverse, b.src_slot)), True)]
+
+        plan = two_legs if layout is Layout.ZIGZAG and world > 1 else chain
         self._plans = {reverse: plan(reverse) for reverse in (False, True)}
         self._buffers = buffers  # the plans hold raw addresses into them
 
-    def plan(self, reverse: bool):
+    def plan(self, reverse: bool) -> List[_Launch]:
         return self._plans[reverse]
 
 
@@ -183,7 +220,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                   layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
                   while_waiting: Optional[Callable[[], None]] = None) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over peer memory (same arguments and result)."""
-    from ..kernels.scan_hop import all_scan_hop
+    from ..kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
 
     like = delta[0]
     K, V = like.shape[-2:]
@@ -210,21 +247,33 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
-    last = None
+    last = y_a = None
     plan = ch.plan(reverse)
-    wait_at = Layout.first_wait([hop[0] for hop, _ in plan])
-    for i, (hop, regions) in enumerate(plan):
+    wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
+    sizes = (tiles, ch.data, ch.flags)
+    for i, launch in enumerate(plan):
         if i == wait_at and while_waiting is not None:
             while_waiting()
-        first, final = hop[0], hop[-1]
-        x = None if init is None or not first.first else init.to(like.dtype).reshape(N, K, V).contiguous()
-        y = like.new_empty(like.shape) if final.last else None
-        slots = [link.slot for link in hop]
-        all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
-                     [s_ins[s] for s in slots], y, regions, *strides, tiles, ch.data, ch.flags,
-                     has_src=first.src is not None, has_init=x is not None, has_dst=final.dst is not None)
-        if final.last:
-            last = y
+        links, regions = launch.links, launch.regions
+        if launch.kind == "map":
+            a, b = links
+            all_scan_map([gammas[a.slot], gammas[b.slot]], [deltas[a.slot], deltas[b.slot]], regions, *strides,
+                         ch.decays, *sizes, has_src=launch.waits)
+        elif launch.kind == "close":
+            a, b = links
+            y = like.new_empty(like.shape) if b.last else None
+            all_scan_close(y_a, s_ins[b.slot], gammas[b.slot], deltas[b.slot], y, regions, *strides, ch.decays, *sizes)
+            last = y if b.last else last
+        else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
+            first, final = links[0], links[-1]
+            x = None if init is None or not first.first else init.to(like.dtype).reshape(N, K, V).contiguous()
+            y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
+            slots = [link.slot for link in links]
+            all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
+                         [s_ins[s] for s in slots], y, regions, *strides, *sizes,
+                         has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0)
+            last = y if final.last else last
+            y_a = y
     if wait_at == len(plan) and while_waiting is not None:
         while_waiting()
     if s_ins is not inputs:

@@ -1,4 +1,4 @@
-"""Triton kernel: one All-Scan hop through peer memory, ``S_out = Diag(gamma) S_in + delta``.
+"""Triton kernels: one All-Scan hop through peer memory, ``S_out = Diag(gamma) S_in + delta``.
 
 A rank's part of the All-Scan for one piece, with the state passed by one-sided stores
 into the next rank's memory instead of messages (``comm/peer.py`` holds the protocol and
@@ -9,6 +9,11 @@ buffer and publishes it there. Tiles move independently, so a tile is forwarded 
 the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
 the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
 (``TWO``) combines both, so the tiles stay pipelined through the turn.
+
+A zigzag scan over peer memory has a second kind of message (``comm/peer.py``): its return
+leg passes maps, a state and a row of decays, composed on each rank
+(``all_scan_map_kernel``) and applied to the state leaving the rank's outgoing piece
+(``all_scan_close_kernel``); same tiles, flags and acknowledgements.
 
 Flags are sequence numbers, never reset: the sender publishes tile ``t`` of call ``seq``
 by writing ``seq`` to the receiver's ``flag[t]`` after the data (release, system scope);
@@ -103,6 +108,17 @@ def all_scan_hop_kernel(
     tl.store(calls, seq)
 
 
+def _shape(delta, tiles):
+    """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles."""
+    K, V = delta.shape[-2:]
+    N = delta.numel() // (K * V)
+    rows = K // tiles
+    BV = triton.next_power_of_2(V)
+    BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
+    return (N, tiles), dict(INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
+                            num_warps=min(16, max(1, BR * BV // 256)))
+
+
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
                  flag_bytes, *, has_src, has_init, has_dst):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
@@ -115,16 +131,108 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
     a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
     """
-    delta = deltas[-1]
-    K, V = delta.shape[-2:]
-    N = delta.numel() // (K * V)
-    rows = K // tiles
-    BV = triton.next_power_of_2(V)
-    BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
-    all_scan_hop_kernel[(N, tiles)](
+    grid, shape = _shape(deltas[-1], tiles)
+    all_scan_hop_kernel[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
-        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, num_warps=min(16, max(1, BR * BV // 256)),
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **shape,
     )
+
+
+def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src):
+    """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
+    of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
+    start (elements). Other arguments as :func:`all_scan_hop`."""
+    grid, shape = _shape(deltas[0], tiles)
+    all_scan_map_kernel[grid](*gammas[:1], *deltas[:1], *gammas[1:], *deltas[1:], *regions, g_stride, s_stride,
+                              g_off, DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **shape)
+
+
+def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
+                   flag_bytes):
+    """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
+    ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
+    grid, shape = _shape(delta_b, tiles)
+    all_scan_close_kernel[grid](y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, g_stride,
+                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **shape)
+
+@triton.jit
+def all_scan_map_kernel(
+    gamma_a, delta_a, gamma_b, delta_b,  # this rank's two pieces' maps (walk order: a out, b back)
+    here, sent, dst,  # regions: this rank's (receives the map from the next rank; its acks), the previous rank's
+    G_STRIDE, S_STRIDE, G_OFF,  # dim-0 strides (gamma; delta); element offset of a region's decays
+    INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
+    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, HAS_SRC: tl.constexpr,
+):
+    """The zigzag return leg: ``C = M_b o C_next o M_a`` (``C_next`` from the next rank, the identity on
+    the turn-around rank), sent to the previous rank as a map: decays ``gamma_b gamma_C gamma_a`` and
+    state ``gamma_b (gamma_C delta_a + delta_C) + delta_b``. Needs nothing from the outgoing leg."""
+    i_n, i_b = tl.program_id(0), tl.program_id(1)
+    tile = i_n * tl.num_programs(1) + i_b
+    dtype = delta_a.dtype.element_ty
+    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    seq = tl.load(calls) + 1
+    if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
+        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+    _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+    x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
+    cols = tl.arange(0, BV)
+    i_o, i_h = i_n // INNER, i_n % INNER
+    for r in range(0, ROWS, BR):
+        rows = i_b * ROWS + r + tl.arange(0, BR)
+        in_block = rows < i_b * ROWS + ROWS
+        mask = in_block[:, None] & (cols[None, :] < V)
+        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
+        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
+        g_offs = i_o * G_STRIDE + i_h * K + rows
+        e = tl.load(delta_a + s_offs, mask=mask, other=0.0)
+        g = tl.load(gamma_a + g_offs, mask=in_block, other=0.0)
+        if HAS_SRC:
+            g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
+            e = g_c[:, None] * e + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            g = g_c * g
+        g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
+        e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
+        tl.store(out + offs, e, mask=mask)
+        tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
+    _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+    if not HAS_SRC:
+        tl.store(calls, seq)
+
+
+@triton.jit
+def all_scan_close_kernel(
+    y_a,  # the state leaving this rank's outgoing piece (contiguous, all_scan_hop's y_out)
+    s_in, gamma_b, delta_b, y_out,  # piece b: where its incoming state goes; the walk's end (LAST)
+    here, src,  # regions: this rank's (holds the next rank's map), the next rank's (gets the ack)
+    G_STRIDE, S_STRIDE, G_OFF,
+    INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
+    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, LAST: tl.constexpr,
+):
+    """Piece b's incoming state ``C_next(y_a)`` from the next rank's map; on the rank ending the walk
+    also the state leaving piece b (``y_out``)."""
+    i_n, i_b = tl.program_id(0), tl.program_id(1)
+    tile = i_n * tl.num_programs(1) + i_b
+    dtype = s_in.dtype.element_ty
+    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    seq = tl.load(calls) + 1
+    _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+    x_in = here.to(tl.pointer_type(dtype))
+    cols = tl.arange(0, BV)
+    i_o, i_h = i_n // INNER, i_n % INNER
+    for r in range(0, ROWS, BR):
+        rows = i_b * ROWS + r + tl.arange(0, BR)
+        in_block = rows < i_b * ROWS + ROWS
+        mask = in_block[:, None] & (cols[None, :] < V)
+        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
+        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
+        g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
+        x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
+            + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(s_in + s_offs, x, mask=mask)
+        if LAST:
+            g_b = tl.load(gamma_b + i_o * G_STRIDE + i_h * K + rows, mask=in_block, other=0.0)
+            tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
+    _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+    tl.store(calls, seq)
