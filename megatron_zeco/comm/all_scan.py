@@ -149,6 +149,7 @@ def all_scan(
     what: str = "All-Scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,
+    aside=None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
 
@@ -163,6 +164,8 @@ def all_scan(
             the peer-memory kernel writes in place), or None.
         while_waiting: as :func:`chain_scan`: local work issued before this rank first waits
             for another rank (after what it sends at once), else after the scan.
+        aside: peer memory only: a CUDA stream on which what this rank sends at once runs while
+            ``while_waiting()`` runs on the current stream (which then waits for it), or None.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
@@ -170,7 +173,9 @@ def all_scan(
     """
     if resolve_transport(transport, group, delta[0]) == "peer_memory":
         return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                             out=out, while_waiting=while_waiting)
+                             out=out, while_waiting=while_waiting, aside=aside)
+    if aside is not None:
+        raise ValueError("all_scan: aside (a side stream for the sends) applies to transport 'peer_memory' only")
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
         return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)

@@ -22,6 +22,7 @@ A rank that never arrives stalls its peers' scan kernels (they spin on their fla
 job then stops at its next NCCL collective, when the process group's watchdog times it out.
 """
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -218,8 +219,11 @@ _CHANNELS: Dict[tuple, _Channel] = {}
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
                   layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
-                  while_waiting: Optional[Callable[[], None]] = None) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """:func:`all_scan` over peer memory (same arguments and result)."""
+                  while_waiting: Optional[Callable[[], None]] = None, aside=None
+                  ) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """:func:`all_scan` over peer memory (same arguments and result). ``aside``: a CUDA stream for the
+    launches before the rank's first wait for a peer (sends that need nothing), which then run while
+    ``while_waiting()`` runs on the current stream; the current stream waits for them after."""
     from ..kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
 
     like = delta[0]
@@ -251,31 +255,40 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     plan = ch.plan(reverse)
     wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
     sizes = (tiles, ch.data, ch.flags)
+    main = torch.cuda.current_stream() if aside is not None else None
+    if main is not None:
+        aside.wait_stream(main)
     for i, launch in enumerate(plan):
-        if i == wait_at and while_waiting is not None:
-            while_waiting()
+        if i == wait_at:
+            if while_waiting is not None:
+                while_waiting()
+            if main is not None:
+                main.wait_stream(aside)
         links, regions = launch.links, launch.regions
-        if launch.kind == "map":
-            a, b = links
-            all_scan_map([gammas[a.slot], gammas[b.slot]], [deltas[a.slot], deltas[b.slot]], regions, *strides,
-                         ch.decays, *sizes, has_src=launch.waits)
-        elif launch.kind == "close":
-            a, b = links
-            y = like.new_empty(like.shape) if b.last else None
-            all_scan_close(y_a, s_ins[b.slot], gammas[b.slot], deltas[b.slot], y, regions, *strides, ch.decays, *sizes)
-            last = y if b.last else last
-        else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
-            first, final = links[0], links[-1]
-            x = None if init is None or not first.first else init.to(like.dtype).reshape(N, K, V).contiguous()
-            y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
-            slots = [link.slot for link in links]
-            all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
-                         [s_ins[s] for s in slots], y, regions, *strides, *sizes,
-                         has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0)
-            last = y if final.last else last
-            y_a = y
-    if wait_at == len(plan) and while_waiting is not None:
-        while_waiting()
+        first, final = links[0], links[-1]
+        # allocated on the current stream, whichever stream the kernel runs on
+        y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
+        x = None if init is None or launch.kind != "hop" and launch.kind != "out" or not first.first \
+            else init.to(like.dtype).reshape(N, K, V).contiguous()
+        with torch.cuda.stream(aside) if main is not None and i < wait_at else contextlib.nullcontext():
+            if launch.kind == "map":
+                all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
+                             regions, *strides, ch.decays, *sizes, has_src=launch.waits)
+            elif launch.kind == "close":
+                all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions, *strides,
+                               ch.decays, *sizes)
+            else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
+                slots = [link.slot for link in links]
+                all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
+                             [s_ins[s] for s in slots], y, regions, *strides, *sizes,
+                             has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0)
+                y_a = y
+        last = y if final.last else last
+    if wait_at == len(plan):
+        if while_waiting is not None:
+            while_waiting()
+        if main is not None:
+            main.wait_stream(aside)
     if s_ins is not inputs:
         for target, s_in in zip(inputs, s_ins):
             target.copy_(s_in)

@@ -26,6 +26,7 @@ node: ``comm/peer.py``); ``lasp2`` with an all-gather.
 import torch
 
 from ..comm import all_scan, gather_scan
+from ..comm.peer import resolve_transport
 from ..ops import gla_piece
 from .local import initial_state_grad
 
@@ -42,15 +43,12 @@ class ScanGLA(torch.autograd.Function):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
-        _, last = _while_scanning(
-            lambda between: _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan,
-                                  transport, name, reverse=False, out=_slots(S_in, n), between=between),
-            piece.before_output, overlap)
+        _, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, transport, name,
+                        overlap, reverse=False, out=_slots(S_in, n), between=piece.before_output)
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
-        ctx.overlap = overlap
-        ctx.scan_args = (layout, group, num_blocks, use_all_scan, transport, name)
+        ctx.scan_args = (layout, group, num_blocks, use_all_scan, transport, name, overlap)
         if last is None and output_final_state:  # zeco_gla broadcasts it from the rank that has it
             last = E.new_zeros(q.shape[0], *E.shape[1:])
         return o.reshape(*q.shape[:3], o.shape[-1]), last
@@ -61,9 +59,8 @@ class ScanGLA(torch.autograd.Function):
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D = torch.empty_like(A)
-        Ds, dh0 = _while_scanning(lambda between: _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args,
-                                                        reverse=True, out=_slots(D, n), between=between),
-                                  piece.before_grads, ctx.overlap)
+        Ds, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True, out=_slots(D, n),
+                        between=piece.before_grads)
         grads = piece.grads(pieces.final_grads(D))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, Ds[0])
@@ -143,40 +140,40 @@ def _slots(x, n):
 _SIDE_STREAMS = {}
 
 
-def _while_scanning(scan, work, overlap):
-    """With ``overlap`` on CUDA: ``scan(None)`` on a side stream while ``work()`` runs on the
-    current one; the current stream then waits for the scan (no host synchronisation).
-    Otherwise ``scan(work)``: one stream, ``work`` issued where the scan would first wait for
-    another rank (all_scan's ``while_waiting``), so the chain's data arrives while it runs.
+def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, overlap, reverse, out,
+          between):
+    """The scan, with ``between()`` (local work that needs no scan result) issued where the rank
+    would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan after.
 
-    The scan's NCCL messages and combines are ordered after everything issued before this
-    call; what the scan returns is marked as used on the current stream, so the allocator does
-    not hand its memory back to the side stream while the current one still reads it.
+    With ``overlap`` on CUDA a side stream runs alongside ``between()``: over peer memory, the
+    rank's sends that wait for nobody (what it issues before its first wait); otherwise the whole
+    scan. The current stream then waits for the side stream (no host synchronisation); what the
+    side stream allocated is marked as used on the current one.
     """
-    main = torch.cuda.current_stream() if overlap and torch.cuda.is_available() and torch.cuda.is_initialized() \
-        else None
-    if main is None:
-        return scan(work)
-    side = _SIDE_STREAMS.setdefault(main.device, torch.cuda.Stream(main.device))
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        states, last = scan(None)
-    work()
-    main.wait_stream(side)
-    for t in (*states, last):
-        if t is not None and t.is_cuda:
-            t.record_stream(main)
-    return states, last
-
-
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, reverse, out, between):
-    """All-Scan (``between`` before it waits) or the all-gather scan (``between`` after it)."""
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
+    side = None
+    if overlap and delta[0].is_cuda:
+        side = _SIDE_STREAMS.setdefault(delta[0].device, torch.cuda.Stream(delta[0].device))
+    kw = dict(layout=layout, group=group, reverse=reverse, what=what, out=out)
     if use_all_scan:
-        return all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                        transport=transport, what=what, out=out, while_waiting=between)
-    result = gather_scan(gamma, delta, init, layout=layout, group=group, reverse=reverse, what=what, out=out)
-    if between is not None:
+        kw.update(num_blocks=num_blocks, transport=transport)
+        if side is not None and resolve_transport(transport, group, delta[0]) == "peer_memory":
+            return all_scan(gamma, delta, init, **kw, while_waiting=between, aside=side)
+    scan = all_scan if use_all_scan else gather_scan
+    if side is None:
+        if use_all_scan:
+            return scan(gamma, delta, init, **kw, while_waiting=between)
+        result = scan(gamma, delta, init, **kw)
         between()
-    return result
+        return result
+    main = torch.cuda.current_stream(delta[0].device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        states, last = scan(gamma, delta, init, **kw)
+    between()
+    main.wait_stream(side)
+    for t in (*states, last):
+        if t is not None:
+            t.record_stream(main)
+    return states, last
