@@ -59,7 +59,7 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: ``zeco``, ``lasp2``, ``lasp1`` or ``a2a`` (see :func:`megatron_zeco.zeco_gla`).
         cp_layout: ``zigzag`` (Megatron's CP batch split) or ``contiguous``.
         cp_num_blocks: All-Scan pipeline blocks (a divisor of ``kv_channels``).
-        cp_overlap_scan: run the scan on a side CUDA stream (``overlap`` of :func:`megatron_zeco.zeco_gla`).
+        cp_overlap_scan: a side CUDA stream for (part of) the scan (``overlap`` of :func:`megatron_zeco.zeco_gla`).
         cp_transport: how All-Scan moves states: ``auto`` (peer memory over NVLink when the CP group
             is on one node, else NCCL messages), ``peer_memory`` or ``send_recv``
             (``transport`` of :func:`megatron_zeco.zeco_gla`).

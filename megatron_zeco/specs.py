@@ -83,7 +83,7 @@ def gla_layer_spec(
         cp_layout: ``zigzag`` (Megatron's ``get_batch_on_this_cp_rank`` split) or
             ``contiguous`` (rank r holds the r-th block of tokens).
         cp_num_blocks: blocks the state is pipelined in by All-Scan.
-        cp_overlap_scan: run the scan on a side CUDA stream (see GatedLinearAttention).
+        cp_overlap_scan: a side CUDA stream for (part of) the scan (see GatedLinearAttention).
         cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``send_recv``;
             see GatedLinearAttention).
         cp_piece_split: batched sub-pieces per piece (see GatedLinearAttention).

@@ -74,10 +74,11 @@ def zeco_gla(
         scale: output scale, default ``K ** -0.5``.
         num_blocks: ``zeco`` only: blocks of key rows the state is cut into and
             pipelined in (a divisor of K).
-        overlap: ``zeco`` and ``lasp2`` on CUDA: run the scan on a side stream while
-            the local work that does not need its result computes (forward and
-            backward). Off by default: on 2 H200 it saved ~1% of GPU time and cost more
-            host time than that (docs/benchmarks.md).
+        overlap: ``zeco`` and ``lasp2`` on CUDA: a side stream runs beside the local work
+            that does not need the scan's result (forward and backward): over peer memory
+            the rank's sends that wait for nobody, otherwise the whole scan. Off by default:
+            on 2 H200 it changed the GPU time by under 1% (docs/benchmarks.md). Either way that
+            local work is issued where the rank would first wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
             point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
             peers' memory with flags on the device (torch symmetric memory over NVLink; all
