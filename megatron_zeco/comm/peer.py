@@ -252,6 +252,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
     last = y_a = None
+    held = []
     plan = ch.plan(reverse)
     wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
     sizes = (tiles, ch.data, ch.flags)
@@ -266,10 +267,12 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                 main.wait_stream(aside)
         links, regions = launch.links, launch.regions
         first, final = links[0], links[-1]
-        # allocated on the current stream, whichever stream the kernel runs on
+        # allocated on the current stream, whichever stream the kernel runs on, and held to the end
+        # (past the current stream's wait for ``aside``)
         y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
-        x = None if init is None or launch.kind != "hop" and launch.kind != "out" or not first.first \
+        x = None if init is None or launch.kind not in ("hop", "out") or not first.first \
             else init.to(like.dtype).reshape(N, K, V).contiguous()
+        held.append(x)
         with torch.cuda.stream(aside) if main is not None and i < wait_at else contextlib.nullcontext():
             if launch.kind == "map":
                 all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],

@@ -52,6 +52,31 @@ def _publish(flag, value):
 
 
 @triton.jit
+def _tile(here, DATA: tl.constexpr, FLAGS: tl.constexpr):
+    """This program's state ``i_n`` and row tile ``i_b``, its flag index, its call counter in region
+    ``here`` and this call's sequence number."""
+    i_n, i_b = tl.program_id(0), tl.program_id(1)
+    tile = i_n * tl.num_programs(1) + i_b
+    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    return i_n, i_b, tile, calls, tl.load(calls) + 1
+
+
+@triton.jit
+def _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+          ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
+    """Rows ``r .. r + BR`` of the tile: their indices, masks (rows; rows x columns) and offsets into a
+    contiguous ``[N, K, V]`` buffer, into the strided slots (delta, s_in) and into gamma."""
+    cols = tl.arange(0, BV)
+    i_o, i_h = i_n // INNER, i_n % INNER
+    rows = i_b * ROWS + r + tl.arange(0, BR)
+    in_block = rows < i_b * ROWS + ROWS
+    mask = in_block[:, None] & (cols[None, :] < V)
+    offs = i_n * K * V + rows[:, None] * V + cols[None, :]
+    s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
+    return rows, in_block, mask, offs, s_offs, i_o * G_STRIDE + i_h * K + rows
+
+
+@triton.jit
 def all_scan_hop_kernel(
     x_init,  # address of the incoming state where no rank sends it (initial state, or this rank's own)
     gamma, delta, s_in,  # the (first) piece's decay and delta, and where its incoming state goes
@@ -65,11 +90,8 @@ def all_scan_hop_kernel(
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
 ):
-    i_n, i_b = tl.program_id(0), tl.program_id(1)
-    tile = i_n * tl.num_programs(1) + i_b
+    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
     dtype = delta.dtype.element_ty
-    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
-    seq = tl.load(calls) + 1
     if HAS_SRC:  # the previous rank's tile has arrived in this region
         _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
         x_in = here.to(tl.pointer_type(dtype))
@@ -77,15 +99,8 @@ def all_scan_hop_kernel(
         x_in = x_init.to(tl.pointer_type(dtype))
     if HAS_DST:  # the next rank has read what this rank sent it last time
         _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
-    cols = tl.arange(0, BV)
-    i_o, i_h = i_n // INNER, i_n % INNER
     for r in range(0, ROWS, BR):
-        rows = i_b * ROWS + r + tl.arange(0, BR)
-        in_block = rows < i_b * ROWS + ROWS
-        mask = in_block[:, None] & (cols[None, :] < V)
-        offs = i_n * K * V + rows[:, None] * V + cols[None, :]  # in the contiguous buffers
-        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
-        g_offs = i_o * G_STRIDE + i_h * K + rows
+        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
         if HAS_SRC or HAS_INIT:
             x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
         else:
@@ -168,24 +183,14 @@ def all_scan_map_kernel(
     """The zigzag return leg: ``C = M_b o C_next o M_a`` (``C_next`` from the next rank, the identity on
     the turn-around rank), sent to the previous rank as a map: decays ``gamma_b gamma_C gamma_a`` and
     state ``gamma_b (gamma_C delta_a + delta_C) + delta_b``. Needs nothing from the outgoing leg."""
-    i_n, i_b = tl.program_id(0), tl.program_id(1)
-    tile = i_n * tl.num_programs(1) + i_b
+    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
     dtype = delta_a.dtype.element_ty
-    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
-    seq = tl.load(calls) + 1
     if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
         _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
     _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
     x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
-    cols = tl.arange(0, BV)
-    i_o, i_h = i_n // INNER, i_n % INNER
     for r in range(0, ROWS, BR):
-        rows = i_b * ROWS + r + tl.arange(0, BR)
-        in_block = rows < i_b * ROWS + ROWS
-        mask = in_block[:, None] & (cols[None, :] < V)
-        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
-        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
-        g_offs = i_o * G_STRIDE + i_h * K + rows
+        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
         e = tl.load(delta_a + s_offs, mask=mask, other=0.0)
         g = tl.load(gamma_a + g_offs, mask=in_block, other=0.0)
         if HAS_SRC:
@@ -212,27 +217,17 @@ def all_scan_close_kernel(
 ):
     """Piece b's incoming state ``C_next(y_a)`` from the next rank's map; on the rank ending the walk
     also the state leaving piece b (``y_out``)."""
-    i_n, i_b = tl.program_id(0), tl.program_id(1)
-    tile = i_n * tl.num_programs(1) + i_b
-    dtype = s_in.dtype.element_ty
-    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
-    seq = tl.load(calls) + 1
+    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
     _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-    x_in = here.to(tl.pointer_type(dtype))
-    cols = tl.arange(0, BV)
-    i_o, i_h = i_n // INNER, i_n % INNER
+    x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
     for r in range(0, ROWS, BR):
-        rows = i_b * ROWS + r + tl.arange(0, BR)
-        in_block = rows < i_b * ROWS + ROWS
-        mask = in_block[:, None] & (cols[None, :] < V)
-        offs = i_n * K * V + rows[:, None] * V + cols[None, :]
-        s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
+        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
         g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
         x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
             + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
         tl.store(s_in + s_offs, x, mask=mask)
         if LAST:
-            g_b = tl.load(gamma_b + i_o * G_STRIDE + i_h * K + rows, mask=in_block, other=0.0)
+            g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
             tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
     _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
     tl.store(calls, seq)
