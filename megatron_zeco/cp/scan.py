@@ -152,22 +152,22 @@ def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport
     """
     what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
-    side = None
+    side, device = None, delta[0].device
     if overlap and delta[0].is_cuda:
-        side = _SIDE_STREAMS.setdefault(delta[0].device, torch.cuda.Stream(delta[0].device))
+        if device not in _SIDE_STREAMS:
+            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        side = _SIDE_STREAMS[device]
     kw = dict(layout=layout, group=group, reverse=reverse, what=what, out=out)
     if use_all_scan:
         kw.update(num_blocks=num_blocks, transport=transport)
-        if side is not None and resolve_transport(transport, group, delta[0]) == "peer_memory":
+        if side is None or resolve_transport(transport, group, delta[0]) == "peer_memory":
             return all_scan(gamma, delta, init, **kw, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan
-    if side is None:
-        if use_all_scan:
-            return scan(gamma, delta, init, **kw, while_waiting=between)
+    if side is None:  # the all-gather scan
         result = scan(gamma, delta, init, **kw)
         between()
         return result
-    main = torch.cuda.current_stream(delta[0].device)
+    main = torch.cuda.current_stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
         states, last = scan(gamma, delta, init, **kw)
