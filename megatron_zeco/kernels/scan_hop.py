@@ -123,55 +123,6 @@ def all_scan_hop_kernel(
     tl.store(calls, seq)
 
 
-def _shape(delta, tiles):
-    """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles."""
-    K, V = delta.shape[-2:]
-    N = delta.numel() // (K * V)
-    rows = K // tiles
-    BV = triton.next_power_of_2(V)
-    BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
-    return (N, tiles), dict(INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
-                            num_warps=min(16, max(1, BR * BV // 256)))
-
-
-def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst):
-    """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
-    x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
-
-    ``gammas``, ``deltas``, ``s_ins``: per piece; entry i of dim 0 starts ``i * g_stride``
-    (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
-    integer addresses (0 where unused): this rank's receiving region and sending region, the
-    previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
-    flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
-    a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
-    """
-    grid, shape = _shape(deltas[-1], tiles)
-    all_scan_hop_kernel[grid](
-        x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
-        s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
-        DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **shape,
-    )
-
-
-def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src):
-    """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
-    of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
-    start (elements). Other arguments as :func:`all_scan_hop`."""
-    grid, shape = _shape(deltas[0], tiles)
-    all_scan_map_kernel[grid](*gammas[:1], *deltas[:1], *gammas[1:], *deltas[1:], *regions, g_stride, s_stride,
-                              g_off, DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **shape)
-
-
-def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
-                   flag_bytes):
-    """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
-    ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
-    grid, shape = _shape(delta_b, tiles)
-    all_scan_close_kernel[grid](y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, g_stride,
-                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **shape)
-
 @triton.jit
 def all_scan_map_kernel(
     gamma_a, delta_a, gamma_b, delta_b,  # this rank's two pieces' maps (walk order: a out, b back)
@@ -231,3 +182,54 @@ def all_scan_close_kernel(
             tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
     _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
     tl.store(calls, seq)
+
+
+def _shape(delta, tiles):
+    """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles."""
+    K, V = delta.shape[-2:]
+    N = delta.numel() // (K * V)
+    rows = K // tiles
+    BV = triton.next_power_of_2(V)
+    BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
+    return (N, tiles), dict(INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
+                            num_warps=min(16, max(1, BR * BV // 256)))
+
+
+def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
+                 flag_bytes, *, has_src, has_init, has_dst):
+    """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
+    x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
+
+    ``gammas``, ``deltas``, ``s_ins``: per piece; entry i of dim 0 starts ``i * g_stride``
+    (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
+    integer addresses (0 where unused): this rank's receiving region and sending region, the
+    previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
+    flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
+    a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
+    """
+    grid, shape = _shape(deltas[-1], tiles)
+    all_scan_hop_kernel[grid](
+        x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
+        s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
+        DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **shape,
+    )
+
+
+def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src):
+    """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
+    of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
+    start (elements). Other arguments as :func:`all_scan_hop`."""
+    (gamma_a, gamma_b), (delta_a, delta_b) = gammas, deltas
+    grid, shape = _shape(delta_a, tiles)
+    all_scan_map_kernel[grid](gamma_a, delta_a, gamma_b, delta_b, *regions, g_stride, s_stride, g_off,
+                              DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **shape)
+
+
+def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
+                   flag_bytes):
+    """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
+    ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
+    grid, shape = _shape(delta_b, tiles)
+    all_scan_close_kernel[grid](y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, g_stride,
+                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **shape)
