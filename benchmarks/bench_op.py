@@ -35,6 +35,9 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    and document by document (zigzag, Megatron's THD split), against the same tokens unpacked
    (plain ``zeco``), in the modes of ``--modes`` (``graph``: the GPU's cost alone, the documents
    fixed at capture); packed rows for each of ``--packed-strategies`` (row names as in part 1).
+   Rows ``none`` (CP=1) run each rank's segments of every split on its GPU alone, with no
+   state entering, against its tokens unpacked: what fla's varlen kernels cost on those
+   segments (each ends in a partial chunk), apart from what CP adds.
 """
 
 import argparse
@@ -53,6 +56,7 @@ from megatron_zeco import zeco_gla
 from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import Layout, all_scan, as_layout, gather_scan
 from megatron_zeco.comm.peer import PeerBuffers
+from megatron_zeco.cp.packed import Packing
 from megatron_zeco.kernels.chunk_state import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 from megatron_zeco.ops import chunk_gla
 
@@ -344,23 +348,31 @@ def bench_packed(args, world, me, cp_group, rows):
         packs.append(("document", "zigzag", documents(world * T, args.doc_tokens, 2 * world, gen), True))
         cases = [("zeco", "unpacked", lay, None, False) for lay in args.layouts]
         cases += [(strategy, *pack) for pack in packs for strategy in args.packed_strategies]
+        cases += [("none", "unpacked", "-", None, False)] + [("none", *pack) for pack in packs]
         base = {}
         for mode in args.modes:
             for strategy, split, layout, cu, per_document in cases:
                 if mode == "graph" and not capturable(strategy, world):
                     continue
-                fn = op_fn(x, strategy, cp_group, layout, cu, per_document)
+                P = 1 if strategy == "none" else world
+                if strategy == "none":  # one GPU alone on this rank's segments of the split: packing's own cost
+                    if cu is not None:
+                        cu = Packing(cu, as_layout(layout), world, me, T, per_document, "cpu").cu_cpu
+                    fn = op_fn(x, strategy, None, "contiguous", cu)
+                else:
+                    fn = op_fn(x, strategy, cp_group, layout, cu, per_document)
                 ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
                 host = host_ms(fn, args.iters) if mode == "eager" else None
-                base.setdefault((mode, layout), ms)
+                key = (mode, "-" if P == 1 else layout)
+                base.setdefault(key, ms)
                 row = {"part": "packed", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
-                       "cp": world, "strategy": strategy, "split": split, "layout": layout,
-                       "documents": 1 if cu is None else len(cu) - 1, "ms": ms, "vs_unpacked": ms / base[mode, layout],
+                       "cp": P, "strategy": strategy, "split": split, "layout": layout,
+                       "documents": 1 if cu is None else len(cu) - 1, "ms": ms, "vs_unpacked": ms / base[key],
                        "host_ms": host}
                 rows.append(row)
-                log(f"packed {mode:6s} T/GPU={T:6d} {strategy:12s} CP={world} {split:8s} {layout:10s} "
-                    f"{row['documents']:4d} documents {ms:8.3f} ms  x{row['vs_unpacked']:.3f} of unpacked"
-                    + ("" if host is None else f"  (host issue {host:.3f} ms)"))
+                log(f"packed {mode:6s} T/GPU={T:6d} {strategy:12s} CP={P} {split:8s} {layout:10s} "
+                    f"{row['documents']:4d} {'segments' if P == 1 else 'documents'} {ms:8.3f} ms  "
+                    f"x{row['vs_unpacked']:.3f} of unpacked" + ("" if host is None else f"  (host issue {host:.3f} ms)"))
         del x
         torch.cuda.empty_cache()
 
