@@ -141,8 +141,8 @@ def test_packed_documents_on_gpus_match_float64(seed, world):
 
 
 def _no_host_sync(rank, world, seed):
-    """zeco's fwd + bwd, unpacked and packed, after a warm-up call, under torch's sync debug mode
-    "error": any host synchronisation (a ``.item()``, a blocking copy) raises where it happens.
+    """zeco's fwd + bwd, unpacked and packed (with and without CP), after a warm-up call, under
+    torch's sync debug mode "error": any host synchronisation (a ``.item()``, a blocking copy) raises where it happens.
     One would hold the rank's host until its GPU drains, and its peer's hop would wait for it."""
     from megatron_zeco import packed_positions
 
@@ -150,13 +150,17 @@ def _no_host_sync(rank, world, seed):
     x = problem(seed, B=1, T=1024, H=4, K=64, V=64)
     cu = torch.tensor([0, 300, 301, 650, 1024])
     cases = {"unpacked contiguous": (Layout.CONTIGUOUS, None, False), "packed zigzag": (Layout.ZIGZAG, cu, False),
-             "packed per document": (Layout.ZIGZAG, torch.tensor([0, 296, 300, 648, 1024]), True)}
+             "packed per document": (Layout.ZIGZAG, torch.tensor([0, 296, 300, 648, 1024]), True),
+             "packed, no CP": (None, cu, False)}
     for name, (layout, cu, per_document) in cases.items():
-        mine = layout.shard(torch.arange(1024), rank, world, dim=0) if cu is None else \
-            packed_positions(cu, layout, world, rank, per_document)
+        if layout is None:  # the whole sequence on this rank
+            mine, kw = torch.arange(1024), dict(validate=False)
+        else:
+            mine = layout.shard(torch.arange(1024), rank, world, dim=0) if cu is None else \
+                packed_positions(cu, layout, world, rank, per_document)
+            kw = dict(group=group, layout=layout, validate=False)
         leaves = [x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in "qkvg"]
         do = x["do"][:, mine].to("cuda", torch.bfloat16)
-        kw = dict(group=group, layout=layout, validate=False)
         if cu is not None:
             kw.update(cu_seqlens=cu.cuda(), per_document=per_document)
         for check in (False, True):  # the first call autotunes and builds the cached tables

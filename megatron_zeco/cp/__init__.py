@@ -141,7 +141,7 @@ def zeco_gla(
                                                              q.shape[1], per_document, q.device)
     if world == 1:  # one rank: every strategy is the local op, nothing to pass
         o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state,
-                                  None if packing is None else packing.documents)
+                                  *(() if packing is None else (packing.documents, packing.documents_cpu)))
         return o, (final if output_final_state else None)
     if strategy == "a2a":
         return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state, packing)

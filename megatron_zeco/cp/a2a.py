@@ -26,7 +26,7 @@ def a2a_gla(q, k, v, g, h0, scale, layout, group, output_final_state, packing=No
     q_, k_, v_, g_ = whole.split([K, K, V, K], dim=-1)
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
     o, final = LocalGLA.apply(q_, k_, v_, g_, h0, scale, output_final_state,
-                              None if packing is None else packing.documents)
+                              *(() if packing is None else (packing.documents, packing.documents_cpu)))
     if packing is None:
         back = all_to_all([layout.shard(o, r, world, dim=1) for r in range(world)], group)
     else:

@@ -99,7 +99,8 @@ class Packing:
             tail.append(len(seg) - 2)
             entered.append(a not in first_tokens)  # no document starts at the piece's first token
             through.append(entered[-1] and not cuts)
-        self.cu_cpu = torch.tensor(seg, dtype=torch.long)  # segment offsets for host-side launch tables
+        # host copies of the segment and document offsets, for host-side launch tables
+        self.cu_cpu, self.documents_cpu = torch.tensor(seg), torch.tensor(bounds)
         # Per document, every piece is one segment and every chain one document, whose first piece
         # the scan enters with its initial state (zeros: packed input has none) and whose backward
         # result out of that piece is dropped: the maps below are the identity there.
