@@ -98,10 +98,15 @@ def _slow_receiver_worker(rank, world, seed, calls):
     must wait for the acknowledgements, never overwrite a tile its receiver has not read. Slow
     ranks: all but one (a different one each call); or, under zigzag on even calls, rank 0 alone,
     which then reads the return leg's map late while the map's sender is already in the next call.
-    64 key rows in one block move as two 32-row tiles."""
+    64 key rows in one block move as two 32-row tiles; on every other call of a rank its kernels run
+    as one program taking every tile in turn (as sends beside the local work do on GPUs)."""
+    from megatron_zeco.kernels import scan_hop
+
     group = dist.group.WORLD
     failures = []
+    shape = scan_hop._shape
     for layout, call in itertools.product(Layout, range(calls)):  # calls of one layout back to back
+        scan_hop._shape = (lambda delta, tiles, programs=None: shape(delta, tiles, 1)) if (call + rank) % 2 else shape
         gen = torch.Generator().manual_seed(seed + call)
         pieces, mine = layout.num_pieces(world), layout.pieces(rank, world)
         gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(pieces)]

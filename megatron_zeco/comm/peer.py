@@ -40,6 +40,9 @@ TRANSPORTS = ("auto", "send_recv", "peer_memory")
 TRANSPORT_ENV = "MEGATRON_ZECO_TRANSPORT"
 _ALIGN = 16
 _TILE_ROWS = 32
+# Programs of a send beside the local work (``aside``): a program per tile would fill every SM
+# until the whole state has gone, and the local work would run after it instead of beside it.
+_ASIDE_PROGRAMS = 16
 
 
 def resolve_transport(transport: str, group, like: Tensor) -> str:
@@ -273,10 +276,12 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         x = None if init is None or launch.kind not in ("hop", "out") or not first.first \
             else init.to(like.dtype).reshape(N, K, V).contiguous()
         held.append(x)
-        with torch.cuda.stream(aside) if main is not None and i < wait_at else contextlib.nullcontext():
+        beside = main is not None and i < wait_at
+        programs = _ASIDE_PROGRAMS if beside else None
+        with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
             if launch.kind == "map":
                 all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
-                             regions, *strides, ch.decays, *sizes, has_src=launch.waits)
+                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, programs=programs)
             elif launch.kind == "close":
                 all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions, *strides,
                                ch.decays, *sizes)
@@ -284,7 +289,8 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                 slots = [link.slot for link in links]
                 all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
                              [s_ins[s] for s in slots], y, regions, *strides, *sizes,
-                             has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0)
+                             has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
+                             programs=programs)
                 y_a = y
         last = y if final.last else last
     if wait_at == len(plan):

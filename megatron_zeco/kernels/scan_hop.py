@@ -2,10 +2,11 @@
 
 A rank's part of the All-Scan for one piece, with the state passed by one-sided stores
 into the next rank's memory instead of messages (``comm/peer.py`` holds the protocol and
-the buffers). Program ``(n, b)`` owns tile ``b`` of the key rows of state ``n`` (a head
-of a sequence, or of a document): it waits until the previous rank's program ``(n, b)``
-has published that tile, combines, stores the result straight into the next rank's
-buffer and publishes it there. Tiles move independently, so a tile is forwarded while
+the buffers). Tile ``(n, b)`` is row tile ``b`` of the key rows of state ``n`` (a head of a
+sequence, or of a document); its program (one per tile, or a capped number of programs
+taking every so many tiles: a send beside other work leaves it the other SMs) waits until
+the previous rank has published that tile, combines, stores the result straight into the
+next rank's buffer and publishes it there. Tiles move independently, so a tile is forwarded while
 the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
 the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
 (``TWO``) combines both, so the tiles stay pipelined through the turn.
@@ -52,13 +53,11 @@ def _publish(flag, value):
 
 
 @triton.jit
-def _tile(here, DATA: tl.constexpr, FLAGS: tl.constexpr):
-    """This program's state ``i_n`` and row tile ``i_b``, its flag index, its call counter in region
-    ``here`` and this call's sequence number."""
-    i_n, i_b = tl.program_id(0), tl.program_id(1)
-    tile = i_n * tl.num_programs(1) + i_b
+def _tile(tile, here, TILES: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr):
+    """Tile ``tile``'s state ``i_n`` and row tile ``i_b``, its call counter in region ``here`` and this
+    call's sequence number."""
     calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
-    return i_n, i_b, tile, calls, tl.load(calls) + 1
+    return tile // TILES, tile % TILES, calls, tl.load(calls) + 1
 
 
 @triton.jit
@@ -87,40 +86,43 @@ def all_scan_hop_kernel(
     INNER: tl.constexpr,  # states per entry of dim 0
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
+    NT, TILES: tl.constexpr,  # tiles in all (N states x TILES), row tiles per state
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
 ):
-    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
-    dtype = delta.dtype.element_ty
-    if HAS_SRC:  # the previous rank's tile has arrived in this region
-        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-        x_in = here.to(tl.pointer_type(dtype))
-    elif HAS_INIT:
-        x_in = x_init.to(tl.pointer_type(dtype))
-    if HAS_DST:  # the next rank has read what this rank sent it last time
-        _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
-    for r in range(0, ROWS, BR):
-        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
-        if HAS_SRC or HAS_INIT:
-            x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        else:
-            x = tl.zeros([BR, BV], dtype)
-        decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
-        y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
-        tl.store(s_in + s_offs, x, mask=mask)
-        if TWO:
-            tl.store(s_in2 + s_offs, y, mask=mask)
-            decay = tl.load(gamma2 + g_offs, mask=in_block, other=0.0)
-            y = decay[:, None] * y + tl.load(delta2 + s_offs, mask=mask, other=0.0)
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
+        dtype = delta.dtype.element_ty
+        if HAS_SRC:  # the previous rank's tile has arrived in this region
+            _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+            x_in = here.to(tl.pointer_type(dtype))
+        elif HAS_INIT:
+            x_in = x_init.to(tl.pointer_type(dtype))
+        if HAS_DST:  # the next rank has read what this rank sent it last time
+            _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+        for r in range(0, ROWS, BR):
+            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
+                                                               ROWS, BR, BV)
+            if HAS_SRC or HAS_INIT:
+                x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            else:
+                x = tl.zeros([BR, BV], dtype)
+            decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
+            y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
+            tl.store(s_in + s_offs, x, mask=mask)
+            if TWO:
+                tl.store(s_in2 + s_offs, y, mask=mask)
+                decay = tl.load(gamma2 + g_offs, mask=in_block, other=0.0)
+                y = decay[:, None] * y + tl.load(delta2 + s_offs, mask=mask, other=0.0)
+            if HAS_DST:
+                tl.store(dst.to(tl.pointer_type(dtype)) + offs, y, mask=mask)
+            if KEEP_Y:
+                tl.store(y_out + offs, y, mask=mask)
         if HAS_DST:
-            tl.store(dst.to(tl.pointer_type(dtype)) + offs, y, mask=mask)
-        if KEEP_Y:
-            tl.store(y_out + offs, y, mask=mask)
-    if HAS_DST:
-        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-    if HAS_SRC:
-        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
-    tl.store(calls, seq)
+            _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        if HAS_SRC:
+            _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+        tl.store(calls, seq)
 
 
 @triton.jit
@@ -129,32 +131,34 @@ def all_scan_map_kernel(
     here, sent, dst,  # regions: this rank's (receives the map from the next rank; its acks), the previous rank's
     G_STRIDE, S_STRIDE, G_OFF,  # dim-0 strides (gamma; delta); element offset of a region's decays
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
-    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, HAS_SRC: tl.constexpr,
+    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, HAS_SRC: tl.constexpr,
 ):
     """The zigzag return leg: ``C = M_b o C_next o M_a`` (``C_next`` from the next rank, the identity on
     the turn-around rank), sent to the previous rank as a map: decays ``gamma_b gamma_C gamma_a`` and
     state ``gamma_b (gamma_C delta_a + delta_C) + delta_b``. Needs nothing from the outgoing leg."""
-    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
-    dtype = delta_a.dtype.element_ty
-    if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
-        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-    _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
-    x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
-    for r in range(0, ROWS, BR):
-        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
-        e = tl.load(delta_a + s_offs, mask=mask, other=0.0)
-        g = tl.load(gamma_a + g_offs, mask=in_block, other=0.0)
-        if HAS_SRC:
-            g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
-            e = g_c[:, None] * e + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            g = g_c * g
-        g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
-        e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
-        tl.store(out + offs, e, mask=mask)
-        tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
-    _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-    if not HAS_SRC:
-        tl.store(calls, seq)
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
+        dtype = delta_a.dtype.element_ty
+        if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
+            _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+        x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
+        for r in range(0, ROWS, BR):
+            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
+                                                               ROWS, BR, BV)
+            e = tl.load(delta_a + s_offs, mask=mask, other=0.0)
+            g = tl.load(gamma_a + g_offs, mask=in_block, other=0.0)
+            if HAS_SRC:
+                g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
+                e = g_c[:, None] * e + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+                g = g_c * g
+            g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
+            e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
+            tl.store(out + offs, e, mask=mask)
+            tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
+        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        if not HAS_SRC:
+            tl.store(calls, seq)
 
 
 @triton.jit
@@ -164,39 +168,43 @@ def all_scan_close_kernel(
     here, src,  # regions: this rank's (holds the next rank's map), the next rank's (gets the ack)
     G_STRIDE, S_STRIDE, G_OFF,
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
-    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, LAST: tl.constexpr,
+    BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LAST: tl.constexpr,
 ):
     """Piece b's incoming state ``C_next(y_a)`` from the next rank's map; on the rank ending the walk
     also the state leaving piece b (``y_out``)."""
-    i_n, i_b, tile, calls, seq = _tile(here, DATA, FLAGS)
-    _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-    x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
-    for r in range(0, ROWS, BR):
-        rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
-        g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
-        x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
-            + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(s_in + s_offs, x, mask=mask)
-        if LAST:
-            g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
-            tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
-    _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
-    tl.store(calls, seq)
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
+        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
+        for r in range(0, ROWS, BR):
+            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
+                                                               ROWS, BR, BV)
+            g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
+            x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
+                + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(s_in + s_offs, x, mask=mask)
+            if LAST:
+                g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
+                tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
+        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+        tl.store(calls, seq)
 
 
-def _shape(delta, tiles):
-    """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles."""
+def _shape(delta, tiles, programs=None):
+    """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles:
+    one program per tile, or at most ``programs``, each then taking every ``programs``-th tile."""
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
     rows = K // tiles
     BV = triton.next_power_of_2(V)
     BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
-    return (N, tiles), dict(INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV,
-                            num_warps=min(16, max(1, BR * BV // 256)))
+    return (min(N * tiles, programs or N * tiles),), dict(
+        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV, NT=N * tiles,
+        TILES=tiles, num_warps=min(16, max(1, BR * BV // 256)))
 
 
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst):
+                 flag_bytes, *, has_src, has_init, has_dst, programs=None):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
@@ -206,8 +214,9 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
     flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
     a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
+    ``programs``: at most this many programs (None: one per tile), to leave SMs to other streams.
     """
-    grid, shape = _shape(deltas[-1], tiles)
+    grid, shape = _shape(deltas[-1], tiles, programs)
     all_scan_hop_kernel[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
@@ -216,12 +225,13 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     )
 
 
-def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src):
+def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,
+                 programs=None):
     """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
     of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
     start (elements). Other arguments as :func:`all_scan_hop`."""
     (gamma_a, gamma_b), (delta_a, delta_b) = gammas, deltas
-    grid, shape = _shape(delta_a, tiles)
+    grid, shape = _shape(delta_a, tiles, programs)
     all_scan_map_kernel[grid](gamma_a, delta_a, gamma_b, delta_b, *regions, g_stride, s_stride, g_off,
                               DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **shape)
 
