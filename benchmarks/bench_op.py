@@ -8,8 +8,9 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
 1. ``op``: forward + backward of the GLA operator at T tokens per GPU (H heads of D, bf16):
    ``fla`` (fla's chunk_gla called directly), ``none`` (zeco_gla with no group), ``zeco`` at
    CP=1 (a group of one), and ``zeco``, ``lasp1``, ``lasp2``, ``a2a`` at CP=P in both layouts
-   (``zeco+overlap``: zeco with ``overlap=True``, the scan on a side stream; ``zeco@send_recv``:
-   zeco with All-Scan over NCCL messages instead of peer memory, the default on one node;
+   (``zeco+overlap`` / ``zeco-overlap``: zeco with ``overlap=True`` / ``False``: sends or the scan on a
+   side stream, or not; plain ``zeco`` lets the op choose (on over peer memory); ``zeco@send_recv``:
+   zeco with All-Scan over NCCL messages instead of peer memory (the default on one node);
    ``zeco:s``: each piece run as s sub-pieces, ``piece_split=s``; plain ``zeco`` lets the op
    choose: 2 for contiguous, 1 for zigzag).
    Each row: median over iterations of the slowest rank's time (a step waits for the slowest).
@@ -168,10 +169,11 @@ def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
 
 
 def options(strategy):
-    """``zeco_gla`` keywords of a row name ``strategy[+overlap][@transport][:piece_split]``."""
+    """``zeco_gla`` keywords of a row name ``strategy[+overlap|-overlap][@transport][:piece_split]``."""
     strategy, _, split = strategy.partition(":")
     name, _, transport = strategy.partition("@")
-    return dict(strategy=name.removesuffix("+overlap"), overlap=name.endswith("+overlap"),
+    overlap = {"+": True, "-": False}.get(name[-8]) if name.endswith("overlap") else None
+    return dict(strategy=name.removesuffix("+overlap").removesuffix("-overlap"), overlap=overlap,
                 transport=transport or "auto", piece_split=int(split) if split else None)
 
 

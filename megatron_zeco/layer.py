@@ -59,7 +59,8 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: ``zeco``, ``lasp2``, ``lasp1`` or ``a2a`` (see :func:`megatron_zeco.zeco_gla`).
         cp_layout: ``zigzag`` (Megatron's CP batch split) or ``contiguous``.
         cp_num_blocks: All-Scan pipeline blocks (a divisor of ``kv_channels``).
-        cp_overlap_scan: a side CUDA stream for (part of) the scan (``overlap`` of :func:`megatron_zeco.zeco_gla`).
+        cp_overlap_scan: a side CUDA stream for (part of) the scan (``overlap`` of :func:`megatron_zeco.zeco_gla`;
+            None: on for zeco over peer memory).
         cp_transport: how All-Scan moves states: ``auto`` (peer memory over NVLink when the CP group
             is on one node, else NCCL messages), ``peer_memory`` or ``send_recv``
             (``transport`` of :func:`megatron_zeco.zeco_gla`).
@@ -92,7 +93,7 @@ class GatedLinearAttention(MegatronModule):
         cp_strategy: str = "zeco",
         cp_layout: str = "zigzag",
         cp_num_blocks: int = 1,
-        cp_overlap_scan: bool = False,
+        cp_overlap_scan: Optional[bool] = None,
         cp_transport: str = "auto",
         cp_piece_split: Optional[int] = None,
         cp_packed_split: str = "auto",

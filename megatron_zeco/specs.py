@@ -66,7 +66,7 @@ def gla_layer_spec(
     cp_strategy: str = "zeco",
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
-    cp_overlap_scan: bool = False,
+    cp_overlap_scan: Optional[bool] = None,
     cp_transport: str = "auto",
     cp_piece_split: Optional[int] = None,
     cp_packed_split: str = "auto",

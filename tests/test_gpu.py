@@ -77,8 +77,8 @@ def _two_ranks(rank, world, seed):
     for gate in ("normal", "tiny"):
         x = problem(seed, B=2, T=2 * 320, H=4, K=64, V=64, gate=gate)
         cases = {"zeco": {}, "zeco, pieces whole": dict(piece_split=1), "zeco@send_recv": dict(transport="send_recv"),
-                 "zeco+overlap": dict(overlap=True), "lasp1": dict(strategy="lasp1"), "lasp2": dict(strategy="lasp2"),
-                 "a2a": dict(strategy="a2a")}
+                 "zeco+overlap": dict(overlap=True), "zeco-overlap": dict(overlap=False), "lasp1": dict(strategy="lasp1"),
+                 "lasp2": dict(strategy="lasp2"), "a2a": dict(strategy="a2a")}
         for strategy, kw in cases.items():
             for layout in Layout:
                 shard = {n: layout.shard(x[n], rank, world) if n in SEQUENCE else x[n] for n in x}

@@ -20,6 +20,7 @@ import torch
 
 from ..comm import Layout, as_layout
 from ..comm.functional import broadcast
+from ..comm.peer import resolve_transport
 from .a2a import a2a_gla
 from .checks import STRATEGIES, check_inputs, packed_problems, split_problems
 from .local import LocalGLA
@@ -41,7 +42,7 @@ def zeco_gla(
     layout: Union[str, Layout] = "contiguous",
     scale: Optional[float] = None,
     num_blocks: int = 1,
-    overlap: bool = False,
+    overlap: Optional[bool] = None,
     transport: str = "auto",
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
@@ -76,9 +77,11 @@ def zeco_gla(
             pipelined in (a divisor of K).
         overlap: ``zeco`` and ``lasp2`` on CUDA: a side stream runs beside the local work
             that does not need the scan's result (forward and backward): over peer memory
-            the rank's sends that wait for nobody, otherwise the whole scan. Off by default:
-            on 2 H200 it changed the GPU time by under 1% (docs/benchmarks.md). Either way that
-            local work is issued where the rank would first wait for a peer.
+            the rank's sends that wait for nobody (on a few SMs), otherwise the whole scan.
+            None (default): on for ``zeco`` over peer memory, where it hides part of the
+            per-document packed split's sends (one state per document; docs/benchmarks.md),
+            off otherwise. Either way that local work is issued where the rank would first
+            wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
             point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
             peers' memory with flags on the device (torch symmetric memory over NVLink; all
@@ -128,6 +131,8 @@ def zeco_gla(
     if piece_split is None:
         piece_split = 2 if (strategy == "zeco" and world > 1 and cu_seqlens is None and layout is Layout.CONTIGUOUS
                             and q.shape[1] % 2 == 0) else 1
+    if overlap is None:
+        overlap = strategy == "zeco" and world > 1 and resolve_transport(transport, group, q) == "peer_memory"
     if strategy not in STRATEGIES:  # reached only with validate=False
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if not validate and (cu_seqlens is not None or per_document or piece_split != 1):  # local and cheap
