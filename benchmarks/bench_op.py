@@ -37,7 +37,7 @@ Four parts (``--parts``), all in one run so that the figures compare side by sid
    (plain ``zeco``), in the modes of ``--modes`` (``graph``: the GPU's cost alone, the documents
    fixed at capture); packed rows for each of ``--packed-strategies`` (row names as in part 1).
    Rows ``none`` (CP=1) run each rank's segments of every split on its GPU alone, with no
-   state entering, against its tokens unpacked: what fla's varlen kernels cost on those
+   state entering, against its tokens unpacked: what the local varlen kernels cost on those
    segments (each ends in a partial chunk), apart from what CP adds.
 """
 

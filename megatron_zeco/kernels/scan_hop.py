@@ -6,8 +6,8 @@ the buffers). Tile ``(n, b)`` is row tile ``b`` of the key rows of state ``n`` (
 sequence, or of a document); its program (one per tile, or a capped number of programs
 taking every so many tiles: a send beside other work leaves it the other SMs) waits until
 the previous rank has published that tile, combines, stores the result straight into the
-next rank's buffer and publishes it there. Tiles move independently, so a tile is forwarded while
-the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
+next rank's buffer and publishes it there. Tiles move independently, so a tile is forwarded
+while the next one is still arriving: the paper's pipelined chain, issued by one launch. Where
 the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
 (``TWO``) combines both, so the tiles stay pipelined through the turn.
 
