@@ -19,7 +19,9 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from .attention import AllGatherDotProductAttention
 from .comm import Layout, as_layout
+from .layer import check_packed_split, packed_arguments
 
 GLA, ATTENTION = "G", "*"
 
@@ -55,14 +57,17 @@ class HybridTransformerLayer(TransformerLayer):
         submodules: the GLA layer's and the softmax layer's submodules.
         pattern: layer symbols (see the module docstring).
         cp_layout: the CP layout of the hidden states (``zigzag`` or ``contiguous``).
+        cp_packed_split: how packed batches are split over CP (as the GLA layers').
 
     Rotary embeddings reach only the softmax layers (GLA layers carry no positions).
-    Megatron-Core splits them over CP in its zigzag order, so under a contiguous
-    layout with CP > 1 they are refused rather than applied at the wrong positions.
+    Megatron-Core splits them over CP in its zigzag order, and those of packed batches
+    document by document, so under a contiguous layout, or for packed batches split as a
+    whole sequence, with CP > 1 they are refused rather than applied at the wrong positions.
     """
 
     def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, pattern: str = "GGG*",
-                 cp_layout: str = "zigzag", pg_collection=None, vp_stage=None, **kwargs):
+                 cp_layout: str = "zigzag", cp_packed_split: str = "auto", pg_collection=None, vp_stage=None,
+                 **kwargs):
         kinds = layer_kinds(pattern, config.num_layers)
         # TransformerLayer's own rule for the global number (it adds the stage offset unless told not to).
         offset = 0 if kwargs.get("is_mtp_layer") or not kwargs.get("add_layer_offset", True) else \
@@ -75,13 +80,31 @@ class HybridTransformerLayer(TransformerLayer):
                                f"{layer_number + offset} of pattern {pattern!r}")
         self.kind = kind
         self.cp_layout = as_layout(cp_layout)
+        check_packed_split(cp_packed_split, "HybridTransformerLayer")
+        self.cp_packed_split = cp_packed_split
 
     def forward(self, *args, **kwargs):
         if self.kind == GLA:
             kwargs["rotary_pos_emb"] = None
-        elif (kwargs.get("rotary_pos_emb") is not None and self.cp_layout is Layout.CONTIGUOUS
-              and self.pg_collection.cp.size() > 1):
+        elif self.pg_collection.cp.size() > 1:
+            self._check_softmax_inputs(kwargs.get("rotary_pos_emb") is not None, kwargs.get("packed_seq_params"))
+        return super().forward(*args, **kwargs)
+
+    def _check_softmax_inputs(self, rotary: bool, packed_seq_params):
+        """Under CP: refuse what Megatron's softmax layer would compute at the wrong positions."""
+        if rotary and self.cp_layout is Layout.CONTIGUOUS:
             raise ValueError("hybrid model: rotary embeddings under context parallelism need the zigzag layout "
                              "(Megatron-Core splits them zigzag); use cp_layout='zigzag' or "
                              "--position-embedding-type none")
-        return super().forward(*args, **kwargs)
+        packed = packed_arguments(packed_seq_params, self.cp_packed_split, "hybrid model")
+        if not packed or packed["per_document"]:
+            return
+        if rotary:
+            raise ValueError("hybrid model: rotary embeddings of packed batches under context parallelism follow "
+                             "Megatron's per-document split, not this whole-sequence split (cp_packed_split "
+                             "'sequence', or --dataloader-inter-document-masking); use --position-embedding-type "
+                             "none, or split per document (cp_packed_split='document', --sft)")
+        if not isinstance(self.self_attention.core_attention, AllGatherDotProductAttention):
+            raise ValueError("hybrid model: TransformerEngine's attention takes packed batches under context "
+                             "parallelism in Megatron's per-document split only; use cp_packed_split='document' "
+                             "(--sft), or hybrid_local_spec")

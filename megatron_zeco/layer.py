@@ -232,28 +232,43 @@ class GatedLinearAttention(MegatronModule):
 
     def _packed(self, packed_seq_params):
         """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
-        if packed_seq_params is None:
-            if not self._validated and _megatron_lm_arg("reset_attention_mask"):
-                raise ValueError("GatedLinearAttention: --reset-attention-mask gives document boundaries only as a "
-                                 "dense attention mask, which GLA cannot use; pass them as cu_seqlens with "
-                                 "--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
-            return {}
-        if packed_seq_params.qkv_format != "thd":
-            raise NotImplementedError(f"GatedLinearAttention: packed_seq_params.qkv_format "
-                                      f"{packed_seq_params.qkv_format!r} is not supported; only 'thd'")
-        if packed_seq_params.cp_group is not None:
-            raise NotImplementedError("GatedLinearAttention: hybrid context parallelism (a CP group per batch "
-                                      "in packed_seq_params) is not supported; train without --hybrid-context-parallel")
-        padded = packed_seq_params.cu_seqlens_q_padded
-        cu_seqlens = packed_seq_params.cu_seqlens_q if padded is None else padded
-        if cu_seqlens is None:
-            raise ValueError("GatedLinearAttention: packed_seq_params (THD) carries no document offsets "
-                             "(cu_seqlens_q / cu_seqlens_q_padded)")
-        split = self.cp_packed_split
-        if split == "auto":
-            split = "sequence" if _megatron_lm_arg("dataloader_inter_document_masking") \
-                and not _megatron_lm_arg("sft") else "document"
-        return dict(cu_seqlens=cu_seqlens, per_document=split == "document")
+        if packed_seq_params is None and not self._validated and _megatron_lm_arg("reset_attention_mask"):
+            raise ValueError("GatedLinearAttention: --reset-attention-mask gives document boundaries only as a "
+                             "dense attention mask, which GLA cannot use; pass them as cu_seqlens with "
+                             "--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
+        return packed_arguments(packed_seq_params, self.cp_packed_split, "GatedLinearAttention")
+
+
+PACKED_SPLITS = ("auto", "document", "sequence")
+
+
+def check_packed_split(split: str, who: str) -> None:
+    if split not in PACKED_SPLITS:
+        raise ValueError(f"{who}: cp_packed_split {split!r} is not one of {', '.join(PACKED_SPLITS)}")
+
+
+def packed_arguments(packed_seq_params, split: str, who: str) -> dict:
+    """``zeco_gla``'s ``cu_seqlens`` and ``per_document`` for Megatron's ``packed_seq_params`` (THD),
+    ``{}`` for an unpacked batch. ``split``: ``document``, ``sequence`` or ``auto`` (from
+    Megatron-LM's arguments: ``sequence`` with ``--dataloader-inter-document-masking`` unless
+    ``--sft``, else ``document``). ``who`` names the caller in errors."""
+    if packed_seq_params is None:
+        return {}
+    if packed_seq_params.qkv_format != "thd":
+        raise NotImplementedError(f"{who}: packed_seq_params.qkv_format {packed_seq_params.qkv_format!r} is not "
+                                  f"supported; only 'thd'")
+    if packed_seq_params.cp_group is not None:
+        raise NotImplementedError(f"{who}: hybrid context parallelism (a CP group per batch in packed_seq_params) "
+                                  f"is not supported; train without --hybrid-context-parallel")
+    padded = packed_seq_params.cu_seqlens_q_padded
+    cu_seqlens = packed_seq_params.cu_seqlens_q if padded is None else padded
+    if cu_seqlens is None:
+        raise ValueError(f"{who}: packed_seq_params (THD) carries no document offsets "
+                         f"(cu_seqlens_q / cu_seqlens_q_padded)")
+    if split == "auto":
+        split = "sequence" if _megatron_lm_arg("dataloader_inter_document_masking") and not _megatron_lm_arg("sft") \
+            else "document"
+    return dict(cu_seqlens=cu_seqlens, per_document=split == "document")
 
 
 def _megatron_lm_arg(name):
@@ -273,9 +288,7 @@ def _check_config(config, submodules, strategy, layout, num_blocks, packed_split
         raise ValueError(f"GatedLinearAttention: cp_piece_split {piece_split!r} must be a positive integer or None")
     if transport not in TRANSPORTS:
         raise ValueError(f"GatedLinearAttention: cp_transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
-    if packed_split not in ("auto", "document", "sequence"):
-        raise ValueError(f"GatedLinearAttention: cp_packed_split {packed_split!r} is not one of "
-                         "auto, document, sequence")
+    check_packed_split(packed_split, "GatedLinearAttention")
     if strategy not in STRATEGIES or strategy == "none":
         raise ValueError(f"GatedLinearAttention: cp_strategy {strategy!r} is not one of "
                          f"{', '.join(s for s in STRATEGIES if s != 'none')}")

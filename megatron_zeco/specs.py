@@ -122,14 +122,15 @@ def gla_layer_spec(
                                             sharded_state_dict_keys_map=keys_map, **extra))
 
 
-def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag",
+def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag", cp_packed_split: str = "auto",
                        normalization: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT TransformerLayer spec (causal softmax self-attention) that runs under CP.
 
     With TE it is Megatron's own TE spec: TEDotProductAttention does context parallelism
     itself (``--cp-comm-type``), on Megatron's zigzag split only. Without TE, Megatron's local
     spec with :class:`~megatron_zeco.attention.AllGatherDotProductAttention` as core attention
-    (Megatron's DotProductAttention refuses CP), for either layout.
+    (Megatron's DotProductAttention refuses CP), for either layout and, for packed batches,
+    either packed split (``cp_packed_split``, as the GLA layers').
     """
     layout = as_layout(cp_layout)
     if use_te:
@@ -141,7 +142,7 @@ def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag",
         return get_gpt_layer_with_transformer_engine_spec()
     base = get_gpt_layer_local_spec(normalization=normalization)
     attention = base.submodules.self_attention
-    core = functools.partial(AllGatherDotProductAttention, cp_layout=layout.value)
+    core = functools.partial(AllGatherDotProductAttention, cp_layout=layout.value, cp_packed_split=cp_packed_split)
     attention = replace(attention, submodules=replace(attention.submodules, core_attention=core))
     return replace(base, submodules=replace(base.submodules, self_attention=attention))
 
@@ -153,6 +154,7 @@ def hybrid_layer_spec(
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
     cp_piece_split: Optional[int] = None,
+    cp_packed_split: str = "auto",
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
@@ -167,19 +169,24 @@ def hybrid_layer_spec(
         cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
         cp_strategy, cp_num_blocks, cp_piece_split, gate_low_rank_dim, gate_timescales: the
             GLA layers' (:func:`gla_layer_spec`).
+        cp_packed_split: how packed batches are split over CP, for both layer kinds.
         normalization: as in :func:`gla_layer_spec`.
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
-    zigzag layout under CP) or none; GLA layers ignore them.
+    zigzag layout under CP; for packed batches under CP the per-document split) or none;
+    GLA layers ignore them. Packed batches attend within each document.
     """
     check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
-    attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, normalization=normalization)
+    attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
+                                   normalization=normalization)
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
     gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                         cp_piece_split=cp_piece_split, gate_low_rank_dim=gate_low_rank_dim,
-                         gate_timescales=gate_timescales, normalization=normalization)
-    return ModuleSpec(module=HybridTransformerLayer, params={"pattern": pattern, "cp_layout": cp_layout},
+                         cp_piece_split=cp_piece_split, cp_packed_split=cp_packed_split,
+                         gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales,
+                         normalization=normalization)
+    return ModuleSpec(module=HybridTransformerLayer,
+                      params={"pattern": pattern, "cp_layout": cp_layout, "cp_packed_split": cp_packed_split},
                       submodules=HybridLayerSubmodules(gla=gla.submodules, attention=attention.submodules))
 
 

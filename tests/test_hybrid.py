@@ -6,6 +6,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
 from test_megatron_model import _check_training_matches, _train_steps
@@ -123,6 +124,86 @@ def test_hybrid_training_matches_single_process(hybrid_reference, world):
     for i, (model, parallel) in enumerate(RUNS[world]):
         print(model, parallel)
         _check_training_matches([r[i] for r in results], hybrid_reference[model])
+
+
+# --- a hybrid GPTModel on packed batches -----------------------------------------------------------
+
+def _packed_hybrid_worker(rank, world, seed):
+    """A hybrid GPTModel (``G*``, float64, no positions) on one packed batch, under each packed split at
+    CP = world: this rank's logits and every parameter's gradient (summed over CP); at CP = 1 also
+    each document alone, unpacked. Under CP, also the error for rotary embeddings with the
+    whole-sequence split."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_zeco import packed_positions
+    from megatron_zeco.specs import hybrid_layer_spec
+
+    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
+    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
+                               hidden_dropout=0.0, use_cpu_initialization=True, context_parallel_size=world)
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 32, (1, 60), generator=gen)
+    weights = torch.randn(1, 60, 32, generator=gen, dtype=torch.float64)  # loss = <logits, weights>
+    # per document: 4 documents padded to multiples of 12 (2 x CP for CP = 1, 2, 3); whole sequence: any cuts
+    cases = {"document": torch.tensor([0, 12, 24, 36, 60], dtype=torch.int32),
+             "sequence": torch.tensor([0, 1, 7, 30, 31, 60], dtype=torch.int32)}
+    out = {}
+    with _host_rope():
+        for split, cu in cases.items():
+            params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            torch.manual_seed(0)
+            model = GPTModel(config, hybrid_layer_spec("G*", cp_packed_split=split), vocab_size=32,
+                             max_sequence_length=60, position_embedding_type="none").double()
+            mine = packed_positions(cu, "zigzag", world, rank, split == "document")
+            logits = model(tokens[:, mine], None, None, packed_seq_params=params)
+            (logits * weights[:, mine]).sum().backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            for g in grads.values():
+                dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
+            out[split] = (mine, logits.detach(), grads)
+            if world == 1:
+                model.zero_grad()
+                alone = torch.cat([model(tokens[:, a:b], None, None) for a, b in zip(cu[:-1].tolist(),
+                                                                                      cu[1:].tolist())], dim=1)
+                (alone * weights).sum().backward()
+                out[split, "alone"] = (alone.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if world > 1:
+            model = GPTModel(config, hybrid_layer_spec("G*", cp_packed_split="sequence"), vocab_size=32,
+                             max_sequence_length=60, position_embedding_type="rope").double()
+            cu = cases["sequence"]
+            try:
+                model(tokens[:, packed_positions(cu, "zigzag", world, rank, False)], None, None,
+                      packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                                        max_seqlen_q=60, max_seqlen_kv=60))
+                out["rope error"] = None
+            except ValueError as e:
+                out["rope error"] = str(e)
+    return out
+
+
+def test_hybrid_model_on_packed_batches_matches_each_document_alone(seed):
+    """GLA and softmax layers on a packed batch at CP = 1, 2, 3, per-document and whole-sequence
+    splits: logits and all parameter gradients equal every document run alone at CP = 1 (float64);
+    rotary embeddings with the whole-sequence split under CP are refused."""
+    from reference import rel_err
+
+    (ref,) = run_ranks(_packed_hybrid_worker, 1, seed)
+    for world in (1, 2, 3):
+        results = [ref] if world == 1 else run_ranks(_packed_hybrid_worker, world, seed)
+        for rank, result in enumerate(results):
+            for split in ("document", "sequence"):
+                want, want_grads = ref[split, "alone"]
+                mine, logits, grads = result[split]
+                where = f"CP={world} rank {rank} split={split}"
+                assert rel_err(logits, want[:, mine]) < 1e-10, where
+                for name, g in grads.items():
+                    assert rel_err(g, want_grads[name]) < 1e-10, f"{where}: grad of {name}"
+            if world > 1:
+                error = result["rope error"]
+                assert error is not None and "per-document split" in error, error
 
 
 # --- the pattern over pipeline stages, and the layer spec -----------------------------------------
