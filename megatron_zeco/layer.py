@@ -243,6 +243,7 @@ PACKED_SPLITS = ("auto", "document", "sequence")
 
 
 def check_packed_split(split: str, who: str) -> None:
+    """ValueError (naming ``who``) unless ``split`` is a ``cp_packed_split`` value."""
     if split not in PACKED_SPLITS:
         raise ValueError(f"{who}: cp_packed_split {split!r} is not one of {', '.join(PACKED_SPLITS)}")
 
