@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
+from reference import rel_err
 from test_megatron_model import _check_training_matches, _train_steps
 
 # Layer 1 GLA, layer 2 softmax attention. RoPE needs Megatron's zigzag split under CP; the
@@ -188,8 +189,6 @@ def test_hybrid_model_on_packed_batches_matches_each_document_alone(seed):
     """GLA and softmax layers on a packed batch at CP = 1, 2, 3, per-document and whole-sequence
     splits: logits and all parameter gradients equal every document run alone at CP = 1 (float64);
     rotary embeddings with the whole-sequence split under CP are refused."""
-    from reference import rel_err
-
     (ref,) = run_ranks(_packed_hybrid_worker, 1, seed)
     for world in (1, 2, 3):
         results = [ref] if world == 1 else run_ranks(_packed_hybrid_worker, world, seed)
