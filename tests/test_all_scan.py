@@ -7,6 +7,7 @@ transports: the group's messages, and peer memory (host shared memory and the
 Triton hop kernel under TRITON_INTERPRET=1 here; symmetric memory on GPUs).
 """
 
+import contextlib
 import itertools
 import time
 
@@ -98,8 +99,10 @@ def _slow_receiver_worker(rank, world, seed, calls):
     must wait for the acknowledgements, never overwrite a tile its receiver has not read. Slow
     ranks: all but one (a different one each call); or, under zigzag on even calls, rank 0 alone,
     which then reads the return leg's map late while the map's sender is already in the next call.
+    One more rank is late at random before and after each of its kernels (``inject.scan_delays``).
     64 key rows in one block move as two 32-row tiles; on every other call of a rank its kernels run
     as one program taking every tile in turn (as sends beside the local work do on GPUs)."""
+    from megatron_zeco.comm import inject
     from megatron_zeco.kernels import scan_hop
 
     group = dist.group.WORLD
@@ -112,9 +115,11 @@ def _slow_receiver_worker(rank, world, seed, calls):
         gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         deltas = [torch.randn(3, 64, 2, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         slow = rank == 0 if layout is Layout.ZIGZAG and call % 2 == 0 else rank != call % world
-        entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=layout,
-                               group=group, num_blocks=1, transport="peer_memory",
-                               while_waiting=(lambda: time.sleep(0.3)) if slow else None)
+        late = inject.scan_delays(0.05, seed=seed + call) if rank == (call + 1) % world else contextlib.nullcontext()
+        with late:
+            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=layout,
+                                   group=group, num_blocks=1, transport="peer_memory",
+                                   while_waiting=(lambda: time.sleep(0.3)) if slow else None)
         want, _ = _fold(gammas, deltas, None, range(pieces))
         if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
             failures.append(f"call {call} {layout.value}")

@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import inject
 from .layout import Layout
 from .peer import peer_all_scan, resolve_transport
 
@@ -99,14 +100,17 @@ def chain_scan(
             elif link.src is not None:
                 x = like.new_empty(block_shape)
                 src = dist.get_global_rank(group, link.src)
+                inject.delay(x.device)  # test hook: no-op unless a stress test sets delays
                 with _naming_failures(what, f"receiving block {b} of the state leaving piece "
                                             f"{link.piece - shift} from global rank {src}"):
                     dist.recv(x, src, group=group, tag=tag(link.piece - shift, b))
+                inject.delay(x.device)
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
             y = step(link.slot, r, x)
             if link.dst is not None:
                 dst = dist.get_global_rank(group, link.dst)
+                inject.delay(y.device)
                 sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)

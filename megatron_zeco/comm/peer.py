@@ -33,6 +33,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from . import inject
 from .layout import Layout, Link
 
 Tensor = torch.Tensor
@@ -279,6 +280,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         beside = main is not None and i < wait_at
         programs = _ASIDE_PROGRAMS if beside else None
         with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
+            inject.delay(like.device)  # test hook: no-op unless a stress test sets delays
             if launch.kind == "map":
                 all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
                              regions, *strides, ch.decays, *sizes, has_src=launch.waits, programs=programs)
@@ -292,6 +294,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                              has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
                              programs=programs)
                 y_a = y
+            inject.delay(like.device)
         last = y if final.last else last
     if wait_at == len(plan):
         if while_waiting is not None:
