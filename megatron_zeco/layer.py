@@ -32,7 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .comm import as_layout
 from .comm.peer import TRANSPORTS
-from .cp import STRATEGIES, zeco_gla
+from .cp import STRATEGIES, cp_plan, planned_gla
 from .cp.checks import check_inputs
 from .ops import require_backend
 
@@ -75,6 +75,8 @@ class GatedLinearAttention(MegatronModule):
             sequence cut by ``cp_layout``: ``--dataloader-inter-document-masking`` without
             ``--sft``), or ``auto``: that rule applied to Megatron-LM's arguments when they
             are set (``pretrain_gpt.py``), else ``document``.
+        cp_node_size: ranks of the CP group per node (``node_size`` of :func:`megatron_zeco.zeco_gla`;
+            None: from the hosts, or ``$MEGATRON_ZECO_NODE_SIZE``).
         gate_low_rank_dim, gate_normalizer: GLA's forget-gate parameterisation.
         gate_timescales: ``(shortest, longest)`` memory in tokens: initialise the gate
             bias so that channel decays start at ``exp(-1/tau)``, tau log-uniform in
@@ -97,6 +99,7 @@ class GatedLinearAttention(MegatronModule):
         cp_transport: str = "auto",
         cp_piece_split: Optional[int] = None,
         cp_packed_split: str = "auto",
+        cp_node_size: Optional[int] = None,
         gate_low_rank_dim: int = 16,
         gate_normalizer: float = 16.0,
         gate_timescales: Optional[Tuple[float, float]] = None,
@@ -121,7 +124,8 @@ class GatedLinearAttention(MegatronModule):
         self.heads_per_rank = self.num_heads // tp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split, self.cp_overlap_scan, self.cp_transport = cp_packed_split, cp_overlap_scan, cp_transport
-        self.cp_piece_split = cp_piece_split
+        self.cp_piece_split, self.cp_node_size = cp_piece_split, cp_node_size
+        self._plan = None  # the CP plan, built at the first forward (it needs the device; collective)
         self.gate_normalizer = gate_normalizer
         self._validated = False
         self._warned_rotary = False
@@ -200,9 +204,11 @@ class GatedLinearAttention(MegatronModule):
         name = f"GatedLinearAttention (layer {self.layer_number})"
         if not self._validated:
             self._validate(q, k, v, g, group, strategy, name, packed)
-        o, _ = zeco_gla(q, k, v, g, group=group, strategy=strategy, layout=self.cp_layout,
-                        num_blocks=self.cp_num_blocks, overlap=self.cp_overlap_scan, transport=self.cp_transport,
-                        piece_split=self._piece_split(packed), validate=False, name=name, **packed)
+        if self._plan is None:
+            self._plan = cp_plan(group, strategy=strategy, layout=self.cp_layout, num_blocks=self.cp_num_blocks,
+                                 overlap=self.cp_overlap_scan, transport=self.cp_transport,
+                                 node_size=self.cp_node_size, like=q, name=name)
+        o, _ = planned_gla(self._plan, q, k, v, g, piece_split=self._piece_split(packed), **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight

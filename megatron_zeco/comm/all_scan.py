@@ -150,6 +150,7 @@ def all_scan(
     num_blocks: int = 1,
     reverse: bool = False,
     transport: str = "auto",
+    node_size: Optional[int] = None,
     what: str = "All-Scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,

@@ -24,7 +24,6 @@ job then stops at its next NCCL collective, when the process group's watchdog ti
 
 import contextlib
 import os
-import socket
 import tempfile
 import uuid
 import warnings
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from . import inject
 from .layout import Layout, Link
+from .nodes import host_nodes
 
 Tensor = torch.Tensor
 TRANSPORTS = ("auto", "send_recv", "peer_memory")
@@ -64,16 +64,9 @@ def resolve_transport(transport: str, group, like: Tensor) -> str:
     return transport
 
 
-_HOSTS: Dict[object, bool] = {}
-
-
 def _one_host(group) -> bool:
     """Whether every rank of ``group`` runs on this host (asked once per group; collective)."""
-    if group not in _HOSTS:
-        names: List[Optional[str]] = [None] * group.size()
-        dist.all_gather_object(names, socket.gethostname(), group=group)
-        _HOSTS[group] = len(set(names)) == 1
-    return _HOSTS[group]
+    return len(set(host_nodes(group))) == 1
 
 
 class PeerBuffers:

@@ -18,17 +18,17 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..comm import Layout, as_layout
+from ..comm import Layout
 from ..comm.functional import broadcast
-from ..comm.peer import resolve_transport
 from .a2a import a2a_gla
 from .checks import STRATEGIES, check_inputs, packed_problems, split_problems
 from .local import LocalGLA
 from .packed import Packing, packed_positions
+from .plan import CPPlan, cp_plan
 from .ring import RingGLA
 from .scan import ScanGLA
 
-__all__ = ["zeco_gla", "packed_positions", "STRATEGIES"]
+__all__ = ["zeco_gla", "planned_gla", "cp_plan", "CPPlan", "packed_positions", "STRATEGIES"]
 
 
 def zeco_gla(
@@ -44,6 +44,7 @@ def zeco_gla(
     num_blocks: int = 1,
     overlap: Optional[bool] = None,
     transport: str = "auto",
+    node_size: Optional[int] = None,
     initial_state: Optional[torch.Tensor] = None,
     output_final_state: bool = False,
     cu_seqlens: Optional[torch.Tensor] = None,
@@ -88,6 +89,8 @@ def zeco_gla(
             ranks on one node). ``auto``: ``$MEGATRON_ZECO_TRANSPORT`` if set, else
             ``peer_memory`` for CUDA tensors when the group is on one node, else ``send_recv``.
             The same numbers either way (up to a fused multiply-add's rounding).
+        node_size: ranks of ``group`` per node, consecutive in group rank order (None: from the
+            hosts, or ``$MEGATRON_ZECO_NODE_SIZE``): where hops between nodes cost most.
         initial_state: ``[B, H, K, V]`` state before the first token, the same on
             every rank; its gradient is split over the ranks (their sum is the
             gradient), as Megatron's CP gradient reduction expects.
@@ -126,36 +129,45 @@ def zeco_gla(
         check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout,
                      num_blocks=num_blocks, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      per_document=per_document, transport=transport, piece_split=piece_split)
-    layout = as_layout(layout)
-    world = 1 if group is None else group.size()
-    if piece_split is None:
-        piece_split = 2 if (strategy == "zeco" and world > 1 and cu_seqlens is None and layout is Layout.CONTIGUOUS
-                            and q.shape[1] % 2 == 0) else 1
-    if overlap is None:
-        overlap = strategy == "zeco" and world > 1 and resolve_transport(transport, group, q) == "peer_memory"
-    if strategy not in STRATEGIES:  # reached only with validate=False
+    elif strategy not in STRATEGIES:
         raise ValueError(f"zeco_gla: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if not validate and (cu_seqlens is not None or per_document or piece_split != 1):  # local and cheap
-        problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
-        problems += split_problems(q, piece_split, cu_seqlens, len(layout.pieces(0, world)))
+    plan = cp_plan(group, strategy=strategy, layout=layout, num_blocks=num_blocks, overlap=overlap,
+                   transport=transport, node_size=node_size, like=q, name=name)
+    return planned_gla(plan, q, k, v, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, per_document=per_document,
+                       piece_split=piece_split, checked=validate)
+
+
+def planned_gla(plan: CPPlan, q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+                cu_seqlens=None, per_document=False, piece_split=None, checked=False):
+    """:func:`zeco_gla` under a plan built beforehand (:func:`cp_plan`, once per layer); the same
+    arguments and result. ``checked``: the inputs passed :func:`check_inputs` (else only the local,
+    cheap checks run)."""
+    layout, world = plan.layout, plan.world
+    if piece_split is None:
+        piece_split = 2 if (plan.strategy == "zeco" and world > 1 and cu_seqlens is None
+                            and layout is Layout.CONTIGUOUS and q.shape[1] % 2 == 0) else 1
+    if not checked and (cu_seqlens is not None or per_document or piece_split != 1):
+        problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, plan.strategy,
+                                   world)
+        problems += split_problems(q, piece_split, cu_seqlens, plan.pieces_per_rank)
         if problems:
             raise ValueError("zeco_gla: invalid input: " + "; ".join(problems))
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    packing = None if cu_seqlens is None else Packing.cached(cu_seqlens, layout, world, 0 if world == 1 else group.rank(),
-                                                             q.shape[1], per_document, q.device)
+    packing = None if cu_seqlens is None else Packing.cached(cu_seqlens, layout, world, plan.rank, q.shape[1],
+                                                             per_document, q.device)
     if world == 1:  # one rank: every strategy is the local op, nothing to pass
         o, final = LocalGLA.apply(q, k, v, g, initial_state, scale, output_final_state,
                                   *(() if packing is None else (packing.documents, packing.documents_cpu)))
         return o, (final if output_final_state else None)
-    if strategy == "a2a":
+    group = plan.group
+    if plan.strategy == "a2a":
         return a2a_gla(q, k, v, g, initial_state, scale, layout, group, output_final_state, packing)
-    if strategy == "lasp1":
-        o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, name)
+    if plan.strategy == "lasp1":
+        o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, plan.name)
     else:
-        o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, layout, group, num_blocks,
-                                 strategy == "zeco", overlap, output_final_state, name, packing, transport,
-                                 piece_split)
+        o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, plan, output_final_state, packing, piece_split)
     if not output_final_state:
         return o, None
     last_piece = layout.num_pieces(world) - 1

@@ -26,16 +26,14 @@ node: ``comm/peer.py``); ``lasp2`` with an all-gather.
 import torch
 
 from ..comm import all_scan, gather_scan
-from ..comm.peer import resolve_transport
 from ..ops import gla_piece
 from .local import initial_state_grad
 
 
 class ScanGLA(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, num_blocks, use_all_scan, overlap, output_final_state,
-                name, packing=None, transport="auto", piece_split=1):
-        n = len(layout.pieces(0, group.size()))
+    def forward(ctx, q, k, v, g, h0, scale, plan, output_final_state, packing=None, piece_split=1):
+        n = plan.pieces_per_rank
         pieces = _Pieces(n, piece_split) if packing is None else packing
         piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
                           cu_seqlens_cpu=pieces.cu_cpu)
@@ -43,12 +41,12 @@ class ScanGLA(torch.autograd.Function):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
-        _, last = _scan(_slots(gamma, n), _slots(E, n), h0, layout, group, num_blocks, use_all_scan, transport, name,
-                        overlap, reverse=False, out=_slots(S_in, n), between=piece.before_output)
+        _, last = _scan(_slots(gamma, n), _slots(E, n), h0, plan, reverse=False, out=_slots(S_in, n),
+                        between=piece.before_output)
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
-        ctx.scan_args = (layout, group, num_blocks, use_all_scan, transport, name, overlap)
+        ctx.plan = plan
         if last is None and output_final_state:  # zeco_gla broadcasts it from the rank that has it
             last = E.new_zeros(q.shape[0], *E.shape[1:])
         return o.reshape(*q.shape[:3], o.shape[-1]), last
@@ -59,12 +57,12 @@ class ScanGLA(torch.autograd.Function):
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D = torch.empty_like(A)
-        Ds, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, *ctx.scan_args, reverse=True, out=_slots(D, n),
+        Ds, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
                         between=piece.before_grads)
         grads = piece.grads(pieces.final_grads(D))
         dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
         dh0 = initial_state_grad(ctx, dh0, Ds[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dg, dh0, None, None, None, None, None
 
 
 class _Pieces:
@@ -140,27 +138,27 @@ def _slots(x, n):
 _SIDE_STREAMS = {}
 
 
-def _scan(gamma, delta, init, layout, group, num_blocks, use_all_scan, transport, name, overlap, reverse, out,
-          between):
+def _scan(gamma, delta, init, plan, reverse, out, between):
     """The scan, with ``between()`` (local work that needs no scan result) issued where the rank
     would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan after.
 
-    With ``overlap`` on CUDA a side stream runs alongside ``between()``: over peer memory, the
+    With ``plan.overlap`` on CUDA a side stream runs alongside ``between()``: over peer memory, the
     rank's sends that wait for nobody (what it issues before its first wait); otherwise the whole
     scan. The current stream then waits for the side stream (no host synchronisation); what the
     side stream allocated is marked as used on the current one.
     """
-    what = f"{name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
+    use_all_scan = plan.strategy == "zeco"
+    what = f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     side, device = None, delta[0].device
-    if overlap and delta[0].is_cuda:
+    if plan.overlap and delta[0].is_cuda:
         if device not in _SIDE_STREAMS:
             _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side = _SIDE_STREAMS[device]
-    kw = dict(layout=layout, group=group, reverse=reverse, what=what, out=out)
+    kw = dict(layout=plan.layout, group=plan.group, reverse=reverse, what=what, out=out)
     if use_all_scan:
-        kw.update(num_blocks=num_blocks, transport=transport)
-        if side is None or resolve_transport(transport, group, delta[0]) == "peer_memory":
+        kw.update(num_blocks=plan.num_blocks, transport=plan.transport, node_size=plan.node_size)
+        if side is None or plan.transport == "peer_memory":
             return all_scan(gamma, delta, init, **kw, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan
     if side is None:  # the all-gather scan
