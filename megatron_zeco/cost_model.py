@@ -164,6 +164,24 @@ def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int,
     return [(n, tau) for n, tau in taus if n]
 
 
+# Per-hop software cost of a scan hop beyond the wire, by transport (docs/scaling.md): a host-issued
+# message (send/recv), a device-side flag wait and combine (peer memory).
+HOP_COST = {"send_recv": 60e-6, "peer_memory": 3e-6}
+
+
+def scan_path(hops: tuple[int, int], state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> float:
+    """Seconds on the critical path of ``hops`` = (inside nodes, between nodes) hops of one state."""
+    intra, inter = hops
+    hop = HOP_COST[transport]
+    return intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes))
+
+
+def prefer_hierarchical(chain_hops: tuple[int, int], tree_hops: tuple[int, int], state_bytes: float,
+                        transport: str) -> bool:
+    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts."""
+    return scan_path(tree_hops, state_bytes, transport) < scan_path(chain_hops, state_bytes, transport)
+
+
 def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
     """(communication, fold) of LASP-2's all-gather scan: every piece's (state | gamma) to all."""
     nbytes = w.pieces * w.heads * w.k_dim * (w.v_dim + 1) * 4

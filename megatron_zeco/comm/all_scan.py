@@ -26,14 +26,17 @@ Both take the group explicitly and address peers through it (global ranks from
 ``dist.get_global_rank``), so any Megatron context-parallel group works.
 """
 
-import contextlib
+import os
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import inject
+from .failures import naming_failures as _naming_failures
+from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
+from .nodes import group_nodes
 from .peer import peer_all_scan, resolve_transport
 
 Tensor = torch.Tensor
@@ -130,16 +133,6 @@ def _join(blocks: List[Tensor]) -> Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
 
 
-@contextlib.contextmanager
-def _naming_failures(what: str, doing: str):
-    """Re-raise a communication failure (dead peer, timeout) with what was being done, and by whom."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise RuntimeError(f"{what}: global rank {dist.get_rank()} failed {doing} "
-                           f"(the peer died, stalled past the process group's timeout, or diverged): {e}") from e
-
-
 def all_scan(
     gamma: Sequence[Tensor],
     delta: Sequence[Tensor],
@@ -151,6 +144,7 @@ def all_scan(
     reverse: bool = False,
     transport: str = "auto",
     node_size: Optional[int] = None,
+    shape: str = "auto",
     what: str = "All-Scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,
@@ -165,6 +159,12 @@ def all_scan(
         transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
             (one-sided stores into the peers' memory, one kernel per piece: ``peer.py``)
             or ``auto`` (peer memory for CUDA states on one node).
+        node_size: ranks per node, consecutive in group rank order (None: from the hosts, or
+            ``$MEGATRON_ZECO_NODE_SIZE``; ``comm.nodes``).
+        shape: ``chain`` (the pipelined chain through every piece), ``hierarchical`` (chains
+            inside nodes, a log-depth scan between them: ``hierarchical.py``; send/recv), or
+            ``auto``: ``$MEGATRON_ZECO_SCAN_SHAPE`` if set, else the one the cost model finds faster
+            for this group's nodes and transport (the chain on one node).
         out: per local slot, where ``S_in`` goes (e.g. the slots' views of one batch, which
             the peer-memory kernel writes in place), or None.
         while_waiting: as :func:`chain_scan`: local work issued before this rank first waits
@@ -176,7 +176,13 @@ def all_scan(
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
         chain on the rank that ends it.
     """
-    if resolve_transport(transport, group, delta[0]) == "peer_memory":
+    transport = resolve_transport(transport, group, delta[0])
+    if scan_shape(shape, layout, group, node_size, transport, delta[0], what) == "hierarchical":
+        if aside is not None:
+            raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
+        return hierarchical_scan(gamma, delta, init, layout=layout, group=group, nodes=_nodes(group, node_size, what),
+                                 reverse=reverse, what=what, out=out, while_waiting=while_waiting)
+    if transport == "peer_memory":
         return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
                              out=out, while_waiting=while_waiting, aside=aside)
     if aside is not None:
@@ -187,6 +193,51 @@ def all_scan(
 
     return chain_scan(combine, init, delta[0], layout=layout, group=group,
                       num_blocks=num_blocks, reverse=reverse, what=what, out=out, while_waiting=while_waiting)
+
+
+SHAPES = ("auto", "chain", "hierarchical")
+SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
+
+
+def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], transport: str, like: Tensor,
+               what: str = "All-Scan") -> str:
+    """``chain`` or ``hierarchical``: the shape an All-Scan of states like ``like`` takes over ``group``
+    (see :func:`all_scan`). Looks up the group's nodes (collective the first time per group)
+    unless the shape is given."""
+    if shape == "auto":
+        shape = os.environ.get(SHAPE_ENV) or "auto"
+    if shape not in SHAPES:
+        raise ValueError(f"unknown All-Scan shape {shape!r}; expected one of {', '.join(SHAPES)} "
+                         f"(argument shape, or ${SHAPE_ENV})")
+    if shape == "hierarchical" and transport != "send_recv":
+        raise ValueError(f"All-Scan shape 'hierarchical' runs over transport 'send_recv', not {transport!r}")
+    if shape != "auto":
+        return shape
+    world = group.size()
+    if world < 3 or transport != "send_recv":
+        return "chain"
+    nodes = _nodes(group, node_size, what)
+    if len(set(nodes)) == 1:
+        return "chain"
+    from ..cost_model import prefer_hierarchical  # standard library only
+
+    state_bytes = like.numel() * like.element_size()
+    walk = Walk(layout, world, nodes, reverse=False)
+    return "hierarchical" if prefer_hierarchical(_chain_hops(walk, nodes), walk.depth(), state_bytes, transport) \
+        else "chain"
+
+
+def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:
+    """(hops inside nodes, hops between nodes) of the chain through every piece of ``walk``."""
+    ranks = [rank for rank, _ in walk.owners]
+    pairs = [(a, b) for a, b in zip(ranks, ranks[1:]) if a != b]
+    inter = sum(nodes[a] != nodes[b] for a, b in pairs)
+    return len(pairs) - inter, inter
+
+
+def _nodes(group, node_size: Optional[int], what: str) -> Tuple[int, ...]:
+    with _naming_failures(what, "agreeing on which ranks of the group share a node"):
+        return group_nodes(group, node_size)
 
 
 def gather_scan(

@@ -1,0 +1,244 @@
+"""All-Scan across nodes in log depth: chains inside nodes, a Kogge-Stone scan between them.
+
+A chain over P ranks puts P - 1 hops on the critical path, and across nodes those hops cost most.
+The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
+``(g2, d2) o (g1, d1) = (g2 g1, g2 d1 + d2)``, so the scan can take another shape:
+
+* The walk (pieces in scan order) is cut into *segments*: maximal runs of pieces held by ranks of
+  one node (``comm.nodes``). Contiguous layout: one segment per node. Zigzag: the walk goes up
+  the ranks and back down, so each node has a front and a back segment (the last node one).
+* **A**, inside each segment, in parallel: a chain of *prefix maps*. Piece i gets the composite
+  of the segment's pieces before it, ``(Gamma_i, S_i)``, and passes ``(g_i Gamma_i,
+  g_i S_i + d_i)`` on; the last piece's owner (the segment's *leader*) holds the segment's map.
+  The first segment starts from the scan's initial state, so its prefixes are states.
+* **B**, between segments: a Kogge-Stone scan of the segments' maps among the leaders:
+  ceil(log2 M) rounds for M segments; in round r the leader of segment j sends its composite to
+  the leader of j + 2^r and composes what it gets from j - 2^r. The leader of segment j then
+  holds the state leaving it.
+* **C**: that state goes to the first rank of segment j + 1 (one hop between nodes), which passes
+  it to the segment's other ranks (inside the node); each piece's incoming state is then
+  ``Gamma_i X + S_i``.
+
+The critical path is (segment length - 1) + ceil(log2 M) + 2 hops instead of P - 1 (contiguous)
+or 2P - 1 (zigzag); a rank sends at most one map per round of B (ceil(log2 M) states, against the
+chain's one). Backward is the same over the reversed walk. Exact: the same compositions in
+another order (rounding aside).
+
+This module moves the maps as the group's point-to-point messages, one grouped call
+(``batch_isend_irecv``) per step, every block of rows in one message: the host work per step is
+one call whatever the blocks (``num_blocks`` pipelines the device transports, where blocks are
+cheap).
+"""
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import inject
+from .failures import naming_failures
+from .layout import Layout
+
+Tensor = torch.Tensor
+
+
+class Walk:
+    """The walk of a scan over ``layout``'s pieces on a group whose ranks sit on ``nodes``, cut into
+    segments (see the module docstring). Every rank builds the same one."""
+
+    def __init__(self, layout: Layout, world: int, nodes: Sequence[int], reverse: bool):
+        n = layout.num_pieces(world)
+        order = range(n - 1, -1, -1) if reverse else range(n)
+        self.owners: List[Tuple[int, int]] = [layout.owner(p, world) for p in order]  # (rank, slot) per step
+        self.segments: List[List[int]] = []  # walk indices of each segment
+        for i, (rank, _) in enumerate(self.owners):
+            if i == 0 or nodes[rank] != nodes[self.owners[i - 1][0]]:
+                self.segments.append([])
+            self.segments[-1].append(i)
+        self.segment_of = [j for j, seg in enumerate(self.segments) for _ in seg]
+
+    def rank(self, i: int) -> int:
+        return self.owners[i][0]
+
+    def leader(self, j: int) -> int:
+        """The rank holding segment ``j``'s last piece."""
+        return self.rank(self.segments[j][-1])
+
+    @property
+    def rounds(self) -> int:
+        return math.ceil(math.log2(len(self.segments))) if len(self.segments) > 1 else 0
+
+    def depth(self) -> Tuple[int, int]:
+        """(hops inside nodes, hops between nodes) on the critical path: the longest segment's chain
+        and the forwarding inside the receiving segment; the rounds of B and the hop of C."""
+        longest = max(len(seg) for seg in self.segments)
+        if len(self.segments) == 1:
+            return longest - 1, 0
+        return (longest - 1) + 1, self.rounds + 1
+
+
+def hierarchical_scan(
+    gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *, layout: Layout, group,
+    nodes: Sequence[int], reverse: bool = False, what: str = "All-Scan", out: Optional[Sequence[Tensor]] = None,
+    while_waiting: Optional[Callable[[], None]] = None,
+) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape (module docstring), over the
+    group's point-to-point messages; the same arguments (``nodes``: the node of each group rank)
+    and result."""
+    world, me = group.size(), group.rank()
+    walk = Walk(layout, world, nodes, reverse)
+    mine = [i for i, (rank, _) in enumerate(walk.owners) if rank == me]
+    like = delta[0]
+    steps = _Steps(group, what, while_waiting)
+
+    # A: prefix maps inside each segment. prefix[i] = (Gamma_i, S_i) for this rank's walk index i.
+    prefix: Dict[int, Tuple[Tensor, Tensor]] = {}
+    for i in mine:
+        if walk.segments[walk.segment_of[i]][0] == i:
+            if i == 0:  # the first segment starts from the initial state: its prefixes are states
+                state = like.new_zeros(like.shape) if init is None else init.to(like.dtype).expand(like.shape)
+                prefix[i] = (like.new_zeros(gamma[0].shape), state)
+            else:
+                prefix[i] = (like.new_ones(gamma[0].shape), like.new_zeros(like.shape))
+    position = {i: i - walk.segments[walk.segment_of[i]][0] for i in range(len(walk.owners))}
+    longest = max(len(seg) for seg in walk.segments)
+    for t in range(longest - 1):
+        sends, recvs = [], []
+        for i in mine:
+            if position[i] == t and i + 1 < len(walk.owners) and walk.segment_of[i + 1] == walk.segment_of[i]:
+                nxt = _compose(gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
+                if walk.rank(i + 1) == me:
+                    prefix[i + 1] = nxt
+                else:
+                    sends.append((walk.rank(i + 1), _pack(*nxt), f"the prefix map of piece step {i + 1}"))
+            if position[i] == t + 1 and walk.rank(i - 1) != me:
+                recvs.append((walk.rank(i - 1), i))
+        got = steps.run(sends, [(src, _empty_map(like)) for src, _ in recvs], f"inside a node, step {t}")
+        for (_, i), buffer in zip(recvs, got):
+            prefix[i] = _unpack(buffer)
+
+    # B: Kogge-Stone over the segments' maps, among the leaders.
+    M = len(walk.segments)
+    led = [j for j in range(M) if walk.leader(j) == me]
+    composite = {}
+    for j in led:
+        i = walk.segments[j][-1]
+        composite[j] = _compose(gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
+    for r in range(walk.rounds):
+        d = 1 << r
+        sends, recvs, local = [], [], {}
+        for j in led:
+            if j + d < M:
+                if walk.leader(j + d) == me:
+                    local[j + d] = composite[j]
+                else:
+                    sends.append((walk.leader(j + d), _pack(*composite[j]), f"segment {j}'s map (round {r})"))
+            if j >= d and walk.leader(j - d) != me:
+                recvs.append((walk.leader(j - d), j))
+        got = steps.run(sends, [(src, _empty_map(like)) for src, _ in recvs], f"between nodes, round {r}")
+        earlier = {**local, **{j: _unpack(buffer) for (_, j), buffer in zip(recvs, got)}}
+        composite = {j: (_then(composite[j], earlier[j]) if j in earlier else composite[j]) for j in led}
+
+    # C: the state leaving segment j (now held by its leader) enters segment j + 1.
+    entering: Dict[int, Tensor] = {}
+    sends, recvs = [], []
+    for j in range(M - 1):
+        first = walk.rank(walk.segments[j + 1][0])
+        if walk.leader(j) == me:
+            if first == me:
+                entering[j + 1] = composite[j][1]
+            else:
+                sends.append((first, composite[j][1], f"the state entering segment {j + 1}"))
+        elif first == me:
+            recvs.append((walk.leader(j), j + 1))
+    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "into the next node")
+    entering.update({j: x for (_, j), x in zip(recvs, got)})
+    sends, recvs = [], []
+    for j in range(1, M):
+        first = walk.rank(walk.segments[j][0])
+        others = sorted({walk.rank(i) for i in walk.segments[j]} - {first})
+        if first == me:
+            sends += [(rank, entering[j], f"the state entering segment {j}") for rank in others]
+        elif me in others:
+            recvs.append((first, j))
+    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "inside the next node")
+    entering.update({j: x for (_, j), x in zip(recvs, got)})
+    steps.finish()
+
+    inputs: List[Optional[Tensor]] = [None] * len(delta)
+    last = None
+    for i in mine:
+        slot, j = walk.owners[i][1], walk.segment_of[i]
+        Gamma, S = prefix[i]
+        x = S if j == 0 else torch.addcmul(S, Gamma.unsqueeze(-1), entering[j])
+        inputs[slot] = x if out is None else out[slot].copy_(x)
+        if i == len(walk.owners) - 1:
+            last = torch.addcmul(delta[slot], gamma[slot].unsqueeze(-1), x)
+    return inputs, last
+
+
+def _compose(g: Tensor, d: Tensor, Gamma: Tensor, S: Tensor) -> Tuple[Tensor, Tensor]:
+    """The map ``(g, d) o (Gamma, S)``: a piece applied after a prefix."""
+    return g * Gamma, torch.addcmul(d, g.unsqueeze(-1), S)
+
+
+def _then(later: Tuple[Tensor, Tensor], earlier: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
+    """``later o earlier``."""
+    return _compose(*later, *earlier)
+
+
+def _pack(Gamma: Tensor, S: Tensor) -> Tensor:
+    """A map as one message ``[..., K, V + 1]``: the state, then the decays as a last column."""
+    return torch.cat([S, Gamma.unsqueeze(-1)], dim=-1).contiguous()
+
+
+def _unpack(message: Tensor) -> Tuple[Tensor, Tensor]:
+    return message[..., -1], message[..., :-1]
+
+
+def _empty_map(like: Tensor) -> Tensor:
+    return like.new_empty((*like.shape[:-1], like.shape[-1] + 1))
+
+
+class _Steps:
+    """One grouped call of sends and receives per step; ``while_waiting`` before the first step that
+    receives (the rank's first wait for a peer), else at the end."""
+
+    def __init__(self, group, what: str, while_waiting: Optional[Callable[[], None]]):
+        self.group, self.what, self.while_waiting = group, what, while_waiting
+        self.pending: List[Tuple[str, object]] = []
+
+    def run(self, sends: List[Tuple[int, Tensor, str]], recvs: List[Tuple[int, Tensor]], step: str) -> List[Tensor]:
+        """Post ``sends`` (group rank, tensor, what it is) and ``recvs`` (group rank, buffer) as one
+        grouped call; return the buffers once received (sends complete in :meth:`finish`)."""
+        if recvs and self.while_waiting is not None:
+            self.while_waiting()
+            self.while_waiting = None
+        device = (sends[0][1] if sends else recvs[0][1]).device if sends or recvs else None
+        ops = []
+        for rank, tensor, _ in sends:
+            inject.delay(device)  # test hook: no-op unless a test sets delays or link latency
+            ops.append(dist.P2POp(dist.isend, tensor, dist.get_global_rank(self.group, rank), self.group))
+        ops += [dist.P2POp(dist.irecv, buffer, dist.get_global_rank(self.group, rank), self.group)
+                for rank, buffer in recvs]
+        if not ops:
+            return []
+        works = dist.batch_isend_irecv(ops)
+        for work, (rank, tensor, thing) in zip(works, sends):
+            self.pending.append((f"sending {thing} to global rank {dist.get_global_rank(self.group, rank)}", work))
+        peers = ", ".join(str(dist.get_global_rank(self.group, rank)) for rank, _ in recvs)
+        with naming_failures(self.what, f"receiving ({step}) from global rank(s) {peers}"):
+            for work in works[len(sends):]:
+                work.wait()
+        for _ in recvs:
+            inject.delay(device)
+        return [buffer for _, buffer in recvs]
+
+    def finish(self) -> None:
+        if self.while_waiting is not None:
+            self.while_waiting()
+            self.while_waiting = None
+        for doing, work in self.pending:
+            with naming_failures(self.what, doing):
+                work.wait()
