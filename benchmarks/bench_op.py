@@ -1,4 +1,4 @@
-"""Operator benchmark (issue 4): GLA fwd+bwd under every CP strategy, All-Scan alone, accuracy.
+"""Operator benchmark: GLA fwd+bwd under every CP strategy, All-Scan alone, accuracy.
 
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --out results/op.json
     python benchmarks/plot_op.py results/op.json docs/img/op.png

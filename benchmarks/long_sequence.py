@@ -1,4 +1,4 @@
-"""Long sequences on GPUs (issue 6): memory per GPU against tokens per GPU, and a 1M-token check.
+"""Long sequences on GPUs: memory per GPU against tokens per GPU, and a 1M-token check.
 
     torchrun --nproc-per-node 2 benchmarks/long_sequence.py --out results/long.json
 

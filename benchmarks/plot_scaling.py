@@ -1,4 +1,4 @@
-"""Projected CP efficiency vs P per strategy from the calibrated cost model (issue 5).
+"""Projected CP efficiency vs P per strategy from the calibrated cost model.
 
     python benchmarks/plot_scaling.py > /tmp/scaling-tables.md
 
@@ -23,7 +23,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 PS = [2 ** i for i in range(1, 11)]
 HEADS, DIM = 16, 128  # the measured shape (and GLA-1B's: 16 heads of 128)
 COLORS = {"zeco": "tab:blue", "lasp2": "tab:orange", "lasp1": "tab:red", "a2a": "tab:green"}
-# ZeCO paper (BRIEF section 2), reported, not verified here: efficiency = no-CP / ZeCO at the same P.
+# ZeCO paper (Chou et al., NeurIPS 2025), reported, not verified here: efficiency = no-CP / ZeCO at the same P.
 PAPER_OP_16K = {8: 6.39 / 7.32, 128: 6.12 / 9.88}  # GLA operator fwd+bwd, 16K tokens/GPU, H = 16
 PAPER_MODEL_32K = {"zeco": {8: 47.4 / 49.6, 256: 41.0 / 46.6}, "lasp2": {256: 25.4 / 46.6}}  # GLA-1B tokens/s
 
@@ -55,7 +55,7 @@ def efficiencies(cal, cluster, sw, strategy, layout, tokens, other_ms=0.0):
 
 def plot(rows, cal, cluster, tokens, path):
     fig, axes = plt.subplots(1, 2, figsize=(13, 6.2), sharey=True)
-    titles = ("as built (calibrated on 2 x H200, P = 2)", "issue-4 design (stated figures, not built)")
+    titles = ("as built (calibrated on 2 x H200, P = 2)", "overlapped design (stated figures, not built)")
     for ax, title, panel in zip(axes, titles, curves(cal, cluster, tokens)):
         for label, (sw, strategy, layout) in panel.items():
             style = "--" if "zigzag" in label else (":" if "exposed" in label else "-")

@@ -1,4 +1,4 @@
-"""Model-level throughput (issue 5): GLA-1B with Megatron-LM's pretrain_gpt.py on one node.
+"""Model-level throughput: GLA-1B with Megatron-LM's pretrain_gpt.py on one node.
 
     MEGATRON_LM=third_party/megatron-lm python benchmarks/throughput.py --gpus 2 --out results/throughput.json
 

@@ -1,4 +1,4 @@
-"""Cost model of GLA context parallelism: time of one layer per strategy as P grows (issue 5).
+"""Cost model of GLA context parallelism: time of one layer per strategy as P grows.
 
 Times are seconds of one GLA layer, forward + backward, on each of P GPUs holding ``tokens``
 tokens each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens per GPU.
@@ -19,7 +19,7 @@ The equations, the stated figures and their sources are in ``docs/scaling.md``; 
 
 Two sets of implementation costs (:class:`Software`): the code as built, fitted to the measured
 points by :func:`calibrate` (``docs/results/*.json``; a new measured point is a new JSON row),
-and :func:`target`, the design issue 4 describes (device-side All-Scan, state passes fused into
+and :func:`target`, the overlapped design (device-side All-Scan, state passes fused into
 the chunk kernels, scan overlapped with the local op), with stated figures.
 
 Standard library only: this module needs no torch and no GPU.
@@ -36,7 +36,7 @@ STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
 
 # Stated hardware figures (docs/scaling.md says why).
 HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
-FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200 (BRIEF section 3)
+FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd (ms), 16K tokens, H200
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH_BUILT = 10e-6  # as built, per folded piece: two eager kernels (multiply, add), ~5 us each
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
@@ -72,7 +72,7 @@ class Link:
         return self.latency + nbytes / self.bandwidth
 
 
-NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: NCCL all-to-all measured on the 2 H200 (BRIEF 3)
+NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: NCCL all-to-all measured on the 2 H200 (docs/scaling.md)
 INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU
 
 
@@ -257,7 +257,7 @@ class Calibration:
 
 def target(cal: Calibration, overlapped: bool = True, message: float = 2e-6, scan_call: float = 5e-6,
            overlap: float = 0.5, extra: float = 0.03) -> Software:
-    """The design of issue 4 (not built): calibrated costs where unchanged, stated figures elsewhere.
+    """The overlapped design (not built): calibrated costs where unchanged, stated figures elsewhere.
 
     All-Scan on the device: ``message`` per block and per hop (a signal wait and the combine) and
     one launch (``scan_call``) instead of host-issued NCCL messages; the state passes fused into fla's chunk
