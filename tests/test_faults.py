@@ -1,7 +1,10 @@
 """A CP peer that dies or stalls in the middle of a scan, forward or backward (real gloo processes).
 
 Every other rank must fail within the process group's timeout with an error naming the layer,
-the operation and the peer; none may hang or return a result.
+the operation and the peer; none may hang or return a result. Over peer memory (the Triton hop
+kernels, interpreted, over /dev/shm) the kernels' own waits are bounded by the group's timeout:
+the rank waiting on the faulty one gives up and names it, and the ranks after it in the chain give
+up at once, naming the rank that gave up first.
 """
 
 import datetime
@@ -16,7 +19,8 @@ from reference import problem
 
 PG_TIMEOUT = 5.0
 LAYER = "GatedLinearAttention (layer 7)"
-OPERATION = {"zeco": "zeco All-Scan", "lasp1": "lasp1 ring", "lasp2": "lasp2 all-gather scan"}
+OPERATION = {"zeco": "zeco All-Scan", "zeco@peer_memory": "zeco All-Scan", "lasp1": "lasp1 ring",
+             "lasp2": "lasp2 all-gather scan"}
 
 
 def _faulty(rank, world, strategy, fault, phase):
@@ -31,11 +35,16 @@ def _faulty(rank, world, strategy, fault, phase):
             time.sleep(3 * PG_TIMEOUT)
         return None  # "die": return at once; the process group is torn down under the peers
 
+    strategy, _, transport = strategy.partition("@")
+    kw = dict(group=group, strategy=strategy, layout="contiguous", validate=False, name=LAYER)
+    if transport:  # a first step together: the peer-memory buffers are set up (a collective) and used once
+        kw.update(transport=transport)
+        zeco_gla(*leaves, **kw)[0].sum().backward()
     if rank == bad and phase == "forward":
         return misbehave()
     start = time.monotonic()
     try:
-        o, _ = zeco_gla(*leaves, group=group, strategy=strategy, layout="contiguous", validate=False, name=LAYER)
+        o, _ = zeco_gla(*leaves, **kw)
         if rank == bad:
             return misbehave()
         o.sum().backward()
@@ -44,12 +53,12 @@ def _faulty(rank, world, strategy, fault, phase):
     return "finished without an error", time.monotonic() - start
 
 
-@pytest.mark.parametrize("strategy", ["zeco", "lasp1", "lasp2"])
+@pytest.mark.parametrize("strategy", ["zeco", "zeco@peer_memory", "lasp1", "lasp2"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, phase):
     world = 3
-    results = run_ranks(_faulty, world, strategy, fault, phase, pg_timeout=PG_TIMEOUT, timeout=120)
+    results = run_ranks(_faulty, world, strategy, fault, phase, pg_timeout=60, timeout=120)
     bad = 0 if phase == "forward" else world - 1
     for rank, result in enumerate(results):
         if rank == bad:
@@ -58,3 +67,44 @@ def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, p
         assert LAYER in message and OPERATION[strategy] in message and phase in message, message
         assert "global rank" in message, message
         assert elapsed < 3 * PG_TIMEOUT, f"rank {rank} took {elapsed:.1f} s: {message}"
+        if strategy.endswith("peer_memory"):  # the kernels' own bounded waits name the rank waited for
+            waited_on_bad = rank == (1 if phase == "forward" else world - 2)
+            assert f"from global rank {bad if waited_on_bad else rank + (-1 if phase == 'forward' else 1)}" \
+                in message, message
+            if waited_on_bad:
+                assert "none came within" in message, message
+
+
+def _relay(rank, world, timeouts):
+    """Peer memory: rank 0 stalls in the second scan; the others wait with their own timeouts."""
+    import os
+
+    import torch
+
+    from megatron_zeco.comm import Layout, all_scan
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    gamma, delta = [torch.rand(1, 2, 4, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
+    kw = dict(layout=Layout.CONTIGUOUS, group=group, transport="peer_memory", what=LAYER)
+    all_scan(gamma, delta, None, **kw)
+    dist.barrier(group=group)
+    if rank == 0:
+        time.sleep(timeouts[-1] + 5)
+        return None
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
+    start = time.monotonic()
+    try:
+        all_scan(gamma, delta, None, **kw)
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return "finished without an error", time.monotonic() - start
+
+
+def test_peer_memory_relays_a_give_up_down_the_chain():
+    """Rank 1 gives up on the stalled rank 0 after 2 s; rank 2, allowed 40 s, gives up as soon as rank 1's
+    poisoned flag arrives, naming rank 1 as the rank that gave up first."""
+    timeouts = [None, 2.0, 40.0]
+    _, (first, t1), (second, t2) = run_ranks(_relay, 3, timeouts, timeout=120)
+    assert "from global rank 0" in first and "none came within 2 s" in first, first
+    assert "from global rank 1" in second and "gave up first" in second, second
+    assert t2 < timeouts[2] / 2, f"rank 2 waited {t2:.1f} s: {second}"

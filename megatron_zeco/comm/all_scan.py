@@ -184,7 +184,7 @@ def all_scan(
                                  reverse=reverse, what=what, out=out, while_waiting=while_waiting)
     if transport == "peer_memory":
         return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                             out=out, while_waiting=while_waiting, aside=aside)
+                             out=out, while_waiting=while_waiting, aside=aside, what=what)
     if aside is not None:
         raise ValueError("all_scan: aside (a side stream for the sends) applies to transport 'peer_memory' only")
 

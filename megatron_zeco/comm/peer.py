@@ -18,8 +18,11 @@ Transports (``all_scan(transport=...)``, ``zeco_gla(transport=...)``):
 * ``auto`` (default): ``$MEGATRON_ZECO_TRANSPORT`` if set, else ``peer_memory`` for CUDA states
   when every rank of the group is on this host, else ``send_recv``.
 
-A rank that never arrives stalls its peers' scan kernels (they spin on their flags); the
-job then stops at its next NCCL collective, when the process group's watchdog times it out.
+A rank that never arrives (it died, or stalled) is reported, not spun on: every wait of the scan
+kernels is bounded by the group's timeout (or ``$MEGATRON_ZECO_SCAN_TIMEOUT`` seconds), measured
+on the GPU's clock. The rank that gives up marks the flags it raises from then on, so the ranks
+after it give up at once, and each rank raises :class:`ScanTimeoutError` at its next scan, naming
+the layer, the direction, the piece and the peer it waited for (:class:`Watch`).
 """
 
 import contextlib
@@ -33,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from . import inject
+from .failures import naming_failures
 from .layout import Layout, Link
 from .nodes import host_nodes
 
@@ -124,12 +128,14 @@ class _Launch(NamedTuple):
     zigzag turn-around), ``out`` (the same for a zigzag rank's outgoing piece a, keeping the state
     leaving it), ``map`` or ``close`` (the zigzag return leg: ``all_scan_map``, ``all_scan_close``;
     links = the rank's pieces a and b); the addresses of the regions it uses; whether it waits for
-    another rank."""
+    another rank; the group ranks it may wait for (the one whose data it receives, the one whose
+    acknowledgement it needs before sending again; None: no such wait), named when a wait times out."""
 
     kind: str
     links: List[Link]
     regions: Tuple[int, ...]
     waits: bool
+    peers: Tuple[Optional[int], Optional[int]]
 
 
 class _Channel:
@@ -173,7 +179,8 @@ class _Channel:
                     hops.append([link])
             return [_Launch("hop", hop, (region(rank, reverse, hop[0].slot), region(rank, reverse, hop[-1].slot),
                                          region(hop[0].src, reverse, hop[0].src_slot),
-                                         region(hop[-1].dst, reverse, hop[-1].dst_slot)), hop[0].src is not None)
+                                         region(hop[-1].dst, reverse, hop[-1].dst_slot)), hop[0].src is not None,
+                            (hop[0].src, hop[-1].dst))
                     for hop in hops]
 
         def two_legs(reverse):
@@ -181,13 +188,15 @@ class _Channel:
             here_a, here_b = region(rank, reverse, a.slot), region(rank, reverse, b.slot)
             src_a = region(a.src, reverse, a.src_slot)
             if a.dst is None:  # the turn-around rank: C = M_b o M_a goes down at once; a and b as one hop
-                return [_Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), False),
-                        _Launch("hop", [a, b], (here_a, here_a, src_a, 0), True)]
+                return [_Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), False,
+                                (None, b.dst)),
+                        _Launch("hop", [a, b], (here_a, here_a, src_a, 0), True, (a.src, None))]
             launches = [] if b.last else [
-                _Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), True)]
+                _Launch("map", [a, b], (here_b, here_b, region(b.dst, reverse, b.dst_slot)), True, (b.src, b.dst))]
             return launches + [
-                _Launch("out", [a], (here_a, here_a, src_a, region(a.dst, reverse, a.dst_slot)), a.src is not None),
-                _Launch("close", [a, b], (here_b, region(b.src, reverse, b.src_slot)), True)]
+                _Launch("out", [a], (here_a, here_a, src_a, region(a.dst, reverse, a.dst_slot)), a.src is not None,
+                        (a.src, a.dst)),
+                _Launch("close", [a, b], (here_b, region(b.src, reverse, b.src_slot)), True, (b.src, None))]
 
         plan = two_legs if layout is Layout.ZIGZAG and world > 1 else chain
         self._plans = {reverse: plan(reverse) for reverse in (False, True)}
@@ -212,15 +221,102 @@ def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
 
 
 _CHANNELS: Dict[tuple, _Channel] = {}
+TIMEOUT_ENV = "MEGATRON_ZECO_SCAN_TIMEOUT"
+_DEFAULT_TIMEOUT = 600.0  # seconds, where the group's own timeout cannot be read
+
+
+class ScanTimeoutError(RuntimeError):
+    """A peer-memory All-Scan gave up waiting for a peer: it died, stalled, or diverged."""
+
+
+class Watch:
+    """What bounds one process's waits on its peers, per device.
+
+    The scan kernels spin on flags that peers raise; a wait gives up after the scan's timeout (GPU
+    clock), records which launch waited for what in ``report`` (host memory the device writes: the
+    host reads it at any time without synchronising) and raises ``word`` (device memory), after which
+    every other wait of the process gives up at once and every flag it raises is marked poisoned, so
+    that its own peers give up at once too. The host checks ``report`` at the start of every scan
+    (:meth:`check`; on the CPU, whose interpreted kernels run synchronously, also after each) and
+    raises :class:`ScanTimeoutError` naming the layer, the direction, the piece and the peer. After
+    that the process's scans stay failed: every later call raises the same error.
+    """
+
+    def __init__(self, device: torch.device):
+        self.word = torch.zeros(1, dtype=torch.int32, device=device)
+        self.report = torch.zeros(8, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._launches: Dict[tuple, int] = {}
+        self._named: List[str] = []  # per launch id: what waited, and for which peers
+        self._peers: List[Tuple[Optional[int], Optional[int]]] = []
+        self._timeout: Dict[object, float] = {}
+
+    def launch_id(self, key: tuple, describe: Callable[[], Tuple[str, Tuple[Optional[int], Optional[int]]]]) -> int:
+        """A stable id for one launch of one scan (``key``), so a graph replay reports like the capture."""
+        if key not in self._launches:
+            name, peers = describe()
+            self._launches[key] = len(self._named)
+            self._named.append(name)
+            self._peers.append(peers)
+        return self._launches[key]
+
+    def timeout(self, group) -> float:
+        """Seconds a wait may last: ``$MEGATRON_ZECO_SCAN_TIMEOUT``, else the group's own timeout."""
+        if os.environ.get(TIMEOUT_ENV):
+            try:
+                value = float(os.environ[TIMEOUT_ENV])
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got "
+                                 f"{os.environ[TIMEOUT_ENV]!r}")
+            return value
+        if group not in self._timeout:
+            try:
+                backend = group._get_backend(self.word.device if self.word.is_cuda else torch.device("cpu"))
+                self._timeout[group] = backend.options._timeout.total_seconds()
+            except (AttributeError, RuntimeError):
+                self._timeout[group] = _DEFAULT_TIMEOUT
+        return self._timeout[group]
+
+    def arguments(self, who: int, timeout: float) -> Tuple[int, int, int, int]:
+        """What the kernels take (``kernels.scan_hop._watched``)."""
+        return self.word.data_ptr(), self.report.data_ptr(), int(timeout * 1e9), who
+
+    def check(self, group, timeout: float) -> None:
+        """Raise :class:`ScanTimeoutError` if a wait of this process has given up."""
+        if int(self.report[0]) == 0:
+            return
+        who, what, relayed, tile, wanted, seen = (int(x) for x in self.report[1:7])
+        from ..kernels.scan_hop import POISON_BIT
+
+        name, peers = self._named[who], self._peers[who]
+        peer = dist.get_global_rank(group, peers[what - 1])
+        thing = "the state it passes on" if what == 1 else "the acknowledgement of what it was sent last"
+        why = (f"global rank {peer} gave up first (a rank before it died or stalled)" if relayed else
+               f"none came within {timeout:g} s (${TIMEOUT_ENV} or the process group's timeout): "
+               f"the peer died, stalled, or diverged")
+        raise ScanTimeoutError(
+            f"{name}: global rank {dist.get_rank()} gave up waiting for {thing} from global rank {peer} "
+            f"(tile {tile}, call {wanted}, flag {seen & ~POISON_BIT}): {why}")
+
+
+_WATCHES: Dict[torch.device, Watch] = {}
+
+
+def _watch(device: torch.device) -> Watch:
+    if device not in _WATCHES:
+        _WATCHES[device] = Watch(device)
+    return _WATCHES[device]
 
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
                   layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
-                  while_waiting: Optional[Callable[[], None]] = None, aside=None
+                  while_waiting: Optional[Callable[[], None]] = None, aside=None, what: str = "All-Scan"
                   ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over peer memory (same arguments and result). ``aside``: a CUDA stream for the
     launches before the rank's first wait for a peer (sends that need nothing), which then run while
-    ``while_waiting()`` runs on the current stream; the current stream waits for them after."""
+    ``while_waiting()`` runs on the current stream; the current stream waits for them after.
+    ``what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`."""
     from ..kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
 
     like = delta[0]
@@ -238,7 +334,8 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     key = (group, layout, capacity, K, V, like.dtype, tiles, like.device)
     ch = _CHANNELS.get(key)
     if ch is None:
-        ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device)
+        with naming_failures(what, "setting up the peer-memory buffers with every rank of the group"):
+            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device)
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
     # (ScanGLA's slot views of its batches); otherwise through contiguous copies.
@@ -248,8 +345,13 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
+    watch = _watch(like.device)
+    timeout = watch.timeout(group)
+    watch.check(group, timeout)  # a wait of an earlier scan gave up: fail before issuing more
+    # The initial state as the kernel reads it: made on the current stream before ``aside`` waits for
+    # it (a copy made later would race with the kernel reading it there).
+    x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
     last = y_a = None
-    held = []
     plan = ch.plan(reverse)
     wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
     sizes = (tiles, ch.data, ch.flags)
@@ -267,27 +369,30 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         # allocated on the current stream, whichever stream the kernel runs on, and held to the end
         # (past the current stream's wait for ``aside``)
         y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
-        x = None if init is None or launch.kind not in ("hop", "out") or not first.first \
-            else init.to(like.dtype).reshape(N, K, V).contiguous()
-        held.append(x)
+        x = x_init if launch.kind in ("hop", "out") and first.first else None
         beside = main is not None and i < wait_at
         programs = _ASIDE_PROGRAMS if beside else None
+        bounded = watch.arguments(watch.launch_id((id(ch), reverse, i, what), lambda: _describe(
+            what, reverse, launch, layout, group.size())), timeout)
         with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
             inject.delay(like.device)  # test hook: no-op unless a stress test sets delays
             if launch.kind == "map":
                 all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
-                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, programs=programs)
+                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, watch=bounded,
+                             programs=programs)
             elif launch.kind == "close":
                 all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions, *strides,
-                               ch.decays, *sizes)
+                               ch.decays, *sizes, watch=bounded)
             else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
                 slots = [link.slot for link in links]
                 all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
                              [s_ins[s] for s in slots], y, regions, *strides, *sizes,
                              has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
-                             programs=programs)
+                             watch=bounded, programs=programs)
                 y_a = y
             inject.delay(like.device)
+        if not like.is_cuda:  # interpreted: the kernel has run
+            watch.check(group, timeout)
         last = y if final.last else last
     if wait_at == len(plan):
         if while_waiting is not None:
@@ -298,3 +403,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         for target, s_in in zip(inputs, s_ins):
             target.copy_(s_in)
     return inputs, last
+
+
+def _describe(what: str, reverse: bool, launch: _Launch, layout, world: int):
+    """How a launch is named when one of its waits gives up: the scan, the direction and the pieces."""
+    direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
+    pieces = " and ".join(str(link.piece) for link in launch.links)
+    return (f"{what} [{direction}over peer memory, {layout.value} layout on {world} ranks, piece(s) {pieces}]",
+            launch.peers)

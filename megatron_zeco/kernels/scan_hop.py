@@ -23,7 +23,9 @@ the tile; before overwriting, a sender waits for the acknowledgement of its prev
 message (``seq - 1``), so a slow receiver is never overrun. ``seq`` is counted on the device:
 each region keeps one call counter per tile, read and bumped only by the program owning
 that tile, so a launch has no per-call argument and can be captured in a CUDA graph and
-replayed (every rank of a chain counts the calls in one direction alike).
+replayed (every rank of a chain counts the calls in one direction alike). Every wait is bounded
+(``_wait_at_least``): past the timeout it gives up, says why in a host report and marks what the
+process publishes from then on, so its peers give up at once too (``comm/peer.py``, ``Watch``).
 
 Shapes: ``gamma [B, ..., K]``; ``delta``, ``S_in`` ``[B, ..., K, V]``, float32 or float64, each
 entry of dim 0 contiguous (dim 0 may be strided: a local slot's view of a batch of pieces);
@@ -33,23 +35,89 @@ receive buffer, then its arrival flags, then the acknowledgements of what the sl
 then the call counters (read only by this rank).
 """
 
+import time
+
 import triton
 import triton.language as tl
 
+# A flag value with this bit set says that its sender gave up a wait (a peer before it died or
+# stalled): the receiver gives up too, at once, instead of waiting out its own timeout.
+POISON_BIT = 1 << 30
+POISONED = tl.constexpr(POISON_BIT)
+
+
+def _host_ns():
+    """Nanoseconds on the host's monotonic clock: the interpreted kernels' clock (CPU tests)."""
+    return time.monotonic_ns()
+
+
+_host_ns.__triton_builtin__ = True  # called only under TRITON_INTERPRET; no part of a compiled kernel
+
 
 @triton.jit
-def _wait_at_least(flag, target):
-    """Spin until ``*flag >= target`` (acquire, system scope), then sync the program."""
-    while tl.atomic_add(flag, 0, sem="acquire", scope="sys") < target:
-        pass
+def _now(INTERPRETED: tl.constexpr):
+    """Nanoseconds: the GPU's global timer, or the host's clock under the interpreter."""
+    if INTERPRETED:
+        t = _host_ns()
+    else:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    return t
+
+
+@triton.jit
+def _wait_at_least(flag, target, tile, WHAT: tl.constexpr, watch, report, timeout_ns, who,
+                   INTERPRETED: tl.constexpr):
+    """Spin until ``*flag >= target`` (acquire, system scope), then sync the program.
+
+    Bounded: after ``timeout_ns`` of waiting (GPU clock) the wait gives up, records why in the host
+    ``report`` (``comm.peer.Watch``: launch ``who`` waited for ``WHAT``, 1 a peer's data or 2 its
+    acknowledgement, of ``tile``; the sequence number wanted and the one seen) and raises this
+    process's ``watch`` word: every other wait then gives up at once and every later publish is
+    marked ``POISONED``. A ``POISONED`` flag (the peer gave up) ends the wait the same way."""
+    start = _now(INTERPRETED)
+    seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    late = 0
+    while (seen < target) & (late == 0):
+        if tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0:
+            late = 1  # this process gave up elsewhere first; that wait reports
+        elif _now(INTERPRETED) - start > timeout_ns:
+            late = 2
+        seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+    if (late == 2) | ((seen & POISONED) != 0):
+        if tl.atomic_cas(watch, 0, 1, sem="acq_rel", scope="gpu") == 0:  # the first to give up says why
+            tl.store(report + 1, tl.cast(who, tl.int64))
+            tl.store(report + 2, tl.cast(WHAT, tl.int64))
+            tl.store(report + 3, tl.cast(late != 2, tl.int64))
+            tl.store(report + 4, tl.cast(tile, tl.int64))
+            tl.store(report + 5, tl.cast(target, tl.int64))
+            tl.store(report + 6, tl.cast(seen, tl.int64))
+            tl.atomic_xchg(report, 1, sem="release", scope="sys")
     tl.debug_barrier()
 
 
 @triton.jit
-def _publish(flag, value):
-    """Make this program's stores visible, then ``*flag = value`` (release, system scope)."""
+def _publish(flag, value, watch):
+    """Make this program's stores visible, then ``*flag = value`` (release, system scope); marked
+    ``POISONED`` once this process has given up a wait (``_wait_at_least``)."""
     tl.debug_barrier()
+    if tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0:
+        value = value | POISONED
     tl.atomic_xchg(flag, value, sem="release", scope="sys")
+
+
+@triton.jit
+def _arrived(here, tile, seq, DATA: tl.constexpr, watch, report, timeout_ns, who, INTERPRETED: tl.constexpr):
+    """Wait until call ``seq``'s ``tile`` has arrived in region ``here`` (its arrival flag)."""
+    flag = (here + DATA).to(tl.pointer_type(tl.int32)) + tile
+    _wait_at_least(flag, seq, tile, 1, watch, report, timeout_ns, who, INTERPRETED)
+
+
+@triton.jit
+def _acknowledged(sent, tile, seq, DATA: tl.constexpr, FLAGS: tl.constexpr, watch, report, timeout_ns, who,
+                  INTERPRETED: tl.constexpr):
+    """Wait until the receiver has read what region ``sent`` sent of ``tile`` in the previous call."""
+    flag = (sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    _wait_at_least(flag, seq - 1, tile, 2, watch, report, timeout_ns, who, INTERPRETED)
 
 
 @triton.jit
@@ -89,17 +157,20 @@ def all_scan_hop_kernel(
     NT, TILES: tl.constexpr,  # tiles in all (N states x TILES), row tiles per state
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
+    watch, report, timeout_ns, who,  # the bounded waits (_wait_at_least): addresses, limit, launch id
+    INTERPRETED: tl.constexpr,
 ):
+    watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         dtype = delta.dtype.element_ty
         if HAS_SRC:  # the previous rank's tile has arrived in this region
-            _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+            _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
             x_in = here.to(tl.pointer_type(dtype))
         elif HAS_INIT:
             x_in = x_init.to(tl.pointer_type(dtype))
         if HAS_DST:  # the next rank has read what this rank sent it last time
-            _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+            _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
@@ -119,9 +190,9 @@ def all_scan_hop_kernel(
             if KEEP_Y:
                 tl.store(y_out + offs, y, mask=mask)
         if HAS_DST:
-            _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+            _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
         if HAS_SRC:
-            _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+            _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
         tl.store(calls, seq)
 
 
@@ -132,16 +203,18 @@ def all_scan_map_kernel(
     G_STRIDE, S_STRIDE, G_OFF,  # dim-0 strides (gamma; delta); element offset of a region's decays
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
     BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, HAS_SRC: tl.constexpr,
+    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr,
 ):
     """The zigzag return leg: ``C = M_b o C_next o M_a`` (``C_next`` from the next rank, the identity on
     the turn-around rank), sent to the previous rank as a map: decays ``gamma_b gamma_C gamma_a`` and
     state ``gamma_b (gamma_C delta_a + delta_C) + delta_b``. Needs nothing from the outgoing leg."""
+    watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         dtype = delta_a.dtype.element_ty
         if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
-            _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
-        _wait_at_least((sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq - 1)
+            _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+        _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
         x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
@@ -156,7 +229,7 @@ def all_scan_map_kernel(
             e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
             tl.store(out + offs, e, mask=mask)
             tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
-        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
         if not HAS_SRC:
             tl.store(calls, seq)
 
@@ -169,12 +242,14 @@ def all_scan_close_kernel(
     G_STRIDE, S_STRIDE, G_OFF,
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
     BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LAST: tl.constexpr,
+    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr,
 ):
     """Piece b's incoming state ``C_next(y_a)`` from the next rank's map; on the rank ending the walk
     also the state leaving piece b (``y_out``)."""
+    watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
-        _wait_at_least((here + DATA).to(tl.pointer_type(tl.int32)) + tile, seq)
+        _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
         x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
@@ -186,7 +261,7 @@ def all_scan_close_kernel(
             if LAST:
                 g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
                 tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
-        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq)
+        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
         tl.store(calls, seq)
 
 
@@ -203,8 +278,16 @@ def _shape(delta, tiles, programs=None):
         TILES=tiles, num_warps=min(16, max(1, BR * BV // 256)))
 
 
+def _watched(watch, like) -> dict:
+    """The bounded waits' kernel arguments: ``watch`` = (address of the process's watch word, address of
+    its host report, timeout in ns, launch id) (``comm.peer.Watch``); the host's clock under the
+    interpreter (CPU tensors)."""
+    address, report, timeout_ns, who = watch
+    return dict(watch=address, report=report, timeout_ns=timeout_ns, who=who, INTERPRETED=not like.is_cuda)
+
+
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst, programs=None):
+                 flag_bytes, *, has_src, has_init, has_dst, watch, programs=None):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
@@ -215,31 +298,34 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
     a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
     ``programs``: at most this many programs (None: one per tile), to leave SMs to other streams.
+    ``watch``: what bounds the waits (:func:`_watched`).
     """
     grid, shape = _shape(deltas[-1], tiles, programs)
     all_scan_hop_kernel[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **shape,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), **shape,
     )
 
 
 def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,
-                 programs=None):
+                 watch, programs=None):
     """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
     of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
     start (elements). Other arguments as :func:`all_scan_hop`."""
     (gamma_a, gamma_b), (delta_a, delta_b) = gammas, deltas
     grid, shape = _shape(delta_a, tiles, programs)
     all_scan_map_kernel[grid](gamma_a, delta_a, gamma_b, delta_b, *regions, g_stride, s_stride, g_off,
-                              DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **shape)
+                              DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **_watched(watch, delta_a),
+                              **shape)
 
 
 def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
-                   flag_bytes):
+                   flag_bytes, *, watch):
     """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
     ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
     grid, shape = _shape(delta_b, tiles)
     all_scan_close_kernel[grid](y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, g_stride,
-                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **shape)
+                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None,
+                                **_watched(watch, delta_b), **shape)
