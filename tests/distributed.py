@@ -68,7 +68,8 @@ def _collect(results, ranks, timeout):
             rank, ok, value = results.get(timeout=max(left, 0.1))
         except queue.Empty:
             missing = sorted(set(ranks) - set(out) - set(failures))
-            raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (hang?)"
+            raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f} s (a hang? on a cold GPU "
+                                 "machine the first calls compile and autotune for minutes)"
                                  + _format(failures)) from None
         if ok:
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
