@@ -62,8 +62,8 @@ class GatedLinearAttention(MegatronModule):
         cp_overlap_scan: a side CUDA stream for (part of) the scan (``overlap`` of :func:`megatron_zeco.zeco_gla`;
             None: on for zeco over peer memory).
         cp_transport: how All-Scan moves states: ``auto`` (peer memory over NVLink when the CP group
-            is on one node, else NCCL messages), ``peer_memory`` or ``send_recv``
-            (``transport`` of :func:`megatron_zeco.zeco_gla`).
+            is on one node, else NCCL messages), ``peer_memory``, ``nvshmem`` (device-initiated puts,
+            across nodes too) or ``send_recv`` (``transport`` of :func:`megatron_zeco.zeco_gla`).
         cp_piece_split: ``zeco`` and ``lasp2``, unpacked batches: run each of a rank's pieces as
             this many batched sub-pieces (``piece_split`` of :func:`megatron_zeco.zeco_gla`; exact,
             more parallel work for fla's state kernels; --seq-length must then divide into

@@ -84,7 +84,7 @@ def gla_layer_spec(
             ``contiguous`` (rank r holds the r-th block of tokens).
         cp_num_blocks: blocks the state is pipelined in by All-Scan.
         cp_overlap_scan: a side CUDA stream for (part of) the scan (see GatedLinearAttention).
-        cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``send_recv``;
+        cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``nvshmem``, ``send_recv``;
             see GatedLinearAttention).
         cp_piece_split: batched sub-pieces per piece (see GatedLinearAttention).
         cp_packed_split: how packed (THD) batches are split over CP: ``document``

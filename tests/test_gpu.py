@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -78,6 +79,10 @@ def test_piece_matches_float64(seed, dtype, gate, lengths):
 CASES = {"zeco": {}, "zeco, pieces whole": dict(piece_split=1), "zeco@send_recv": dict(transport="send_recv"),
          "zeco+overlap": dict(overlap=True), "zeco-overlap": dict(overlap=False), "lasp1": dict(strategy="lasp1"),
          "lasp2": dict(strategy="lasp2"), "a2a": dict(strategy="a2a")}
+# The same over NVSHMEM, in processes of their own (one symmetric-memory backend per process).
+NVSHMEM_CASES = {"zeco@nvshmem": dict(transport="nvshmem"),
+                 "zeco@nvshmem-overlap": dict(transport="nvshmem", overlap=False),
+                 "zeco@nvshmem, blocks": dict(transport="nvshmem", num_blocks=4)}
 # zeco's variants that localise a failure: another transport, no side stream.
 PROBES = {"send_recv": dict(transport="send_recv", overlap=False), "overlap off": dict(overlap=False)}
 REPEAT = int(os.environ.get("ZECO_REPEAT", 1))  # runs of the exactness test, each with a fresh seed
@@ -108,7 +113,7 @@ def _cp_errors(x, ref, rank, world, group, layout, kw):
     return {n: rel_err(parts[n], ref[n]) for n in NAMES}
 
 
-def _two_ranks(rank, world, seeds, delays):
+def _two_ranks(rank, world, seeds, delays, cases=None):
     """Every case of CASES on every seed's problems (two gate regimes); with ``delays``, one rank
     (alternating with the seed) waits a random time before and after each of its scan kernels and
     messages. A case over its bound is run again on the same inputs with each of PROBES."""
@@ -124,7 +129,7 @@ def _two_ranks(rank, world, seeds, delays):
                 ref = reference(x)
                 one_gpu = {n: rel_err(v, ref[n]) for n, v in _run(x, torch.bfloat16).items()}  # fla alone
                 bound = _bound(one_gpu)
-                for (case, kw), layout in itertools.product(CASES.items(), Layout):
+                for (case, kw), layout in itertools.product((cases or CASES).items(), Layout):
                     errors = _cp_errors(x, ref, rank, world, group, layout, kw)
                     run = dict(seed=seed, gate=gate, case=case, layout=layout.value, delays=delays, errors=errors,
                                one_gpu=one_gpu, bound=bound)
@@ -143,13 +148,21 @@ def _bound(one_gpu):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("delays", [False, True], ids=["", "delayed"])
-def test_two_gpus_every_strategy_matches_float64(seed, delays):
+@pytest.mark.parametrize("transports", ["all", "nvshmem"])
+def test_two_gpus_every_strategy_matches_float64(seed, delays, transports):
     """Every strategy and zeco option against float64, ``ZECO_REPEAT`` times with fresh seeds (the
     processes are spawned once); ``delayed``: one rank late at random before and after each scan
     kernel. A failure names the seed, the case and every result's error, with zeco's case re-run
     over send/recv and without the side stream (PROBES)."""
+    cases = None
+    if transports == "nvshmem":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            pytest.skip("no NVSHMEM in this torch build")
+        cases = NVSHMEM_CASES
     seeds = [seed + 7919 * i for i in range(REPEAT)]
-    runs = run_ranks(_two_ranks, 2, seeds, delays, backend="nccl", timeout=RANK_TIMEOUT + 60 * REPEAT)[0]
+    runs = run_ranks(_two_ranks, 2, seeds, delays, cases, backend="nccl", timeout=RANK_TIMEOUT + 60 * REPEAT)[0]
     if os.environ.get("ZECO_ERRORS_JSON"):  # every error, for a look at their distribution
         with open(os.environ["ZECO_ERRORS_JSON"], "a") as f:
             f.writelines(json.dumps(run) + "\n" for run in runs)
@@ -246,7 +259,7 @@ def test_zeco_issues_without_host_sync(seed):
     run_ranks(_no_host_sync, 2, seed, backend="nccl", timeout=RANK_TIMEOUT)
 
 
-def _peer_scans(rank, world, seed, delays):
+def _peer_scans(rank, world, seed, delays, transport="peer_memory"):
     """All-Scan through symmetric memory (the Triton hop kernel over NVLink) against a float64
     fold: both layouts and directions, several block counts and shapes, 10 calls each on fresh
     data with no synchronisation between them (the flags must order everything); ``delays``: rank
@@ -270,7 +283,7 @@ def _peer_scans(rank, world, seed, delays):
                 entering, last = all_scan([gammas[p].cuda().float() for p in mine],
                                           [deltas[p].cuda().float() for p in mine],
                                           None if init is None else init.cuda().float(), layout=layout, group=group,
-                                          num_blocks=blocks, reverse=reverse, transport="peer_memory")
+                                          num_blocks=blocks, reverse=reverse, transport=transport)
             results.append((gammas, deltas, init, entering, last))
         for call, (gammas, deltas, init, entering, last) in enumerate(results):
             x, want = (torch.zeros(N, K, V, dtype=torch.float64) if init is None else init), {}
@@ -288,8 +301,16 @@ def _peer_scans(rank, world, seed, delays):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("delays", [False, True], ids=["", "delayed"])
-def test_peer_memory_all_scan_on_two_gpus(seed, delays):
-    failures = run_ranks(_peer_scans, 2, seed, delays, backend="nccl", timeout=RANK_TIMEOUT)
+@pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
+def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport):
+    """Over peer memory and over NVSHMEM (the same kernels; a process has one symmetric-memory backend,
+    so each transport runs in its own processes)."""
+    if transport == "nvshmem":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            pytest.skip("no NVSHMEM in this torch build")
+    failures = run_ranks(_peer_scans, 2, seed, delays, transport, backend="nccl", timeout=RANK_TIMEOUT)
     assert not any(failures), failures
 
 
@@ -350,3 +371,83 @@ def test_cuda_graph_replays_match_eager(seed, world, delays):
         pytest.skip(f"needs {world} GPUs")
     failures = run_ranks(_graph_replays, world, seed, delays, backend="nccl", timeout=RANK_TIMEOUT)
     assert not any(failures), failures
+
+
+def _loopback(rank, world, seed, transport):
+    """One GPU: the All-Scan kernels send from one region of this rank's buffer into another, as a hop
+    between two ranks would (over peer memory: stores and a flag; over NVSHMEM, to this PE itself: the
+    data and its flag in one put, the acknowledgement as a put's signal, the zigzag map's decays in a
+    put ordered before the state's). Three calls in a row, each waiting for the acknowledgement of the
+    one before; what arrives is checked against the same arithmetic in PyTorch. Then a receive that
+    nothing sends must give up after its timeout (the GPU clock) and the host must raise
+    ``ScanTimeoutError`` from the report the kernel wrote."""
+    from megatron_zeco.comm.peer import _FLAG_BYTES, PeerBuffers, ScanTimeoutError, _aligned, _watch
+    from megatron_zeco.kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
+
+    group = dist.new_group([0])
+    N, K, V, tiles = 4, 64, 32, 2
+    nvshmem = transport == "nvshmem"
+    data, flags = _aligned(N * K * (V + 1) * 4), _aligned(N * tiles * _FLAG_BYTES)
+    size = data + 3 * flags + data + 16
+    if nvshmem:
+        memory = PeerBuffers(group, 2 * size, torch.device("cuda"), nvshmem=True).of(0)
+    else:
+        memory = torch.zeros(2 * size, dtype=torch.uint8, device="cuda")
+    a, b = memory.data_ptr(), memory.data_ptr() + size  # two regions of this rank
+    pe = 0 if nvshmem else -1
+    watch = _watch(torch.device("cuda"))
+    bounded = watch.arguments(watch.launch_id(("loopback", transport), lambda: ("loopback", (0, 0))), 60.0)
+    gen = torch.Generator().manual_seed(seed)
+    failures = []
+    for call in range(3):
+        gamma, gamma2 = (torch.rand(N, K, generator=gen).cuda() for _ in range(2))
+        delta, delta2, x = (torch.randn(N, K, V, generator=gen).cuda() for _ in range(3))
+        sent_in, got_in, y = torch.empty_like(x), torch.full_like(x, float("nan")), torch.empty_like(x)
+        common = dict(g_stride=K, s_stride=K * V, tiles=tiles, data_bytes=data, flag_bytes=flags, watch=bounded,
+                      nvshmem=nvshmem)
+        # a hop that sends (region a -> region b) and one that receives it (b, acknowledging to a)
+        all_scan_hop(x.data_ptr(), [gamma], [delta], [sent_in], y, (a, a, 0, b), has_src=False, has_init=True,
+                     has_dst=True, pes=(-1, pe), **common)
+        all_scan_hop(0, [gamma2], [delta2], [got_in], None, (b, b, a, 0), has_src=True, has_init=False,
+                     has_dst=False, pes=(pe, -1), **common)
+        want = gamma[..., None] * x + delta
+        # the zigzag return leg: a map (a -> b), then the close applying it (b, acknowledging to a)
+        s_b, last = torch.full_like(x, float("nan")), torch.empty_like(x)
+        all_scan_map([gamma, gamma2], [delta, delta2], (a, a, b), g_off=N * K * V, has_src=False, pes=(-1, pe),
+                     **common)
+        all_scan_close(y, s_b, gamma2, delta2, last, (b, a), g_off=N * K * V, pes=(pe, -1), **common)
+        want_b = (gamma2 * gamma)[..., None] * y + gamma2[..., None] * delta + delta2  # (M_b o M_a)(y)
+        want_last = gamma2[..., None] * want_b + delta2
+        torch.cuda.synchronize()
+        for name, got, expected in (("hop", got_in, want), ("map + close", s_b, want_b),
+                                    ("close's last state", last, want_last)):
+            error = rel_err(got.cpu(), expected.cpu())
+            if not error < 1e-6:
+                failures.append(f"{transport} call {call}, {name}: {error:.1e}")
+    watch.check(group, 60.0)  # nothing gave up
+    # a receive nobody sends: gives up after 1 s of GPU time
+    stuck = watch.arguments(watch.launch_id(("stuck", transport), lambda: ("a receive nobody sends", (0, 0))), 1.0)
+    x = torch.randn(N, K, V, device="cuda")
+    start = time.monotonic()
+    all_scan_hop(0, [torch.rand(N, K, device="cuda")], [x], [torch.empty_like(x)], None, (b, b, a, 0), has_src=True,
+                 has_init=False, has_dst=False, pes=(pe, -1), **{**common, "watch": stuck})
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    try:
+        watch.check(group, 1.0)
+        failures.append(f"{transport}: a receive nobody sends returned after {waited:.1f} s without a report")
+    except ScanTimeoutError as e:
+        if not (0.9 < waited < 30 and "a receive nobody sends" in str(e) and "none came within 1 s" in str(e)):
+            failures.append(f"{transport}: gave up after {waited:.1f} s: {e}")
+    return failures
+
+
+@pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
+def test_scan_kernels_loop_back_on_one_gpu(seed, transport):
+    if transport == "nvshmem":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            pytest.skip("no NVSHMEM in this torch build")
+    failures = run_ranks(_loopback, 1, seed, transport, backend="nccl", timeout=RANK_TIMEOUT)[0]
+    assert not failures, failures

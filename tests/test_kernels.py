@@ -169,8 +169,9 @@ from triton.backends.compiler import GPUTarget
 from megatron_zeco.kernels import scan_hop
 
 ptr, addr = "*fp32", "i64"
-tiles = dict(INNER=4, K=64, V=64, ROWS=32, BR=32, BV=64, DATA=65536, FLAGS=64, TILES=2, INTERPRETED=False)
-watched = dict(watch=addr, report=addr, timeout_ns="i64", who="i32")
+tiles = dict(INNER=4, K=64, V=64, ROWS=32, BR=32, BV=64, DATA=65536, FLAGS=64, TILES=2, INTERPRETED=False,
+             NVSHMEM=False)
+watched = dict(watch=addr, report=addr, timeout_ns="i64", who="i32", src_pe="i32", dst_pe="i32")
 kernels = {
     scan_hop.all_scan_hop_kernel: (
         dict(x_init=addr, gamma=ptr, delta=ptr, s_in=ptr, gamma2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,

@@ -182,11 +182,13 @@ def all_scan(
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
         return hierarchical_scan(gamma, delta, init, layout=layout, group=group, nodes=_nodes(group, node_size, what),
                                  reverse=reverse, what=what, out=out, while_waiting=while_waiting)
-    if transport == "peer_memory":
+    if transport in ("peer_memory", "nvshmem"):
         return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                             out=out, while_waiting=while_waiting, aside=aside, what=what)
+                             out=out, while_waiting=while_waiting, aside=aside, what=what,
+                             nvshmem=transport == "nvshmem")
     if aside is not None:
-        raise ValueError("all_scan: aside (a side stream for the sends) applies to transport 'peer_memory' only")
+        raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports "
+                         "('peer_memory', 'nvshmem') only")
 
     def combine(slot: int, r: slice, x: Tensor) -> Tensor:
         return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)

@@ -41,17 +41,18 @@ from .layout import Layout, Link
 from .nodes import host_nodes
 
 Tensor = torch.Tensor
-TRANSPORTS = ("auto", "send_recv", "peer_memory")
+TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
 TRANSPORT_ENV = "MEGATRON_ZECO_TRANSPORT"
 _ALIGN = 16
 _TILE_ROWS = 32
 # Programs of a send beside the local work (``aside``): a program per tile would fill every SM
 # until the whole state has gone, and the local work would run after it instead of beside it.
 _ASIDE_PROGRAMS = 16
+_FLAG_BYTES = 8  # flags, acknowledgements and call counters: 64-bit words (NVSHMEM's signal width)
 
 
 def resolve_transport(transport: str, group, like: Tensor) -> str:
-    """``send_recv`` or ``peer_memory`` for a scan over ``group`` of states like ``like``."""
+    """``send_recv``, ``peer_memory`` or ``nvshmem`` for a scan over ``group`` of states like ``like``."""
     if transport == "auto":
         transport = os.environ.get(TRANSPORT_ENV) or ("peer_memory" if like.is_cuda and _one_host(group)
                                                       else "send_recv")
@@ -61,10 +62,19 @@ def resolve_transport(transport: str, group, like: Tensor) -> str:
     if transport == "peer_memory":
         if like.is_cuda and not _one_host(group):
             raise ValueError("All-Scan transport 'peer_memory' needs every rank of the CP group on one node; "
-                             "use transport='send_recv'")
+                             "use transport='nvshmem' or 'send_recv'")
         if not like.is_cuda and not os.environ.get("TRITON_INTERPRET"):
             raise ValueError("All-Scan transport 'peer_memory' on the CPU runs its Triton kernel under "
                              "TRITON_INTERPRET=1 (for tests); use transport='send_recv'")
+    if transport == "nvshmem":
+        if not like.is_cuda:
+            raise ValueError("All-Scan transport 'nvshmem' needs CUDA tensors; use transport='send_recv' "
+                             "(or 'peer_memory' under TRITON_INTERPRET=1 for tests)")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            raise ValueError("All-Scan transport 'nvshmem': this torch build or machine has no NVSHMEM "
+                             "(pip install nvidia-nvshmem-cu12 or -cu13 to match CUDA); use transport='send_recv'")
     return transport
 
 
@@ -74,33 +84,43 @@ def _one_host(group) -> bool:
 
 
 class PeerBuffers:
-    """``nbytes`` of memory per rank of ``group``, zeroed; every rank's mapped in every process.
+    """``nbytes`` of memory per rank of ``group``, zeroed, allocated collectively.
 
-    ``of(rank)`` is rank ``rank``'s buffer (a uint8 tensor on this rank's device), ``rank`` in
-    the group. Allocation is collective.
+    ``of(rank)`` is the buffer this process addresses for group rank ``rank`` (a uint8 tensor on this
+    rank's device): the peer's own buffer mapped here (peer memory: CUDA symmetric memory on one node,
+    ``/dev/shm`` files on the CPU), or, with ``nvshmem``, this rank's own symmetric buffer for every
+    rank: NVSHMEM addresses a peer's buffer by this rank's address of it and the peer's PE.
     """
 
-    def __init__(self, group, nbytes: int, device: torch.device):
+    def __init__(self, group, nbytes: int, device: torch.device, nvshmem: bool = False):
         # _handle keeps the symmetric allocation (and the peers' mappings) alive
-        self._ranks, self._handle = (_symmetric(group, nbytes, device) if device.type == "cuda"
+        self._ranks, self._handle = (_symmetric(group, nbytes, device, nvshmem) if device.type == "cuda"
                                      else (_host_shared(group, nbytes), None))
 
     def of(self, rank: int) -> Tensor:
         return self._ranks[rank]
 
 
-def _symmetric(group, nbytes: int, device: torch.device):
+def _symmetric(group, nbytes: int, device: torch.device, nvshmem: bool):
     import torch.distributed._symmetric_memory as symm_mem
 
+    backend = symm_mem.get_backend(device)
+    if nvshmem and backend != "NVSHMEM":
+        try:
+            symm_mem.set_backend("NVSHMEM")  # for the whole process: fixed by its first allocation
+        except RuntimeError as e:
+            raise ValueError(f"All-Scan transport 'nvshmem' needs torch symmetric memory's NVSHMEM backend, but "
+                             f"this process already allocates symmetric memory with {backend!r}: use one "
+                             f"transport per process (${TRANSPORT_ENV})") from e
     with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group.group_name)
     local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, group.group_name)
+    handle = symm_mem.rendezvous(local, group.group_name) if group.size() > 1 else None  # one rank: no peers
     local.zero_()
     torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes a flag
     dist.barrier(group=group)
-    views = [local if r == group.rank() else handle.get_buffer(r, (nbytes,), torch.uint8, 0)
+    views = [local if nvshmem or r == group.rank() else handle.get_buffer(r, (nbytes,), torch.uint8, 0)
              for r in range(group.size())]
     return views, handle
 
@@ -159,13 +179,17 @@ class _Channel:
     2P - 1 pieces becomes two legs of P.
     """
 
-    def __init__(self, group, layout, N, K, V, dtype, tiles, device):
+    def __init__(self, group, layout, N, K, V, dtype, tiles, device, nvshmem=False):
         self.data = _aligned(N * K * (V + 1) * dtype.itemsize)
         self.decays = N * K * V  # elements into a receive buffer: a map's decays
-        self.flags = _aligned(N * tiles * 4)
-        size = self.data + 3 * self.flags
-        buffers = PeerBuffers(group, 4 * size, device)
+        self.flags = _aligned(N * tiles * _FLAG_BYTES)
+        # NVSHMEM: an outbox (what a put sends from) and a scratch word (an acknowledgement's payload)
+        size = self.data + 3 * self.flags + (self.data + _ALIGN if nvshmem else 0)
+        buffers = PeerBuffers(group, 4 * size, device, nvshmem)
         rank, world = group.rank(), group.size()
+        self.nvshmem = nvshmem
+        # NVSHMEM processing elements: torch's NVSHMEM backend numbers them by global rank
+        self._pe = [dist.get_global_rank(group, r) for r in range(world)] if nvshmem else None
 
         def region(r, reverse, slot):
             return 0 if r is None else buffers.of(r).data_ptr() + (2 * int(reverse) + slot) * size
@@ -204,6 +228,13 @@ class _Channel:
 
     def plan(self, reverse: bool) -> List[_Launch]:
         return self._plans[reverse]
+
+    def pes(self, launch: _Launch) -> Tuple[int, int]:
+        """NVSHMEM: the PEs of the launch's peers (the one it acknowledges, the one it sends to); -1 where
+        there is none, or over peer memory."""
+        if not self.nvshmem:
+            return -1, -1
+        return tuple(-1 if r is None else self._pe[r] for r in launch.peers)
 
 
 def _aligned(n: int) -> int:
@@ -311,12 +342,14 @@ def _watch(device: torch.device) -> Watch:
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
                   layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
-                  while_waiting: Optional[Callable[[], None]] = None, aside=None, what: str = "All-Scan"
-                  ) -> Tuple[List[Tensor], Optional[Tensor]]:
+                  while_waiting: Optional[Callable[[], None]] = None, aside=None, what: str = "All-Scan",
+                  nvshmem: bool = False) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over peer memory (same arguments and result). ``aside``: a CUDA stream for the
     launches before the rank's first wait for a peer (sends that need nothing), which then run while
     ``while_waiting()`` runs on the current stream; the current stream waits for them after.
-    ``what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`."""
+    ``what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. ``nvshmem``: the
+    same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or another)
+    instead of stores into the peers' mapped memory."""
     from ..kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
 
     like = delta[0]
@@ -331,11 +364,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     # state per document needs to keep the link busy; bench_op.py's scan part times it).
     rows = K // num_blocks
     tiles = num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
-    key = (group, layout, capacity, K, V, like.dtype, tiles, like.device)
+    key = (group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem)
     ch = _CHANNELS.get(key)
     if ch is None:
-        with naming_failures(what, "setting up the peer-memory buffers with every rank of the group"):
-            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device)
+        with naming_failures(what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
+            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem)
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
     # (ScanGLA's slot views of its batches); otherwise through contiguous copies.
@@ -373,22 +406,23 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         beside = main is not None and i < wait_at
         programs = _ASIDE_PROGRAMS if beside else None
         bounded = watch.arguments(watch.launch_id((id(ch), reverse, i, what), lambda: _describe(
-            what, reverse, launch, layout, group.size())), timeout)
+            what, reverse, launch, layout, group.size(), nvshmem)), timeout)
+        remote = dict(watch=bounded, pes=ch.pes(launch), nvshmem=nvshmem)
         with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
             inject.delay(like.device)  # test hook: no-op unless a stress test sets delays
             if launch.kind == "map":
                 all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
-                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, watch=bounded,
-                             programs=programs)
+                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, programs=programs,
+                             **remote)
             elif launch.kind == "close":
                 all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions, *strides,
-                               ch.decays, *sizes, watch=bounded)
+                               ch.decays, *sizes, **remote)
             else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
                 slots = [link.slot for link in links]
                 all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
                              [s_ins[s] for s in slots], y, regions, *strides, *sizes,
                              has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
-                             watch=bounded, programs=programs)
+                             programs=programs, **remote)
                 y_a = y
             inject.delay(like.device)
         if not like.is_cuda:  # interpreted: the kernel has run
@@ -405,9 +439,10 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     return inputs, last
 
 
-def _describe(what: str, reverse: bool, launch: _Launch, layout, world: int):
+def _describe(what: str, reverse: bool, launch: _Launch, layout, world: int, nvshmem: bool):
     """How a launch is named when one of its waits gives up: the scan, the direction and the pieces."""
     direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
     pieces = " and ".join(str(link.piece) for link in launch.links)
-    return (f"{what} [{direction}over peer memory, {layout.value} layout on {world} ranks, piece(s) {pieces}]",
+    over = "NVSHMEM" if nvshmem else "peer memory"
+    return (f"{what} [{direction}over {over}, {layout.value} layout on {world} ranks, piece(s) {pieces}]",
             launch.peers)

@@ -79,14 +79,17 @@ def zeco_gla(
         overlap: ``zeco`` and ``lasp2`` on CUDA: a side stream runs beside the local work
             that does not need the scan's result (forward and backward): over peer memory
             the rank's sends that wait for nobody (on a few SMs), otherwise the whole scan.
-            None (default): on for ``zeco`` over peer memory, where it hides part of the
+            None (default): on for ``zeco`` over peer memory or NVSHMEM, where it hides part of the
             per-document packed split's sends (one state per document; docs/benchmarks.md),
             off otherwise. Either way that local work is issued where the rank would first
             wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
             point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
             peers' memory with flags on the device (torch symmetric memory over NVLink; all
-            ranks on one node). ``auto``: ``$MEGATRON_ZECO_TRANSPORT`` if set, else
+            ranks on one node). ``nvshmem``: the same kernels and flags, tiles moved by
+            device-initiated NVSHMEM puts, to any rank on this node or another (torch symmetric
+            memory's NVSHMEM backend; one symmetric-memory backend per process). ``auto``:
+            ``$MEGATRON_ZECO_TRANSPORT`` if set, else
             ``peer_memory`` for CUDA tensors when the group is on one node, else ``send_recv``.
             The same numbers either way (up to a fused multiply-add's rounding).
         node_size: ranks of ``group`` per node, consecutive in group rank order (None: from the

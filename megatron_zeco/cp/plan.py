@@ -27,7 +27,7 @@ class CPPlan:
         strategy: ``zeco``, ``lasp2``, ``lasp1``, ``a2a``; ``none`` on one rank.
         layout: which pieces of the sequence each rank holds.
         num_blocks: blocks of key rows the All-Scan pipelines (``zeco``).
-        transport: the All-Scan's resolved transport (``send_recv`` or ``peer_memory``).
+        transport: the All-Scan's resolved transport (``send_recv``, ``peer_memory`` or ``nvshmem``).
         overlap: a side CUDA stream beside the local work (``zeco``, ``lasp2``).
         node_size: ranks per node, or None: from the hosts or ``$MEGATRON_ZECO_NODE_SIZE``
             (``comm.nodes``; looked up by the scan, which names a failure there).
@@ -82,5 +82,5 @@ def cp_plan(group, *, strategy: str = "zeco", layout: Union[str, Layout] = "cont
     else:
         transport = "send_recv"
     if overlap is None:
-        overlap = strategy == "zeco" and transport == "peer_memory"
+        overlap = strategy == "zeco" and transport in ("peer_memory", "nvshmem")
     return CPPlan(group, strategy, layout, num_blocks, transport, bool(overlap), node_size, name)

@@ -158,7 +158,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     kw = dict(layout=plan.layout, group=plan.group, reverse=reverse, what=what, out=out)
     if use_all_scan:
         kw.update(num_blocks=plan.num_blocks, transport=plan.transport, node_size=plan.node_size)
-        if side is None or plan.transport == "peer_memory":
+        if side is None or plan.transport in ("peer_memory", "nvshmem"):
             return all_scan(gamma, delta, init, **kw, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan
     if side is None:  # the all-gather scan

@@ -40,6 +40,8 @@ import time
 import triton
 import triton.language as tl
 
+from .nvshmem import fence, put, put_signal
+
 # A flag value with this bit set says that its sender gave up a wait (a peer before it died or
 # stalled): the receiver gives up too, at once, instead of waiting out its own timeout.
 POISON_BIT = 1 << 30
@@ -51,7 +53,14 @@ def _host_ns():
     return time.monotonic_ns()
 
 
+def _host_pause():
+    """Yield the host's CPU for a moment: an interpreted kernel's spin-wait would otherwise take it from
+    the very process it waits for (ranks share a few cores in CPU tests)."""
+    time.sleep(2e-4)
+
+
 _host_ns.__triton_builtin__ = True  # called only under TRITON_INTERPRET; no part of a compiled kernel
+_host_pause.__triton_builtin__ = True
 
 
 @triton.jit
@@ -78,6 +87,8 @@ def _wait_at_least(flag, target, tile, WHAT: tl.constexpr, watch, report, timeou
     seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
     late = 0
     while (seen < target) & (late == 0):
+        if INTERPRETED:
+            _host_pause()
         if tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0:
             late = 1  # this process gave up elsewhere first; that wait reports
         elif _now(INTERPRETED) - start > timeout_ns:
@@ -96,19 +107,25 @@ def _wait_at_least(flag, target, tile, WHAT: tl.constexpr, watch, report, timeou
 
 
 @triton.jit
-def _publish(flag, value, watch):
-    """Make this program's stores visible, then ``*flag = value`` (release, system scope); marked
-    ``POISONED`` once this process has given up a wait (``_wait_at_least``)."""
-    tl.debug_barrier()
+def _flag_value(seq, watch):
+    """What a publish writes: ``seq``, marked ``POISONED`` once this process has given up a wait."""
+    value = tl.cast(seq, tl.int64)
     if tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0:
         value = value | POISONED
-    tl.atomic_xchg(flag, value, sem="release", scope="sys")
+    return value
+
+
+@triton.jit
+def _publish(flag, seq, watch):
+    """Make this program's stores visible, then ``*flag = seq`` (release, system scope)."""
+    tl.debug_barrier()
+    tl.atomic_xchg(flag, _flag_value(seq, watch), sem="release", scope="sys")
 
 
 @triton.jit
 def _arrived(here, tile, seq, DATA: tl.constexpr, watch, report, timeout_ns, who, INTERPRETED: tl.constexpr):
     """Wait until call ``seq``'s ``tile`` has arrived in region ``here`` (its arrival flag)."""
-    flag = (here + DATA).to(tl.pointer_type(tl.int32)) + tile
+    flag = (here + DATA).to(tl.pointer_type(tl.int64)) + tile
     _wait_at_least(flag, seq, tile, 1, watch, report, timeout_ns, who, INTERPRETED)
 
 
@@ -116,15 +133,52 @@ def _arrived(here, tile, seq, DATA: tl.constexpr, watch, report, timeout_ns, who
 def _acknowledged(sent, tile, seq, DATA: tl.constexpr, FLAGS: tl.constexpr, watch, report, timeout_ns, who,
                   INTERPRETED: tl.constexpr):
     """Wait until the receiver has read what region ``sent`` sent of ``tile`` in the previous call."""
-    flag = (sent + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    flag = (sent + DATA + FLAGS).to(tl.pointer_type(tl.int64)) + tile
     _wait_at_least(flag, seq - 1, tile, 2, watch, report, timeout_ns, who, INTERPRETED)
+
+
+@triton.jit
+def _outbox(dst, sent, DATA: tl.constexpr, FLAGS: tl.constexpr, NVSHMEM: tl.constexpr):
+    """Where a tile's outgoing rows are stored: straight into the receiver's buffer (peer memory), or
+    into this rank's outbox, the part of its sending region that NVSHMEM then puts."""
+    if NVSHMEM:
+        out = sent + DATA + 3 * FLAGS
+    else:
+        out = dst
+    return out
+
+
+@triton.jit
+def _send(dst, sent, tile, start, nbytes, seq, dst_pe, watch, DATA: tl.constexpr, FLAGS: tl.constexpr,
+          NVSHMEM: tl.constexpr):
+    """Deliver call ``seq``'s ``tile`` (bytes ``start .. start + nbytes`` of a region's buffer, its rows
+    stored where :func:`_outbox` says) and raise its arrival flag in region ``dst``: a flag store after
+    the rows (peer memory), or one NVSHMEM put of the rows with the flag as its signal."""
+    if NVSHMEM:
+        tl.debug_barrier()
+        put_signal(dst + start, sent + DATA + 3 * FLAGS + start, nbytes, dst + DATA + 8 * tile,
+                   _flag_value(seq, watch), dst_pe)
+    else:
+        _publish((dst + DATA).to(tl.pointer_type(tl.int64)) + tile, seq, watch)
+
+
+@triton.jit
+def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.constexpr, NVSHMEM: tl.constexpr):
+    """Acknowledge call ``seq``'s ``tile`` to the rank that sent it (its region ``src``): a flag store,
+    or (NVSHMEM) a put of a scratch word with the acknowledgement as its signal."""
+    if NVSHMEM:
+        scratch = DATA + 3 * FLAGS + DATA
+        tl.debug_barrier()
+        put_signal(src + scratch, here + scratch, 8, src + DATA + FLAGS + 8 * tile, _flag_value(seq, watch), src_pe)
+    else:
+        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int64)) + tile, seq, watch)
 
 
 @triton.jit
 def _tile(tile, here, TILES: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr):
     """Tile ``tile``'s state ``i_n`` and row tile ``i_b``, its call counter in region ``here`` and this
     call's sequence number."""
-    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int32)) + tile
+    calls = (here + DATA + 2 * FLAGS).to(tl.pointer_type(tl.int64)) + tile
     return tile // TILES, tile % TILES, calls, tl.load(calls) + 1
 
 
@@ -150,6 +204,7 @@ def all_scan_hop_kernel(
     gamma2, delta2, s_in2,  # TWO: the next piece, also on this rank (the zigzag turn-around)
     y_out,  # local copy of the outgoing state (KEEP_Y)
     here, sent, src, dst,  # addresses of the regions: this rank's receiving one and sending one, the peers'
+    src_pe, dst_pe,  # NVSHMEM: the peers' PEs (src and dst are then this rank's addresses of their regions)
     G_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (gamma; delta and s_in)
     INNER: tl.constexpr,  # states per entry of dim 0
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
@@ -158,12 +213,15 @@ def all_scan_hop_kernel(
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits (_wait_at_least): addresses, limit, launch id
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
 ):
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
+    dtype = delta.dtype.element_ty
+    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    if HAS_DST:
+        out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
-        dtype = delta.dtype.element_ty
         if HAS_SRC:  # the previous rank's tile has arrived in this region
             _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
             x_in = here.to(tl.pointer_type(dtype))
@@ -186,13 +244,14 @@ def all_scan_hop_kernel(
                 decay = tl.load(gamma2 + g_offs, mask=in_block, other=0.0)
                 y = decay[:, None] * y + tl.load(delta2 + s_offs, mask=mask, other=0.0)
             if HAS_DST:
-                tl.store(dst.to(tl.pointer_type(dtype)) + offs, y, mask=mask)
+                tl.store(out + offs, y, mask=mask)
             if KEEP_Y:
                 tl.store(y_out + offs, y, mask=mask)
         if HAS_DST:
-            _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
+            _send(dst, sent, tile, (i_n * K + i_b * ROWS) * V * ELEM, ROWS * V * ELEM, seq, dst_pe,
+                  watch, DATA, FLAGS, NVSHMEM)
         if HAS_SRC:
-            _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
+            _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
         tl.store(calls, seq)
 
 
@@ -200,22 +259,24 @@ def all_scan_hop_kernel(
 def all_scan_map_kernel(
     gamma_a, delta_a, gamma_b, delta_b,  # this rank's two pieces' maps (walk order: a out, b back)
     here, sent, dst,  # regions: this rank's (receives the map from the next rank; its acks), the previous rank's
+    dst_pe,  # NVSHMEM: the previous rank's PE
     G_STRIDE, S_STRIDE, G_OFF,  # dim-0 strides (gamma; delta); element offset of a region's decays
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
     BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, HAS_SRC: tl.constexpr,
-    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr,
+    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
 ):
     """The zigzag return leg: ``C = M_b o C_next o M_a`` (``C_next`` from the next rank, the identity on
     the turn-around rank), sent to the previous rank as a map: decays ``gamma_b gamma_C gamma_a`` and
     state ``gamma_b (gamma_C delta_a + delta_C) + delta_b``. Needs nothing from the outgoing leg."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
+    dtype = delta_a.dtype.element_ty
+    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    x_in, out = here.to(tl.pointer_type(dtype)), _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
-        dtype = delta_a.dtype.element_ty
         if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
             _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
         _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
-        x_in, out = here.to(tl.pointer_type(dtype)), dst.to(tl.pointer_type(dtype))
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
@@ -229,7 +290,13 @@ def all_scan_map_kernel(
             e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
             tl.store(out + offs, e, mask=mask)
             tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
-        _publish((dst + DATA).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
+        if NVSHMEM:  # the decays first, in their own put, ordered before the state's (which carries the flag)
+            decays = (G_OFF + i_n * K + i_b * ROWS) * ELEM
+            tl.debug_barrier()
+            put(dst + decays, sent + DATA + 3 * FLAGS + decays, ROWS * ELEM, dst_pe)
+            fence()
+        _send(dst, sent, tile, (i_n * K + i_b * ROWS) * V * ELEM, ROWS * V * ELEM, seq, dst_pe,
+              watch, DATA, FLAGS, NVSHMEM)
         if not HAS_SRC:
             tl.store(calls, seq)
 
@@ -239,18 +306,19 @@ def all_scan_close_kernel(
     y_a,  # the state leaving this rank's outgoing piece (contiguous, all_scan_hop's y_out)
     s_in, gamma_b, delta_b, y_out,  # piece b: where its incoming state goes; the walk's end (LAST)
     here, src,  # regions: this rank's (holds the next rank's map), the next rank's (gets the ack)
+    src_pe,  # NVSHMEM: the next rank's PE
     G_STRIDE, S_STRIDE, G_OFF,
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr,
     BV: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LAST: tl.constexpr,
-    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr,
+    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
 ):
     """Piece b's incoming state ``C_next(y_a)`` from the next rank's map; on the rank ending the walk
     also the state leaving piece b (``y_out``)."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
+    x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
-        x_in = here.to(tl.pointer_type(s_in.dtype.element_ty))
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
@@ -261,7 +329,7 @@ def all_scan_close_kernel(
             if LAST:
                 g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
                 tl.store(y_out + offs, g_b[:, None] * x + tl.load(delta_b + s_offs, mask=mask, other=0.0), mask=mask)
-        _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int32)) + tile, seq, watch)
+        _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
         tl.store(calls, seq)
 
 
@@ -286,8 +354,17 @@ def _watched(watch, like) -> dict:
     return dict(watch=address, report=report, timeout_ns=timeout_ns, who=who, INTERPRETED=not like.is_cuda)
 
 
+def _kernel(kernel, nvshmem: bool):
+    """``kernel``, or its NVSHMEM variant (``kernels/nvshmem.py``)."""
+    if not nvshmem:
+        return kernel
+    from .nvshmem import nvshmem_kernel
+
+    return nvshmem_kernel(kernel)
+
+
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst, watch, programs=None):
+                 flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
@@ -295,37 +372,40 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
     integer addresses (0 where unused): this rank's receiving region and sending region, the
     previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
-    flags, acknowledgements and call counters of ``flag_bytes`` each. ``x_init``: the address of
-    a contiguous incoming state, or 0; ``y_out``: where the outgoing state goes too, or None.
-    ``programs``: at most this many programs (None: one per tile), to leave SMs to other streams.
-    ``watch``: what bounds the waits (:func:`_watched`).
+    flags, acknowledgements and call counters of ``flag_bytes`` each (and, NVSHMEM, an outbox of
+    ``data_bytes`` and a scratch word). ``x_init``: the address of a contiguous incoming state, or 0;
+    ``y_out``: where the outgoing state goes too, or None. ``programs``: at most this many programs
+    (None: one per tile), to leave SMs to other streams. ``watch``: what bounds the waits
+    (:func:`_watched`). ``nvshmem``: move tiles by NVSHMEM puts; ``src`` and ``dst`` are then this
+    rank's addresses of the peers' (symmetric) regions and ``pes`` the peers' PEs.
     """
     grid, shape = _shape(deltas[-1], tiles, programs)
-    all_scan_hop_kernel[grid](
+    _kernel(all_scan_hop_kernel, nvshmem)[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
-        s_ins[-1] if y_out is None else y_out, *regions, g_stride, s_stride,
+        s_ins[-1] if y_out is None else y_out, *regions, *pes, g_stride, s_stride,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), **shape,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), NVSHMEM=nvshmem, **shape,
     )
 
 
 def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,
-                 watch, programs=None):
+                 watch, pes=(-1, -1), nvshmem=False, programs=None):
     """Launch the zigzag return leg on one rank (:func:`all_scan_map_kernel`): ``gammas``, ``deltas``
     of its pieces a and b; ``regions``: ``(here, sent, dst)``; ``g_off``: where a region's decays
     start (elements). Other arguments as :func:`all_scan_hop`."""
     (gamma_a, gamma_b), (delta_a, delta_b) = gammas, deltas
     grid, shape = _shape(delta_a, tiles, programs)
-    all_scan_map_kernel[grid](gamma_a, delta_a, gamma_b, delta_b, *regions, g_stride, s_stride, g_off,
-                              DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, **_watched(watch, delta_a),
-                              **shape)
+    _kernel(all_scan_map_kernel, nvshmem)[grid](
+        gamma_a, delta_a, gamma_b, delta_b, *regions, pes[1], g_stride, s_stride, g_off, DATA=data_bytes,
+        FLAGS=flag_bytes, HAS_SRC=has_src, **_watched(watch, delta_a), NVSHMEM=nvshmem, **shape)
 
 
 def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
-                   flag_bytes, *, watch):
+                   flag_bytes, *, watch, pes=(-1, -1), nvshmem=False):
     """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
     ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
     grid, shape = _shape(delta_b, tiles)
-    all_scan_close_kernel[grid](y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, g_stride,
-                                s_stride, g_off, DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None,
-                                **_watched(watch, delta_b), **shape)
+    _kernel(all_scan_close_kernel, nvshmem)[grid](
+        y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, pes[0], g_stride, s_stride, g_off,
+        DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **_watched(watch, delta_b), NVSHMEM=nvshmem,
+        **shape)
