@@ -165,8 +165,12 @@ def _bad_transport_worker(rank, world):
     with pytest.raises(ValueError, match="unknown All-Scan transport 'nvlink'"):
         all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,
                  transport="nvlink")
+    with pytest.raises(ValueError, match="'nvshmem' needs CUDA tensors; use transport='send_recv'"):
+        all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,
+                 transport="nvshmem")
     return True
 
 
 def test_unknown_transport_is_refused():
+    """An unknown transport, and NVSHMEM for CPU tensors, fail with the fix named."""
     assert all(run_ranks(_bad_transport_worker, 2))
