@@ -217,8 +217,9 @@ def test_command_saves_and_resumes_without_warnings(tmp_path):
     filtered; CUDA graph scope set as this megatron-core wants it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
-            "--steps", "4", "--log-interval", "1", "--hidden", "32", "--save", str(tmp_path)]
-    first = subprocess.run(base + ["--exit-interval", "2"], env=env, capture_output=True, text=True, timeout=300)
+            "--steps", "4", "--log-interval", "1", "--hidden", "32"]
+    first = subprocess.run(base + ["--save", str(tmp_path), "--exit-interval", "2"], env=env, capture_output=True,
+                           text=True, timeout=300)
     second = subprocess.run(base + ["--load", str(tmp_path), "--tp", "2"], env=env, capture_output=True, text=True,
                             timeout=300)
     for done in (first, second):
