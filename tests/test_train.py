@@ -72,7 +72,6 @@ def test_default_sequence_length_fits_the_layout(world, flags, seq_len):
     (2, dict(hidden=50), ["--hidden 50", "--heads 4"]),
     (2, dict(batch=5, dp=2, cp=1), ["--batch 5", "--dp 2"]),
     (2, dict(save_interval=5), ["--save-interval", "--save DIR"]),
-    (2, dict(position_embedding="rope", device="cpu"), ["--position-embedding rope"]),
     (2, dict(steps=0), ["--steps"]),
 ])
 def test_resolve_names_the_flag_to_change(world, flags, names):
@@ -81,6 +80,14 @@ def test_resolve_names_the_flag_to_change(world, flags, names):
     with pytest.raises(ValueError) as error:
         T.resolve(T.TrainConfig(**flags), world)
     assert all(n in str(error.value) for n in names), str(error.value)
+
+
+def test_rope_on_the_cpu_is_refused():
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError, match="--position-embedding rope needs a GPU"):
+        T.check_device(T.TrainConfig(position_embedding="rope", device="cpu"))
+    T.check_device(T.TrainConfig(device="cpu"))
 
 
 # --- start-up errors -------------------------------------------------------------------------------
@@ -99,6 +106,8 @@ MISCONFIGURED = {
     "blocks": (["--num-blocks", "3"], ["cp_num_blocks (3) must divide", "cp_num_blocks is --num-blocks"]),
     "pattern": (["--pattern", "GX"], ["hybrid layer pattern 'GX'"]),  # hybrid.check_pattern
     "pairs": (["--pairs", "9"], ["9 pairs need at least as many keys"]),  # RecallTask, at the first step
+    "rope": (["--pattern", "G*", "--position-embedding", "rope", "--device", "cpu"],  # train.check_device
+             ["--position-embedding rope needs a GPU"]),
 }
 
 
