@@ -1,81 +1,224 @@
 """The main job: train a small GLA GPTModel (megatron-core) with ZeCO context parallelism.
 
-    torchrun --nproc-per-node 4 -m megatron_zeco.train               # CPU, gloo, CP = 4
-    torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2        # TP 2 x CP 4
+    torchrun --nproc-per-node 4 -m megatron_zeco.train                 # CPU, gloo, CP = 4
+    torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2          # TP 2 x CP 4
     torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
+    torchrun --nproc-per-node 4 -m megatron_zeco.train --save ckpt --load ckpt   # save, and resume if saved
 
-Uses megatron-core directly (parallel_state, GPTModel, the layer spec of this
-package); gradients of the parameters, replicated over data and context
-parallel ranks, are summed over that group as Megatron's DDP does. Runs on GPUs
-with NCCL when torch sees them (``--device auto``). Prints loss, recall
-accuracy, tokens/s and the CP strategy every ``--log-interval`` steps.
+Uses megatron-core directly (parallel_state, GPTModel, the layer spec of this package,
+dist_checkpointing); gradients of the parameters, replicated over data and context parallel
+ranks, are summed over that group as Megatron's DDP does. Runs on GPUs with NCCL when torch
+sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP strategy every
+``--log-interval`` steps, and a summary at the end. Flags, save/resume: docs/main-job.md.
 """
 
 import argparse
+import logging
 import math
 import os
+import sys
 import time
-from dataclasses import dataclass
-from typing import Optional
+import typing
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, field, fields
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from . import checkpoint
 from .comm import Layout, as_layout
+from .cp import STRATEGIES
 from .recall import RecallTask
+
+PROG = "megatron_zeco.train"
+SEQ_LEN = 64  # --seq-len's default, rounded up to what the CP layout cuts evenly
+
+
+def _flag(default, group: str, help: str, shown: Optional[str] = None, **argparse_kwargs):
+    """A TrainConfig field and its command-line flag: its group in --help, what it does, and its
+    default as --help shows it (``shown``; else the value itself)."""
+    return field(default=default, metadata=dict(group=group, help=help, shown=shown, argparse=argparse_kwargs))
+
+
+PARALLEL, MODEL, TASK, OPTIM, CKPT, LOGGING = (
+    "parallelism", "model", "task", "optimisation", "checkpointing", "logging")
 
 
 @dataclass
 class TrainConfig:
-    tp: int = 1
-    cp: Optional[int] = None  # default: world / (tp * dp)
-    dp: int = 1
-    strategy: str = "zeco"
-    layout: str = "zigzag"
-    num_blocks: int = 1
-    piece_split: Optional[int] = None  # batched sub-pieces per CP piece (zeco_gla's piece_split; None: auto)
-    pattern: str = "G"  # layer symbols, repeated: G = GLA, * = softmax attention (megatron_zeco.hybrid)
-    position_embedding: str = "none"  # or "rope" (softmax layers only; under CP > 1 megatron-core needs CUDA)
-    layers: int = 2
-    hidden: int = 64
-    heads: int = 4
-    seq_len: int = 64
-    batch: int = 16  # sequences per step over all data-parallel ranks
-    steps: int = 500
-    lr: float = 3e-3  # peak; warm-up then cosine decay to lr / 10
-    clip_grad: float = 1.0  # global gradient norm clip (0: off)
-    dtype: str = "float32"  # parameters and activations: float32, or float64 for exactness checks
-    init_std: float = 0.1  # ~ hidden ** -0.5: Megatron's 0.02 is tuned for wide models
-    seed: int = 1234
-    task: str = "recall"  # or "mock": random tokens, loss on every token
-    # Recall task (see recall.py): bindings per sequence, key/value/filler vocabularies.
-    pairs: int = 4
-    keys: int = 8
-    values: int = 8
-    filler: int = 8
-    device: str = "auto"
-    log_interval: int = 50
-    deterministic: bool = False  # Megatron's --deterministic-mode: deterministic_mode + torch's deterministic algorithms
+    # -- parallelism
+    tp: int = _flag(1, PARALLEL, "tensor-parallel size: each layer's heads and the vocabulary split over this "
+                                 "many ranks")
+    cp: Optional[int] = _flag(None, PARALLEL, "context-parallel size: each sequence split over this many ranks",
+                              shown="the processes / (--tp x --dp)")
+    dp: int = _flag(1, PARALLEL, "data-parallel size: each step's sequences split over this many model replicas")
+    strategy: str = _flag("zeco", PARALLEL, "how the recurrent state crosses the CP ranks: zeco (All-Scan, one "
+                          "state per rank), lasp2 (all-gather of the states), lasp1 (ring), a2a (all-to-all of "
+                          "heads)", choices=[s for s in STRATEGIES if s != "none"])
+    layout: str = _flag("zigzag", PARALLEL, "how a sequence is cut over the CP ranks: zigzag (Megatron's "
+                        "load-balanced split into 2 x CP pieces) or contiguous (CP pieces)",
+                        choices=[m.value for m in Layout])
+    num_blocks: int = _flag(1, PARALLEL, "All-Scan pipeline blocks: the state is sent in this many blocks of "
+                            "rows (a divisor of the head dim, --hidden / --heads)")
+    piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
+                                       "(zeco and lasp2; exact; --seq-len must then divide into them)",
+                                       shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
+    device: str = _flag("auto", PARALLEL, "cuda (NCCL, one GPU per process), cpu (gloo), or auto: cuda when "
+                        "torch sees a GPU", choices=["auto", "cpu", "cuda"])
+    # -- model
+    pattern: str = _flag("G", MODEL, "layer kinds, repeated over the depth: G = GLA, * = causal softmax "
+                         "attention ('G*': every second layer softmax)")
+    position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (GLA layers "
+                                    "carry no positions)", choices=["none", "rope"])
+    layers: int = _flag(2, MODEL, "transformer layers")
+    hidden: int = _flag(64, MODEL, "hidden size (a multiple of --heads)")
+    heads: int = _flag(4, MODEL, "attention heads per layer (a multiple of --tp; for a2a, of --tp x --cp)")
+    dtype: str = _flag("float32", MODEL, "parameters and activations; float64 for exactness checks",
+                       choices=["float32", "float64"])
+    init_std: float = _flag(0.1, MODEL, "standard deviation of the initial weights (~ hidden ** -0.5; "
+                            "Megatron's 0.02 is tuned for wide models)")
+    # -- task
+    task: str = _flag("recall", TASK, "recall: multi-query associative recall, loss on the answers only; "
+                      "mock: the same random tokens, loss on every token", choices=["recall", "mock"])
+    seq_len: Optional[int] = _flag(None, TASK, "tokens per sequence (a multiple of the pieces --layout cuts it "
+                                   "into: 2 x --cp for zigzag, --cp for contiguous, times --piece-split)",
+                                   shown=f"{SEQ_LEN}, rounded up to such a multiple")
+    batch: int = _flag(16, TASK, "sequences per step over all data-parallel ranks (a multiple of --dp)")
+    pairs: int = _flag(4, TASK, "key/value bindings per sequence (at most --keys)")
+    keys: int = _flag(8, TASK, "distinct keys")
+    values: int = _flag(8, TASK, "distinct values (chance accuracy is 1 / --values)")
+    filler: int = _flag(8, TASK, "distinct filler tokens between the bindings and the questions")
+    seed: int = _flag(1234, TASK, "initial weights and data: step s trains on a batch drawn from a generator "
+                      "seeded with --seed and s")
+    # -- optimisation
+    steps: int = _flag(500, OPTIM, "training steps (the learning-rate schedule spans them)")
+    lr: float = _flag(3e-3, OPTIM, "peak learning rate of AdamW: linear warm-up over 5%% of the steps, then "
+                      "cosine decay to a tenth")
+    clip_grad: float = _flag(1.0, OPTIM, "clip the global gradient norm to this (0: no clipping)")
+    deterministic: bool = _flag(False, OPTIM, "Megatron's deterministic mode (deterministic_mode and torch's "
+                                "deterministic algorithms): two runs give bit-identical losses", shown="off")
+    # -- checkpointing
+    save: Optional[str] = _flag(None, CKPT, "save Megatron-Core distributed checkpoints (model, optimizer, step, "
+                                "schedule) under this directory, as DIR/iter_NNNNNNN: every --save-interval "
+                                "steps and at the end", shown="no saving", metavar="DIR")
+    load: Optional[str] = _flag(None, CKPT, "resume from the newest checkpoint under this directory (or from "
+                                "this checkpoint directory), at any --tp, --cp, --dp; with none there, start "
+                                "from step 0", shown="start from step 0", metavar="DIR")
+    save_interval: int = _flag(0, CKPT, "with --save: also save every this many steps (0: only at the end)")
+    exit_interval: int = _flag(0, CKPT, "stop after a step that is a multiple of this, saving first if --save "
+                               "is given (as Megatron-LM's --exit-interval; 0: run all --steps)")
+    # -- logging
+    log_interval: int = _flag(50, LOGGING, "print loss, accuracy, gradient norm, learning rate and tokens/s "
+                              "every this many steps")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Prints (help, usage, errors) on the first process only: torchrun starts one per rank."""
+
+    def _print_message(self, message, file=None):
+        if _launch_rank() == 0:
+            super()._print_message(message, file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog="examples:\n" + "\n".join(__doc__.split("\n\n")[1].splitlines()))
+    groups = {}
+    for f in fields(TrainConfig):
+        meta = f.metadata
+        group = groups.get(meta["group"]) or groups.setdefault(meta["group"], parser.add_argument_group(meta["group"]))
+        shown = meta["shown"] if meta["shown"] is not None else "%(default)s"
+        kwargs = dict(default=f.default, help=f"{meta['help']} (default: {shown})", **meta["argparse"])
+        kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)  # Optional[X] -> X
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = kind
+        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+    return parser
 
 
 def parse_args(argv=None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for name, default in vars(TrainConfig()).items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action="store_true")
-        else:
-            parser.add_argument(flag, type=int if name in ("cp", "piece_split") else type(default), default=default)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+    return TrainConfig(**vars(build_parser().parse_args(argv)))
 
 
-def init_distributed(cfg: TrainConfig):
-    """Process group (from torchrun's environment) and Megatron's model-parallel groups."""
+class ConfigError(ValueError):
+    """A misconfiguration found while the job starts; the message names the flag to change."""
+
+
+def resolve(cfg: TrainConfig, world: int) -> List[str]:
+    """Fill in what depends on the number of processes (``cp``, ``seq_len``) and check the flags
+    against each other; ValueError naming the flag to change. Returns lines for the log."""
+    for name in ("tp", "dp", "layers", "hidden", "heads", "batch", "steps", "log_interval", "pairs", "keys",
+                 "values", "filler"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ("save_interval", "exit_interval"):
+        if getattr(cfg, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
+    if cfg.cp is None:
+        if world % (cfg.tp * cfg.dp):
+            raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must divide the {world} processes "
+                             f"(--cp takes the rest)")
+        cfg.cp = world // (cfg.tp * cfg.dp)
+    if cfg.cp < 1 or cfg.tp * cfg.cp * cfg.dp != world:
+        raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no GPU here; use --device cpu (or auto)")
+    if cfg.hidden % cfg.heads:
+        raise ValueError(f"--hidden {cfg.hidden} must be a multiple of --heads {cfg.heads}: each head gets "
+                         f"hidden / heads channels")
+    split = cfg.piece_split or 1
+    pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * split if cfg.cp > 1 else 1
+    why = f"the {cfg.layout} layout cuts each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks" \
+        + (f" (x --piece-split {split})" if split > 1 else "")
+    notes = []
+    if cfg.seq_len is None:
+        cfg.seq_len = -(-SEQ_LEN // pieces) * pieces
+        if cfg.seq_len != SEQ_LEN:
+            notes.append(f"--seq-len {cfg.seq_len}: the default {SEQ_LEN} rounded up to a multiple of {pieces} "
+                         f"({why})")
+    elif cfg.seq_len % pieces:
+        raise ValueError(f"--seq-len {cfg.seq_len} must be a multiple of {pieces}: {why}")
+    if cfg.batch % cfg.dp:
+        raise ValueError(f"--batch {cfg.batch} must be divisible by --dp {cfg.dp}")
+    if cfg.save_interval and not cfg.save:
+        raise ValueError("--save-interval needs --save DIR")
+    return notes
+
+
+def check_device(cfg: TrainConfig):
+    """ValueError for what megatron-core cannot run on the chosen device. (Tests that train RoPE
+    models on the CPU let the host stand in for CUDA: tests/test_hybrid.py; the job does not.)"""
+    if cfg.position_embedding == "rope" and not uses_cuda(cfg):
+        raise ValueError("--position-embedding rope needs a GPU: megatron-core's rotary embeddings move their "
+                         "tables to CUDA; on the CPU use --position-embedding none")
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+
+def _launch_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def uses_cuda(cfg: TrainConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def init_distributed(cfg: TrainConfig, log=None):
+    """Check and complete ``cfg`` (:func:`resolve`; ``log`` gets its notes on rank 0), then the
+    process group (from torchrun's environment; one process without it) and Megatron's
+    model-parallel groups. Returns the device."""
     from megatron.core import parallel_state
 
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    notes = resolve(cfg, _world_size())
+    use_cuda = uses_cuda(cfg)
     if cfg.deterministic:
         # As Megatron-LM's --deterministic-mode (megatron/training/determinism.py); NCCL and cuBLAS
         # read these once, at their start.
@@ -85,44 +228,61 @@ def init_distributed(cfg: TrainConfig):
     if not dist.is_initialized():
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    world = dist.get_world_size()
-    if cfg.cp is None:
-        cfg.cp = world // (cfg.tp * cfg.dp)
-    if cfg.tp * cfg.cp * cfg.dp != world:
-        raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
-    split = cfg.piece_split or 1
-    pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * (split if cfg.cp > 1 else 1)
-    if cfg.cp > 1 and cfg.seq_len % pieces:
-        raise ValueError(f"--seq-len {cfg.seq_len} must be a multiple of {pieces}: the {cfg.layout} layout cuts "
-                         f"each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks"
-                         + (f" (x --piece-split {split})" if split > 1 else ""))
+        backend = "nccl" if use_cuda else "gloo"
+        if "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:  # python -m megatron_zeco.train: one process
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if log is not None and dist.get_rank() == 0:
+        for note in notes:
+            log(note)
     parallel_state.initialize_model_parallel(cfg.tp, 1, context_parallel_size=cfg.cp)
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
-    """GPTModel with the GLA (or hybrid) layer spec; identical initial weights for any TP/CP layout."""
-    from megatron.core.models.gpt import GPTModel
+def transformer_config(cfg: TrainConfig):
+    """The model's TransformerConfig (Megatron's own checks of the sizes run here)."""
     from megatron.core.transformer import TransformerConfig
 
-    from .specs import gla_layer_spec, hybrid_layer_spec
-
-    if cfg.position_embedding not in ("none", "rope"):
-        raise ValueError(f"--position-embedding must be none or rope, got {cfg.position_embedding!r}")
-    torch.manual_seed(cfg.seed)
-    config = TransformerConfig(
+    # CUDA graphs are off; say so in the form this megatron-core takes (its default, "full", is deprecated).
+    names = {f.name for f in fields(TransformerConfig)}
+    graphs = dict(cuda_graph_modules=[]) if "cuda_graph_modules" in names else dict(cuda_graph_scope=[])
+    return TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic,
+        deterministic_mode=cfg.deterministic, **graphs,
     )
+
+
+def layer_spec(cfg: TrainConfig):
+    """This package's layer spec for ``--pattern``: GLA layers, or GLA and softmax layers."""
+    from .specs import gla_layer_spec, hybrid_layer_spec
+
     gla = dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
                cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
-    spec = gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
-    model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
-                     max_sequence_length=cfg.seq_len, position_embedding_type=cfg.position_embedding)
+    return gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
+
+
+def gpt_model(cfg: TrainConfig, config, vocab_size: int):
+    """megatron-core's GPTModel over :func:`layer_spec`."""
+    from megatron.core.models.gpt import GPTModel
+
+    if cfg.position_embedding not in ("none", "rope"):
+        raise ValueError(f"--position-embedding must be none or rope, got {cfg.position_embedding!r}")
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(cfg), vocab_size=vocab_size,
+                    max_sequence_length=cfg.seq_len, position_embedding_type=cfg.position_embedding)
+
+
+# Model kinds: name -> builder(cfg, TransformerConfig, vocab_size). Another kind is one builder here.
+MODEL_KINDS = {"gpt": gpt_model}
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, kind: str = "gpt"):
+    """The model of ``kind``; identical initial weights for any TP/CP layout."""
+    torch.manual_seed(cfg.seed)
+    model = MODEL_KINDS[kind](cfg, transformer_config(cfg), vocab_size)
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))  # some norms ignore params_dtype
 
 
@@ -132,7 +292,8 @@ def make_task(cfg: TrainConfig) -> RecallTask:
 
 
 def global_batch(cfg: TrainConfig, task: RecallTask, step: int) -> dict:
-    """The whole step's batch (all data-parallel ranks), the same on every rank."""
+    """The whole step's batch (all data-parallel ranks), the same on every rank: a function of
+    the seed and the step alone, so a resumed run sees the same data."""
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     batch = task.batch(cfg.batch, gen)
     if cfg.task == "mock":
@@ -249,15 +410,105 @@ def lr_schedule(cfg: TrainConfig):
     return factor
 
 
+# --- start-up errors ------------------------------------------------------------------------------
+
+# Flags of Megatron-LM (and spec arguments) that the layer's and megatron-core's errors name, and
+# this job's flag for each.
+_JOB_FLAGS = {
+    "--num-attention-heads": "--heads", "num_attention_heads": "--heads",
+    "--tensor-model-parallel-size": "--tp", "tensor_model_parallel_size": "--tp",
+    "--context-parallel-size": "--cp", "--seq-length": "--seq-len", "--hidden-size": "--hidden",
+    "hidden_size": "--hidden", "--num-layers": "--layers", "--kv-channels": "--hidden / --heads",
+    "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
+    "cp_piece_split": "--piece-split", "--position-embedding-type": "--position-embedding",
+    "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
+}
+
+
+@contextmanager
+def startup_errors():
+    """A ValueError inside (this job's checks, the layer's ``_check_config``, megatron-core's
+    TransformerConfig, the CP input checks of the first step, a checkpoint that does not fit)
+    becomes a ConfigError whose message also names this job's flags."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except ValueError as e:
+        message = str(e)
+        named = [f"{theirs} is {ours}" for theirs, ours in _JOB_FLAGS.items() if theirs in message]
+        raise ConfigError(message + (f"\n  (flags of this job: {', '.join(named)})" if named else "")) from e
+
+
+# --- save and resume ------------------------------------------------------------------------------
+
+# Flags that shape the loss curve: a resumed run takes them as saved (--steps may change: the
+# learning-rate schedule then spans the new count). The parallel layout, CP strategy, device and
+# logging may change: a checkpoint loads at any TP x CP x DP.
+RESUME_FLAGS = ("pattern", "position_embedding", "layers", "hidden", "heads", "dtype", "task", "seq_len", "batch",
+                "pairs", "keys", "values", "filler", "seed", "lr", "clip_grad")
+
+
+def save_checkpoint(cfg: TrainConfig, step: int, model, optimizer, scheduler, device, log):
+    start = time.time()
+    path = checkpoint.save(cfg.save, step, model, optimizer,
+                           dict(step=step, config=asdict(cfg), scheduler=scheduler.state_dict()), device)
+    if dist.get_rank() == 0:
+        log(f"saved step {step} to {path} in {time.time() - start:.1f} s")
+
+
+def resume(cfg: TrainConfig, model, optimizer, scheduler, device, log) -> int:
+    """Load the checkpoint ``--load`` names into the model, optimizer and LR schedule; the step
+    it was taken after (0 with none). ValueError if it was saved with other RESUME_FLAGS."""
+    path = checkpoint.find(cfg.load)
+    rank0 = dist.get_rank() == 0
+    if path is None:
+        if rank0:
+            log(f"--load {cfg.load}: no checkpoint there; starting from step 0")
+        return 0
+    saved = checkpoint.read_common(path).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"--load {path} is a distributed checkpoint, but not of this job (no configuration in it)")
+    differ = [f"--{name.replace('_', '-')} {saved.get(name)} (given {getattr(cfg, name)})"
+              for name in RESUME_FLAGS if saved.get(name) != getattr(cfg, name)]
+    if differ:
+        raise ValueError(f"--load {path} was saved with {', '.join(differ)}; a resumed run continues its loss "
+                         f"curve with the same model, task, data and optimiser flags: pass those")
+    common = checkpoint.load(path, model, optimizer, device)
+    scheduler.load_state_dict(common["scheduler"])
+    step = int(common["step"])
+    if rank0:
+        log(f"resumed from {path}: step {step}, saved at TP {saved['tp']} x CP {saved['cp']} x DP {saved['dp']}"
+            + (f"; the learning-rate schedule now spans --steps {cfg.steps} (saved: {saved['steps']})"
+               if saved["steps"] != cfg.steps else ""))
+    return step
+
+
+# --- the loop -------------------------------------------------------------------------------------
+
 def train(cfg: TrainConfig, log=_log):
-    """Run the training loop; returns the list of per-step (loss, accuracy)."""
+    """Run the training loop (resuming from ``--load``, saving to ``--save``); returns the per-step
+    (loss, accuracy) of the steps it ran. A misconfiguration found while starting (flags, model
+    build, checkpoint, first step) raises ConfigError, the same on every rank."""
     from megatron.core import parallel_state
 
-    device = init_distributed(cfg)
-    task = make_task(cfg)
-    model = build_model(cfg, task.vocab_size, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
+    try:
+        with startup_errors():
+            check_device(cfg)
+            device = init_distributed(cfg, log)
+            task = make_task(cfg)
+            model = build_model(cfg, task.vocab_size, device)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+            scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(cfg))
+            first = resume(cfg, model, optimizer, scheduler, device, log) + 1 if cfg.load else 1
+        return _loop(cfg, task, model, optimizer, scheduler, device, first, log)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
+    from megatron.core import parallel_state
+
     rank0 = dist.get_rank() == 0
     if rank0:
         kind = "GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})"
@@ -266,11 +517,14 @@ def train(cfg: TrainConfig, log=_log):
             f"layout {cfg.layout}, piece split {cfg.piece_split or 'auto'} | "
             f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")
-    history, start, window_start, tokens_seen = [], time.time(), time.time(), 0
-    for step in range(1, cfg.steps + 1):
-        batch = local_batch(cfg, global_batch(cfg, task, step))
-        optimizer.zero_grad(set_to_none=True)
-        loss, stats = loss_and_accuracy(model, batch, device)
+    history, step, saved_at = [], first - 1, None
+    start = window_start = time.time()
+    window_steps, saving = 0, 0.0  # steps since the last log line; seconds spent saving checkpoints
+    for step in range(first, cfg.steps + 1):
+        with startup_errors() if step == first else nullcontext():  # the first forward checks the CP inputs
+            batch = local_batch(cfg, global_batch(cfg, task, step))
+            optimizer.zero_grad(set_to_none=True)
+            loss, stats = loss_and_accuracy(model, batch, device)
         loss.backward()
         reduce_gradients(model)
         norm = grad_norm(model)
@@ -282,27 +536,104 @@ def train(cfg: TrainConfig, log=_log):
         dist.all_reduce(global_loss, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         accuracy = float(stats[1] / stats[0])
         history.append((float(global_loss), accuracy))
-        tokens_seen += cfg.batch * cfg.seq_len
-        if rank0 and (step % cfg.log_interval == 0 or step == cfg.steps):
+        window_steps += 1
+        exiting = cfg.exit_interval > 0 and step % cfg.exit_interval == 0 and step < cfg.steps
+        if rank0 and (step % cfg.log_interval == 0 or step == cfg.steps or exiting):
             now = time.time()
-            steps_in_window = cfg.log_interval if step % cfg.log_interval == 0 else step % cfg.log_interval
-            rate = steps_in_window * cfg.batch * cfg.seq_len / (now - window_start)
             log(f"step {step:5d}/{cfg.steps} | loss {history[-1][0]:.4f} | recall acc {accuracy:.3f} | "
                 f"grad norm {float(norm):.3f} | lr {scheduler.get_last_lr()[0]:.2e} | "
-                f"{rate:8.0f} tokens/s | {cfg.strategy}")
-            window_start = now
-    elapsed = time.time() - start
+                f"{window_steps * cfg.batch * cfg.seq_len / (now - window_start):8.0f} tokens/s | {cfg.strategy}")
+            window_start, window_steps = now, 0
+        if cfg.save and (step == cfg.steps or exiting or (cfg.save_interval and step % cfg.save_interval == 0)):
+            began = time.time()
+            save_checkpoint(cfg, step, model, optimizer, scheduler, device, log)
+            saved_at, spent = step, time.time() - began
+            saving, window_start = saving + spent, window_start + spent  # tokens/s counts training time only
+        if exiting:
+            break
     if rank0:
-        tail = history[-min(20, len(history)):]
-        log(f"done: {cfg.steps} steps in {elapsed:.1f} s ({tokens_seen / elapsed:.0f} tokens/s) | "
-            f"final loss {sum(h[0] for h in tail) / len(tail):.4f}, recall accuracy "
-            f"{sum(h[1] for h in tail) / len(tail):.3f} (chance {task.chance:.3f}, mean of last {len(tail)} steps)")
+        _summary(cfg, task, history, first, step, time.time() - start, saving, saved_at, log)
     return history
 
 
+def _summary(cfg, task, history, first, last, elapsed, saving, saved_at, log):
+    if not history:
+        log(f"done: nothing to run (resumed after step {first - 1}, --steps {cfg.steps})")
+        return
+    tail = history[-min(20, len(history)):]
+    ran = f"steps {first}-{last}" if first > 1 else "steps"
+    stopped = f" (stopped by --exit-interval {cfg.exit_interval})" if last < cfg.steps else ""
+    kept = f" | saved step {saved_at} under {cfg.save} ({saving:.1f} s saving)" if saved_at is not None else ""
+    log(f"done: {len(history)} {ran} of {cfg.steps}{stopped} in {elapsed:.1f} s, "
+        f"{len(history) * cfg.batch * cfg.seq_len / (elapsed - saving):.0f} tokens/s | final loss "
+        f"{sum(h[0] for h in tail) / len(tail):.4f}, recall accuracy {sum(h[1] for h in tail) / len(tail):.3f} "
+        f"(chance {task.chance:.3f}, mean of the last {len(tail)} steps){kept}")
+
+
+# --- the command ----------------------------------------------------------------------------------
+
+# What megatron-core (and torch, inside megatron-core's checkpointing) warn about on every rank that
+# a user of this job cannot act on: optional fused kernels it does not use (Apex, TransformerEngine),
+# an optional logging package, torch's deprecations of what megatron-core calls.
+# (message, module, category), matched as warnings.filterwarnings does.
+NOT_ACTIONABLE = (
+    (r"Transformer Engine and Apex are not installed", r"megatron\.(core|training)\.", UserWarning),
+    (r"Apex is not installed", r"megatron\.core\.", UserWarning),
+    (r"absl\.logging is not installed", r"megatron\.core\.hyper_comm_grid", UserWarning),
+    (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\.", FutureWarning),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint\.",
+     FutureWarning),
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single "
+     r"process", r"torch\.distributed\.checkpoint\.", UserWarning),  # megatron-core 0.19 reads common.pt alone
+    (r"The argument order of load has been changed", r"torch\.distributed\.checkpoint\.", UserWarning),
+)
+# On the CPU, also megatron-core's advice on CUDA streams (on GPUs it stays: the user may act on it).
+NOT_ACTIONABLE_ON_CPU = (
+    (r"When using .* it is recommended to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS",
+     r"megatron\.core\.tensor_parallel\.layers", UserWarning),
+)
+# Log records likewise: (logger, message start). megatron-core 0.19 announces the deprecation of
+# the save path its own synchronous save takes.
+NOT_ACTIONABLE_LOGS = (
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCore's async save is deprecated"),
+)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str):
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+def quiet_third_party_warnings(on_cpu: bool):
+    """Hide the NOT_ACTIONABLE warnings and log records (each by message and module or logger;
+    every other warning shows)."""
+    for message, module, category in NOT_ACTIONABLE + (NOT_ACTIONABLE_ON_CPU if on_cpu else ()):
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, start in NOT_ACTIONABLE_LOGS:
+        logging.getLogger(name).addFilter(_DropMessage(start))
+
+
 def main(argv=None):
-    train(parse_args(argv))
-    dist.destroy_process_group()
+    """The command: one message from rank 0 and exit status 2 for a misconfiguration."""
+    owns_group = not dist.is_initialized()
+    code = 0
+    try:
+        cfg = parse_args(argv)
+        quiet_third_party_warnings(on_cpu=not uses_cuda(cfg))
+        train(cfg)
+    except ConfigError as e:
+        if _launch_rank() == 0:
+            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+        code = 2
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

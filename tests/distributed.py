@@ -193,11 +193,7 @@ class RankPool:
 def host_as_cuda():
     """megatron-core 0.16's dist-checkpointing and sequence-parallel collectives assume CUDA
     (buffers on torch.cuda.current_device(), host copies followed by torch.cuda.synchronize()).
-    On a CPU-only machine, let the host stand in for the device; everything else runs unchanged."""
-    from contextlib import ExitStack
-    from unittest import mock
+    On a CPU-only machine, let the host stand in for the device (the main job's own stand-in)."""
+    from megatron_zeco.checkpoint import host_as_cuda as host
 
-    stack = ExitStack()
-    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
-    stack.enter_context(mock.patch("torch.cuda.synchronize", return_value=None))
-    return stack
+    return host()

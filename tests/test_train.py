@@ -1,0 +1,239 @@
+"""The main job (python -m megatron_zeco.train) as a command: its flags, its start-up errors, and
+save / resume through Megatron-Core's distributed checkpointing on real gloo process groups."""
+
+import contextlib
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from distributed import run_ranks
+
+TINY = dict(layers=2, hidden=32, heads=4, seq_len=32, batch=4, steps=6, log_interval=10**6)
+
+
+# --- flags -----------------------------------------------------------------------------------------
+
+def test_help_describes_every_flag_with_its_default():
+    from dataclasses import fields
+
+    from megatron_zeco import train as T
+
+    parser = T.build_parser()
+    actions = {a.dest: a for a in parser._actions if a.dest != "help"}
+    assert set(actions) == {f.name for f in fields(T.TrainConfig)}
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    for title in ("parallelism", "model", "task", "optimisation", "checkpointing", "logging"):
+        assert groups[title], title
+    assert set().union(*(groups[t] for t in ("parallelism", "model", "task", "optimisation", "checkpointing",
+                                             "logging"))) == set(actions)
+    for dest, action in actions.items():
+        text = action.help % dict(default=action.default)
+        description, _, default = text.rpartition(" (default: ")
+        assert description.strip() and default.endswith(")"), f"--{dest}: {text!r}"
+        if action.default is not None and not isinstance(action.default, bool):
+            assert default == f"{action.default})", f"--{dest}: {text!r}"
+    help_text = parser.format_help()
+    assert all(a.option_strings[0] in help_text for a in actions.values())
+
+
+def test_defaults_match_the_config():
+    from megatron_zeco import train as T
+
+    assert T.parse_args([]) == T.TrainConfig()
+    cfg = T.parse_args(["--cp", "2", "--piece-split", "3", "--save", "d", "--deterministic", "--lr", "0.5"])
+    assert (cfg.cp, cfg.piece_split, cfg.save, cfg.deterministic, cfg.lr) == (2, 3, "d", True, 0.5)
+
+
+@pytest.mark.parametrize("world,flags,seq_len", [
+    (3, {}, 66), (4, {}, 64), (3, dict(layout="contiguous"), 66), (5, dict(layout="contiguous"), 65),
+    (2, dict(piece_split=3), 72), (1, {}, 64), (6, dict(tp=2), 66), (4, dict(seq_len=40), 40),
+])
+def test_default_sequence_length_fits_the_layout(world, flags, seq_len):
+    """The default --seq-len is rounded up to what the layout cuts evenly (one line says so);
+    an explicit one is kept."""
+    from megatron_zeco import train as T
+
+    cfg = T.TrainConfig(**flags)
+    notes = T.resolve(cfg, world)
+    assert cfg.seq_len == seq_len and cfg.tp * cfg.cp * cfg.dp == world
+    assert len(notes) == (seq_len != 64 and "seq_len" not in flags)
+    if notes:
+        assert f"--seq-len {seq_len}" in notes[0]
+
+
+@pytest.mark.parametrize("world,flags,names", [
+    (2, dict(seq_len=50), ["--seq-len 50", "multiple of 4", "--cp 2"]),
+    (4, dict(seq_len=60, cp=2, dp=2, piece_split=2), ["--seq-len 60", "multiple of 8", "--piece-split 2"]),
+    (2, dict(tp=3), ["--tp 3", "2 processes"]),
+    (4, dict(tp=2, cp=3), ["--tp 2 x --cp 3 x --dp 1", "4 processes"]),
+    (2, dict(hidden=50), ["--hidden 50", "--heads 4"]),
+    (2, dict(batch=5, dp=2, cp=1), ["--batch 5", "--dp 2"]),
+    (2, dict(save_interval=5), ["--save-interval", "--save DIR"]),
+    (2, dict(steps=0), ["--steps"]),
+])
+def test_resolve_names_the_flag_to_change(world, flags, names):
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError) as error:
+        T.resolve(T.TrainConfig(**flags), world)
+    assert all(n in str(error.value) for n in names), str(error.value)
+
+
+def test_rope_on_the_cpu_is_refused():
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError, match="--position-embedding rope needs a GPU"):
+        T.check_device(T.TrainConfig(position_embedding="rope", device="cpu"))
+    T.check_device(T.TrainConfig(device="cpu"))
+
+
+# --- start-up errors -------------------------------------------------------------------------------
+
+# argv: what the message must name (and where the check lives)
+MISCONFIGURED = {
+    "seq-len": (["--seq-len", "50"], ["--seq-len 50 must be a multiple of 4"]),  # train.resolve
+    "world": (["--tp", "3"], ["--tp 3 x --dp 1 must divide the 2 processes"]),  # train.resolve
+    "strategy": (["--strategy", "ring"], ["invalid choice: 'ring'"]),  # argparse choices
+    "a2a heads": (["--strategy", "a2a", "--heads", "3", "--hidden", "48"],  # layer._check_config
+                  ["a2a strategy", "--context-parallel-size (2)", "--context-parallel-size is --cp",
+                   "--num-attention-heads is --heads"]),
+    "tp heads": (["--tp", "2", "--cp", "1", "--heads", "3", "--hidden", "48"],  # megatron-core TransformerConfig
+                 ["num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)",
+                  "num_attention_heads is --heads"]),
+    "blocks": (["--num-blocks", "3"], ["cp_num_blocks (3) must divide", "cp_num_blocks is --num-blocks"]),
+    "pattern": (["--pattern", "GX"], ["hybrid layer pattern 'GX'"]),  # hybrid.check_pattern
+    "pairs": (["--pairs", "9"], ["9 pairs need at least as many keys"]),  # RecallTask, at the first step
+    "rope": (["--pattern", "G*", "--position-embedding", "rope", "--device", "cpu"],  # train.check_device
+             ["--position-embedding rope needs a GPU"]),
+}
+
+
+def _main_outputs(rank, world, cases, load_dir):
+    """megatron_zeco.train.main for each argv: its exit status and everything it printed."""
+    from megatron_zeco import train as T
+
+    out = {}
+    for name, argv in cases.items():
+        argv = [a.replace("{load}", load_dir) for a in argv]
+        text = io.StringIO()
+        code = 0
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            try:
+                T.main(["--steps", "2"] + argv)
+            except SystemExit as e:
+                code = e.code
+        out[name] = (code, text.getvalue())
+    return out
+
+
+def test_misconfiguration_prints_one_message_from_rank_0_and_exits_2(tmp_path):
+    """Each case on 2 real processes: rank 0 prints one ``megatron_zeco.train: error:`` naming the
+    flag, rank 1 prints nothing, both exit with status 2, no traceback; a checkpoint saved with
+    another model refuses to load the same way."""
+    # A checkpoint of another model for the last case: hidden 32 instead of 64.
+    cases = {name: argv for name, (argv, _) in MISCONFIGURED.items()}
+    cases["save hidden 32"] = ["--hidden", "32", "--save", "{load}"]
+    cases["load with hidden 64"] = ["--load", "{load}"]
+    results = run_ranks(_main_outputs, 2, cases, str(tmp_path))
+    expected = {**{name: names for name, (_, names) in MISCONFIGURED.items()},
+                "load with hidden 64": ["was saved with --hidden 32 (given 64)"]}
+    assert results[0]["save hidden 32"][0] == 0, results[0]["save hidden 32"][1]
+    for name, names in expected.items():
+        (code0, text0), (code1, text1) = results[0][name], results[1][name]
+        assert code0 == code1 == 2, (name, code0, code1, text0)
+        assert text0.count("megatron_zeco.train: error:") == 1, (name, text0)
+        assert all(n in text0 for n in names), (name, text0)
+        assert "Traceback" not in text0 and text1 == "", (name, text0, text1)
+
+
+def test_misconfigured_command_under_torchrun_prints_one_message():
+    """torchrun --nproc-per-node 2 -m megatron_zeco.train --seq-len 50: the message once, no traceback
+    through this package, a non-zero exit (torchrun's own failure report follows)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
+           "--seq-len", "50"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("--seq-len 50 must be a multiple of 4") == 1, output
+    assert "megatron_zeco/train.py" not in output and "Warning" not in output, output
+
+
+# --- save and resume -------------------------------------------------------------------------------
+
+def _resume_runs(rank, world, root):
+    """Histories (loss, accuracy per step) of: 6 steps straight at TP 1 x CP 2; 3 steps saved and
+    stopped (--exit-interval); resumed at the same layout, at TP 2 x CP 1, at DP 2 x CP 1; plus the
+    log lines of the resumed run and of a --load without a checkpoint."""
+    from megatron_zeco import train as T
+
+    def run(log=None, **flags):
+        lines = []
+        history = T.train(T.TrainConfig(**{**TINY, **flags}), log=lines.append)
+        return (history, lines) if log else history
+
+    ckpt = os.path.join(root, "ckpt")
+    out = {"straight": run(cp=2)}
+    out["first"], out["first log"] = run(log=True, cp=2, save=ckpt, exit_interval=3)
+    out["resumed"], out["resumed log"] = run(log=True, cp=2, load=ckpt)
+    out["tp2"] = run(tp=2, cp=1, load=ckpt)
+    out["dp2"] = run(dp=2, cp=1, load=ckpt)
+    out["empty"], out["empty log"] = run(log=True, cp=2, steps=1, load=os.path.join(root, "nothing"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory):
+    return run_ranks(_resume_runs, 2, str(tmp_path_factory.mktemp("resume")))
+
+
+def test_resumed_run_continues_the_same_losses_exactly(resume_runs):
+    """3 steps + save + load + 3 steps == 6 steps straight, to the bit (CPU, CP = 2): model, AdamW
+    state, step (so data and learning rate) all come back."""
+    for rank, out in enumerate(resume_runs):
+        straight, first, resumed = out["straight"], out["first"], out["resumed"]
+        assert len(straight) == 6 and len(first) == 3 and len(resumed) == 3
+        assert first == straight[:3], (rank, first, straight)
+        assert resumed == straight[3:], (rank, resumed, straight)
+    log = resume_runs[0]["first log"] + resume_runs[0]["resumed log"]
+    assert any(line.startswith("saved step 3 to ") for line in log), log
+    assert any(line.startswith("resumed from ") and "step 3, saved at TP 1 x CP 2 x DP 1" in line for line in log)
+    assert any(line.startswith("done: 3 steps 4-6 of 6 in ") for line in log), log
+    assert resume_runs[1]["first log"] == [], "only rank 0 logs"
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_checkpoint_loads_at_another_layout(resume_runs, layout):
+    """Saved at TP 1 x CP 2, resumed at TP 2 x CP 1 and at DP 2 x CP 1: the next step's loss (the
+    model) and the two after it (the AdamW moments, resharded) as the straight run's, to fp32 rounding."""
+    for out in resume_runs:
+        for (loss, _), (ref, _) in zip(out[layout], out["straight"][3:], strict=True):
+            assert loss == pytest.approx(ref, rel=1e-5, abs=0), (layout, out[layout], out["straight"])
+
+
+def test_load_without_a_checkpoint_starts_from_step_0(resume_runs):
+    out = resume_runs[0]
+    assert len(out["empty"]) == 1 and out["empty"][0] == out["straight"][0]
+    assert any("no checkpoint there; starting from step 0" in line for line in out["empty log"])
+
+
+def test_command_saves_and_resumes_without_warnings(tmp_path):
+    """torchrun: 2 steps saved at CP 2 (--exit-interval), resumed at TP 2; no warning in either
+    output (megatron-core's Apex/TE notices and torch's deprecations inside its checkpointing are
+    filtered; CUDA graph scope set as this megatron-core wants it)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
+            "--steps", "4", "--log-interval", "1", "--hidden", "32"]
+    first = subprocess.run(base + ["--save", str(tmp_path), "--exit-interval", "2"], env=env, capture_output=True,
+                           text=True, timeout=300)
+    second = subprocess.run(base + ["--load", str(tmp_path), "--tp", "2"], env=env, capture_output=True, text=True,
+                            timeout=300)
+    for done in (first, second):
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "Warning" not in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "step     2/4" in first.stdout and "step     3/4" not in first.stdout
+    assert "resumed from" in second.stdout and "step     3/4" in second.stdout and "done: 2 steps 3-4 of 4" in \
+        second.stdout
