@@ -36,7 +36,8 @@ def test_piece_matches_loop(seed, gate, lengths):
     B, T = (2, 45) if lengths is None else (1, sum(lengths))
     x = delta_problem(seed, B=B, T=T, H=2, K=8, V=4, gate=gate)
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    spans = [(b, 0, T) for b in range(B)] if cu is None else [(0, a, e) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    spans = [(b, 0, T) for b in range(B)] if cu is None else \
+        [(0, a, e) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     N = len(spans)
     gen = torch.Generator().manual_seed(seed + 1)
     S_in, D = (torch.randn(N, 2, 8, 4, generator=gen, dtype=torch.float64) for _ in range(2))
