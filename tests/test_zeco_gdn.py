@@ -142,23 +142,25 @@ def _fold(Ms, deltas, init, order):
     x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
     for p in order:
         entering[p] = x
-        x = Ms[p] @ x + deltas[p]
+        x = (Ms[p] @ x if Ms[p].dim() == x.dim() else Ms[p].unsqueeze(-1) * x) + deltas[p]
     return entering, x
 
 
 def _dense_scans(group, seed):
     """all_scan (the chain in blocks of columns, and the hierarchical shape over nodes of two ranks) and
-    gather_scan with dense transitions, against a sequential fold; and peer memory refused."""
+    gather_scan with dense transitions, against a sequential fold (the hierarchical shape also with
+    GLA's diagonal ones); and peer memory refused."""
     P, me = group.size(), group.rank()
     failures = []
-    impls = ("chain", "hierarchical", "gather")
+    impls = ("chain", "hierarchical", "gather", "hierarchical diagonal")
     for n, (layout, blocks, reverse, with_init, impl) in enumerate(
             itertools.product(Layout, (1, 3), (False, True), (False, True), impls)):
         if impl != "chain" and blocks > 1:
             continue
         gen = torch.Generator().manual_seed(seed + n)
         pieces = layout.num_pieces(P)
-        Ms = [torch.randn(2, 3, 4, 4, generator=gen, dtype=torch.float64) / 2 for _ in range(pieces)]
+        shape = (2, 3, 4) if impl.endswith("diagonal") else (2, 3, 4, 4)
+        Ms = [torch.randn(*shape, generator=gen, dtype=torch.float64) / 2 for _ in range(pieces)]
         deltas = [torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         init = torch.randn(2, 3, 4, 6, generator=gen, dtype=torch.float64) if with_init else None
         mine = layout.pieces(me, P)
@@ -167,7 +169,7 @@ def _dense_scans(group, seed):
             entering, last = gather_scan([Ms[p] for p in mine], [deltas[p] for p in mine], init, **kw)
         else:
             entering, last = all_scan([Ms[p] for p in mine], [deltas[p] for p in mine], init, num_blocks=blocks,
-                                      transport="send_recv", shape=impl, node_size=2, **kw)
+                                      transport="send_recv", shape=impl.split()[0], node_size=2, **kw)
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
         want, want_last = _fold(Ms, deltas, init, order)
         ok = all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine))
