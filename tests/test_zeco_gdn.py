@@ -4,8 +4,9 @@ sequence (float64 token loop, autograd for the gradients), and the scans over de
 Every strategy (zeco, lasp2, a2a; none at P = 1), both layouts, All-Scan pipelined in blocks of
 columns, every decay regime (none, ~1, strong, underflowing; beta exactly 0 and 1 at some tokens),
 with and without initial and final state, pieces of 13 and 26 tokens (chunks of 16), packed
-documents under both splits. Outputs, final states and the gradients of q, k, v, g, beta and the
-initial state to 1e-10. Every test runs on one pool of eight processes (P = 8 for a few cases).
+documents under both splits (lasp2 without the cross-rank input check). Outputs, final states and
+the gradients of q, k, v, g, beta and the initial state to 1e-10. Every test runs on one pool of
+eight processes (P = 8 for a few cases).
 """
 
 import itertools
@@ -122,7 +123,7 @@ def _check_packed(group, seed, local_len):
                 local = {m: x[m][:, mine].requires_grad_() for m in NAMES}
                 o, _ = zeco_gated_delta_rule(*local.values(), group=group, strategy=strategy, layout=layout,
                                              num_blocks=2 if strategy == "zeco" else 1, cu_seqlens=cu,
-                                             per_document=per_document)
+                                             per_document=per_document, validate=strategy != "lasp2")
                 grads = torch.autograd.grad((o * x["do"][:, mine]).sum(), list(local.values()))
                 errors = {"o": rel_err(o, ref["o"][:, mine])}
                 errors.update({"d" + m: rel_err(d, ref["d" + m][:, mine]) for m, d in zip(NAMES, grads)})
