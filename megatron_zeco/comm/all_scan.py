@@ -9,10 +9,10 @@ dense matrix, ``S_out = M_p S_in + delta_p`` (``transition.py``; the backward pa
 
 :func:`all_scan` is the pipelined chain of the ZeCO paper: the state is cut into
 ``num_blocks`` blocks of rows (the decay acts row by row, so blocks are
-independent; columns for a dense transition); block b is received from the rank holding the previous piece,
-combined, and sent on at once, so block b+1 is still in flight while the next
-rank already works on block b. Every rank sends and receives one state per
-piece it holds: the least any exact method can move.
+independent; blocks of columns for a dense transition); block b is received from
+the rank holding the previous piece, combined, and sent on at once, so block b+1
+is still in flight while the next rank already works on block b. Every rank sends
+and receives one state per piece it holds: the least any exact method can move.
 
 :func:`gather_scan` is LASP-2's alternative: all-gather every piece's
 ``(gamma, delta)`` and fold the prefix locally (P states per rank received).
