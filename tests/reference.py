@@ -1,9 +1,9 @@
-"""Random GLA problems and their float64 reference (the step-by-step loop, with autograd)."""
+"""Random GLA and gated-delta-rule problems and their float64 reference (the step-by-step loops, with autograd)."""
 
 import torch
 import torch.nn.functional as F
 
-from megatron_zeco.ops import naive_recurrent_gla
+from megatron_zeco.ops import naive_recurrent_gated_delta_rule, naive_recurrent_gla
 
 GATES = ("normal", "zero", "tiny", "strong", "underflow", "mixed")
 
@@ -44,14 +44,35 @@ def problem(seed, B, T, H, K, V, gate="normal", initial_state=True, dtype=torch.
     return x
 
 
+def delta_problem(seed, B, T, H, K, V, gate="normal", initial_state=True, dtype=torch.float64):
+    """A gated-delta-rule problem: L2-normalised keys, one log decay per head and token (``gate``
+    regimes as :func:`gates`), beta uniform in [0, 1] and exactly 0 or 1 at about a fifth of the
+    tokens each; output gradients and an initial state as :func:`problem`."""
+    gen = torch.Generator().manual_seed(seed)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    pick = torch.randint(0, 5, (B, T, H), generator=gen)
+    x = {
+        "q": torch.randn(B, T, H, K, generator=gen, dtype=dtype),
+        "k": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1),
+        "v": torch.randn(B, T, H, V, generator=gen, dtype=dtype),
+        "g": gates((B, T, H), gate, gen, dtype),
+        "beta": torch.where(pick == 0, 0.0, torch.where(pick == 1, 1.0, beta)),
+        "do": torch.randn(B, T, H, V, generator=gen, dtype=dtype),
+        "dht": torch.randn(B, H, K, V, generator=gen, dtype=dtype),
+        "h0": torch.randn(B, H, K, V, generator=gen, dtype=dtype) if initial_state else None,
+    }
+    return x
+
+
 def reference(x, scale=None, output_final_state=True):
-    """float64 loop: output, final state and the gradients of
-    ``sum(o * do) + sum(ht * dht)`` with respect to q, k, v, g, h0."""
-    leaves = {n: x[n].double().detach().requires_grad_() for n in ("q", "k", "v", "g")}
+    """float64 loop: output, final state and the gradients of ``sum(o * do) + sum(ht * dht)`` with
+    respect to q, k, v, g, h0 (and beta: the gated delta rule, for problems with a ``beta``)."""
+    inputs = ("q", "k", "v", "g", "beta") if "beta" in x else ("q", "k", "v", "g")
+    loop = naive_recurrent_gated_delta_rule if "beta" in x else naive_recurrent_gla
+    leaves = {n: x[n].double().detach().requires_grad_() for n in inputs}
     if x["h0"] is not None:
         leaves["h0"] = x["h0"].double().detach().requires_grad_()
-    o, ht = naive_recurrent_gla(leaves["q"], leaves["k"], leaves["v"], leaves["g"], scale,
-                                leaves.get("h0"), output_final_state=True)
+    o, ht = loop(*(leaves[n] for n in inputs), scale, leaves.get("h0"), output_final_state=True)
     loss = (o * x["do"].double()).sum()
     if output_final_state:
         loss = loss + (ht * x["dht"].double()).sum()

@@ -3,14 +3,16 @@
 Each piece p of the sequence maps the state entering it to the state leaving it,
 ``S_out = Diag(gamma_p) S_in + delta_p`` (delta = E in the forward pass, the local
 state gradient in the backward pass, which walks the pieces in reverse). The
-scan gives every piece its ``S_in``.
+scan gives every piece its ``S_in``. The gated delta rule's pieces map states by a
+dense matrix, ``S_out = M_p S_in + delta_p`` (``transition.py``; the backward pass scans
+``M_p^T``): the same scans, with blocks of columns where a diagonal has blocks of rows.
 
 :func:`all_scan` is the pipelined chain of the ZeCO paper: the state is cut into
 ``num_blocks`` blocks of rows (the decay acts row by row, so blocks are
-independent); block b is received from the rank holding the previous piece,
-combined, and sent on at once, so block b+1 is still in flight while the next
-rank already works on block b. Every rank sends and receives one state per
-piece it holds: the least any exact method can move.
+independent; blocks of columns for a dense transition); block b is received from
+the rank holding the previous piece, combined, and sent on at once, so block b+1
+is still in flight while the next rank already works on block b. Every rank sends
+and receives one state per piece it holds: the least any exact method can move.
 
 :func:`gather_scan` is LASP-2's alternative: all-gather every piece's
 ``(gamma, delta)`` and fold the prefix locally (P states per rank received).
@@ -38,6 +40,7 @@ from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
 from .peer import peer_all_scan, resolve_transport
+from .transition import Dense, transition_of
 
 Tensor = torch.Tensor
 
@@ -54,17 +57,18 @@ def chain_scan(
     what: str = "chain scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,
+    block_dim: int = -2,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Walk the pieces in order, passing a state from each to the next, block by block.
 
     Args:
-        step: ``step(slot, rows, x) -> y``: the state leaving local slot ``slot``
-            for the rows ``rows`` (a slice of dim -2) given the rows entering it.
+        step: ``step(slot, block, x) -> y``: the state leaving local slot ``slot``
+            for the block ``block`` (a slice of dim ``block_dim``) given that block entering it.
         init: the state entering the first piece (``[..., K, V]``), or None for
             zeros; read only on the rank holding that piece.
         like: a tensor with the state's shape, dtype and device.
         layout, group: where the pieces live.
-        num_blocks: blocks of rows sent separately (must divide K).
+        num_blocks: blocks sent separately (must divide the state's size along ``block_dim``).
         reverse: walk from the last piece to the first.
         what: names the operation in errors (a failed or timed-out transfer raises a
             ``RuntimeError`` naming it, this rank, the peer and the piece).
@@ -73,14 +77,16 @@ def chain_scan(
         while_waiting: called once, with local work that needs no result of the scan: just
             before the rank first waits for a state from another rank (``Layout.first_wait``),
             after the walk where it never does.
+        block_dim: ``-2``: blocks of rows; ``-1``: blocks of columns.
 
     Returns:
         The state entering each local slot (``out`` if given), and the state leaving the
         walk's last piece on the rank holding it (None elsewhere).
     """
-    K = like.shape[-2]
-    rows = [slice(b * K // num_blocks, (b + 1) * K // num_blocks) for b in range(num_blocks)]
-    block_shape = (*like.shape[:-2], K // num_blocks, like.shape[-1])
+    size = like.shape[block_dim]
+    rows = [slice(b * size // num_blocks, (b + 1) * size // num_blocks) for b in range(num_blocks)]
+    block_shape = list(like.shape)
+    block_shape[block_dim] = size // num_blocks
     walk = layout.links(dist.get_rank(group), dist.get_world_size(group), reverse)
     shift = -1 if reverse else 1
 
@@ -99,7 +105,7 @@ def chain_scan(
         xs, ys = [], []
         for b, r in enumerate(rows):
             if link.first:
-                x = like.new_zeros(block_shape) if init is None else init[..., r, :]
+                x = like.new_zeros(block_shape) if init is None else init.narrow(block_dim, r.start, r.stop - r.start)
             elif link.src is not None:
                 x = like.new_empty(block_shape)
                 src = dist.get_global_rank(group, link.src)
@@ -117,10 +123,10 @@ def chain_scan(
                 sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
-        inputs[link.slot] = _join(xs) if out is None else out[link.slot].copy_(_join(xs))
+        inputs[link.slot] = _join(xs, block_dim) if out is None else out[link.slot].copy_(_join(xs, block_dim))
         carried = ys
         if link.last:
-            last = _join(ys)
+            last = _join(ys, block_dim)
     if wait_at == len(walk) and while_waiting is not None:
         while_waiting()
     for link, dst, work in sends:
@@ -129,8 +135,8 @@ def chain_scan(
     return inputs, last
 
 
-def _join(blocks: List[Tensor]) -> Tensor:
-    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=-2)
+def _join(blocks: List[Tensor], dim: int) -> Tensor:
+    return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=dim)
 
 
 def all_scan(
@@ -150,10 +156,11 @@ def all_scan(
     while_waiting: Optional[Callable[[], None]] = None,
     aside=None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` over the pieces.
+    """Pipelined All-Scan of ``S_out = Diag(gamma) S_in + delta`` (or ``M S_in + delta``) over the pieces.
 
     Args:
-        gamma: per local slot, the decay ``[..., K]``.
+        gamma: per local slot, the transition: the decay ``[..., K]``, or a dense ``M [..., K, K]``
+            (``transition.py``; send/recv only, blocks of columns).
         delta: per local slot, ``[..., K, V]``.
         init: state entering the first piece (last piece if ``reverse``) or None.
         transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
@@ -176,7 +183,11 @@ def all_scan(
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
         chain on the rank that ends it.
     """
+    kind = transition_of(gamma[0], delta[0])
     transport = resolve_transport(transport, group, delta[0])
+    if kind is Dense and transport != "send_recv":
+        raise ValueError(f"All-Scan of dense transitions (the gated delta rule) runs over transport 'send_recv'; "
+                         f"the peer-memory kernels combine diagonal ones only (got transport {transport!r})")
     if scan_shape(shape, layout, group, node_size, transport, delta[0], what) == "hierarchical":
         if aside is not None:
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
@@ -190,11 +201,11 @@ def all_scan(
         raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports "
                          "('peer_memory', 'nvshmem') only")
 
-    def combine(slot: int, r: slice, x: Tensor) -> Tensor:
-        return torch.addcmul(delta[slot][..., r, :], gamma[slot][..., r].unsqueeze(-1), x)
+    def combine(slot: int, block: slice, x: Tensor) -> Tensor:
+        return kind.combine(gamma[slot], delta[slot], x, block)
 
-    return chain_scan(combine, init, delta[0], layout=layout, group=group,
-                      num_blocks=num_blocks, reverse=reverse, what=what, out=out, while_waiting=while_waiting)
+    return chain_scan(combine, init, delta[0], layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
+                      what=what, out=out, while_waiting=while_waiting, block_dim=kind.block_dim)
 
 
 SHAPES = ("auto", "chain", "hierarchical")
@@ -253,16 +264,18 @@ def gather_scan(
     what: str = "all-gather scan",
     out: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """Same result as :func:`all_scan` (and ``out``) by one all-gather and a local fold (LASP-2)."""
+    """Same result as :func:`all_scan` (and ``out``) by one all-gather and a local fold (LASP-2; for
+    dense transitions, fla's all-gather of ``[h | M]``)."""
     world, me = dist.get_world_size(group), dist.get_rank(group)
     n = layout.num_pieces(world)
+    kind, V = transition_of(gamma[0], delta[0]), delta[0].shape[-1]
     first_piece, order = (n - 1, range(n - 1, -1, -1)) if reverse else (0, range(n))
     mine = []
     for slot, piece in enumerate(layout.pieces(me, world)):
         d = delta[slot]
         if piece == first_piece and init is not None:  # fold init into the first piece's summary
-            d = d + gamma[slot].unsqueeze(-1) * init
-        mine.append(torch.cat([d, gamma[slot].unsqueeze(-1)], dim=-1))
+            d = kind.combine(gamma[slot], d, init)
+        mine.append(kind.pack(gamma[slot], d))
     mine = torch.stack(mine)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     with _naming_failures(what, f"all-gathering the pieces' states over a group of {world}"):
@@ -277,7 +290,6 @@ def gather_scan(
             inputs[slot] = init if (piece == first_piece and init is not None) else x
             if out is not None:
                 inputs[slot] = out[slot].copy_(inputs[slot])
-        summary = gathered[rank][slot]
-        x = summary[..., -1].unsqueeze(-1) * x + summary[..., :-1]
+        x = kind.combine(*kind.unpack(gathered[rank][slot], V), x)
     last_owner = layout.owner(order[-1], world)[0]
     return inputs, (x if last_owner == me else None)

@@ -19,6 +19,9 @@ The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
   it to the segment's other ranks (inside the node); each piece's incoming state is then
   ``Gamma_i X + S_i``.
 
+Dense transitions (the gated delta rule, ``S -> M S + delta``; ``transition.py``) take the same
+steps, the maps composing as ``(M2, d2) o (M1, d1) = (M2 M1, M2 d1 + d2)``.
+
 The critical path is (segment length - 1) + ceil(log2 M) + 2 hops instead of P - 1 (contiguous)
 or 2P - 1 (zigzag); a rank sends at most one map per round of B (ceil(log2 M) states, against the
 chain's one). Backward is the same over the reversed walk. Exact: the same compositions in
@@ -39,6 +42,7 @@ import torch.distributed as dist
 from . import inject
 from .failures import naming_failures
 from .layout import Layout
+from .transition import Kind, transition_of
 
 Tensor = torch.Tensor
 
@@ -90,6 +94,7 @@ def hierarchical_scan(
     walk = Walk(layout, world, nodes, reverse)
     mine = [i for i, (rank, _) in enumerate(walk.owners) if rank == me]
     like = delta[0]
+    kind = transition_of(gamma[0], like)
     steps = _Steps(group, what, while_waiting)
 
     # A: prefix maps inside each segment. prefix[i] = (Gamma_i, S_i) for this rank's walk index i.
@@ -100,23 +105,24 @@ def hierarchical_scan(
                 state = like.new_zeros(like.shape) if init is None else init.to(like.dtype).expand(like.shape)
                 prefix[i] = (like.new_zeros(gamma[0].shape), state)
             else:
-                prefix[i] = (like.new_ones(gamma[0].shape), like.new_zeros(like.shape))
+                prefix[i] = (kind.identity(gamma[0]), like.new_zeros(like.shape))
     position = {i: i - walk.segments[walk.segment_of[i]][0] for i in range(len(walk.owners))}
     longest = max(len(seg) for seg in walk.segments)
     for t in range(longest - 1):
         sends, recvs = [], []
         for i in mine:
             if position[i] == t and i + 1 < len(walk.owners) and walk.segment_of[i + 1] == walk.segment_of[i]:
-                nxt = _compose(gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
+                nxt = _compose(kind, gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
                 if walk.rank(i + 1) == me:
                     prefix[i + 1] = nxt
                 else:
-                    sends.append((walk.rank(i + 1), _pack(*nxt), f"the prefix map of piece step {i + 1}"))
+                    sends.append((walk.rank(i + 1), kind.pack(*nxt).contiguous(),
+                                  f"the prefix map of piece step {i + 1}"))
             if position[i] == t + 1 and walk.rank(i - 1) != me:
                 recvs.append((walk.rank(i - 1), i))
-        got = steps.run(sends, [(src, _empty_map(like)) for src, _ in recvs], f"inside a node, step {t}")
+        got = steps.run(sends, [(src, _empty_map(kind, like)) for src, _ in recvs], f"inside a node, step {t}")
         for (_, i), buffer in zip(recvs, got):
-            prefix[i] = _unpack(buffer)
+            prefix[i] = kind.unpack(buffer, like.shape[-1])
 
     # B: Kogge-Stone over the segments' maps, among the leaders.
     M = len(walk.segments)
@@ -124,7 +130,7 @@ def hierarchical_scan(
     composite = {}
     for j in led:
         i = walk.segments[j][-1]
-        composite[j] = _compose(gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
+        composite[j] = _compose(kind, gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
     for r in range(walk.rounds):
         d = 1 << r
         sends, recvs, local = [], [], {}
@@ -133,12 +139,13 @@ def hierarchical_scan(
                 if walk.leader(j + d) == me:
                     local[j + d] = composite[j]
                 else:
-                    sends.append((walk.leader(j + d), _pack(*composite[j]), f"segment {j}'s map (round {r})"))
+                    sends.append((walk.leader(j + d), kind.pack(*composite[j]).contiguous(),
+                                  f"segment {j}'s map (round {r})"))
             if j >= d and walk.leader(j - d) != me:
                 recvs.append((walk.leader(j - d), j))
-        got = steps.run(sends, [(src, _empty_map(like)) for src, _ in recvs], f"between nodes, round {r}")
-        earlier = {**local, **{j: _unpack(buffer) for (_, j), buffer in zip(recvs, got)}}
-        composite = {j: (_then(composite[j], earlier[j]) if j in earlier else composite[j]) for j in led}
+        got = steps.run(sends, [(src, _empty_map(kind, like)) for src, _ in recvs], f"between nodes, round {r}")
+        earlier = {**local, **{j: kind.unpack(buffer, like.shape[-1]) for (_, j), buffer in zip(recvs, got)}}
+        composite = {j: (_compose(kind, *composite[j], *earlier[j]) if j in earlier else composite[j]) for j in led}
 
     # C: the state leaving segment j (now held by its leader) enters segment j + 1.
     entering: Dict[int, Tensor] = {}
@@ -171,34 +178,21 @@ def hierarchical_scan(
     for i in mine:
         slot, j = walk.owners[i][1], walk.segment_of[i]
         Gamma, S = prefix[i]
-        x = S if j == 0 else torch.addcmul(S, Gamma.unsqueeze(-1), entering[j])
+        x = S if j == 0 else kind.combine(Gamma, S, entering[j])
         inputs[slot] = x if out is None else out[slot].copy_(x)
         if i == len(walk.owners) - 1:
-            last = torch.addcmul(delta[slot], gamma[slot].unsqueeze(-1), x)
+            last = kind.combine(gamma[slot], delta[slot], x)
     return inputs, last
 
 
-def _compose(g: Tensor, d: Tensor, Gamma: Tensor, S: Tensor) -> Tuple[Tensor, Tensor]:
-    """The map ``(g, d) o (Gamma, S)``: a piece applied after a prefix."""
-    return g * Gamma, torch.addcmul(d, g.unsqueeze(-1), S)
+def _compose(kind: Kind, g: Tensor, d: Tensor, Gamma: Tensor, S: Tensor) -> Tuple[Tensor, Tensor]:
+    """The map ``(g, d) o (Gamma, S)``: a piece (or a later composite) applied after a prefix."""
+    return kind.compose(g, Gamma), kind.combine(g, d, S)
 
 
-def _then(later: Tuple[Tensor, Tensor], earlier: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor]:
-    """``later o earlier``."""
-    return _compose(*later, *earlier)
-
-
-def _pack(Gamma: Tensor, S: Tensor) -> Tensor:
-    """A map as one message ``[..., K, V + 1]``: the state, then the decays as a last column."""
-    return torch.cat([S, Gamma.unsqueeze(-1)], dim=-1).contiguous()
-
-
-def _unpack(message: Tensor) -> Tuple[Tensor, Tensor]:
-    return message[..., -1], message[..., :-1]
-
-
-def _empty_map(like: Tensor) -> Tensor:
-    return like.new_empty((*like.shape[:-1], like.shape[-1] + 1))
+def _empty_map(kind: Kind, like: Tensor) -> Tensor:
+    """A receive buffer for a map (``kind.pack``: the state, then the transition's columns)."""
+    return like.new_empty((*like.shape[:-1], like.shape[-1] + kind.width(like.shape[-2])))
 
 
 class _Steps:

@@ -12,6 +12,9 @@ none       nothing (one rank)                              local.py
 
 Packed sequences (``cu_seqlens``, Megatron's THD format): packed.py maps a rank's
 tokens to pieces and document segments for zeco, lasp2 and a2a.
+
+The gated delta rule (Gated DeltaNet): ``zeco_gated_delta_rule`` in delta.py, strategies
+zeco, lasp2, a2a and none over the same scans with a dense transition.
 """
 
 from typing import Optional, Tuple, Union
@@ -19,16 +22,17 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..comm import Layout
-from ..comm.functional import broadcast
 from .a2a import a2a_gla
 from .checks import STRATEGIES, check_inputs, packed_problems, split_problems
+from .delta import planned_gated_delta_rule, zeco_gated_delta_rule
 from .local import LocalGLA
 from .packed import Packing, packed_positions
-from .plan import CPPlan, cp_plan
+from .plan import CPPlan, cp_plan, final_state_everywhere
 from .ring import RingGLA
-from .scan import ScanGLA
+from .scan import scan_gla
 
-__all__ = ["zeco_gla", "planned_gla", "cp_plan", "CPPlan", "packed_positions", "STRATEGIES"]
+__all__ = ["zeco_gla", "planned_gla", "zeco_gated_delta_rule", "planned_gated_delta_rule", "cp_plan", "CPPlan",
+           "packed_positions", "STRATEGIES"]
 
 
 def zeco_gla(
@@ -170,8 +174,5 @@ def planned_gla(plan: CPPlan, q, k, v, g, *, scale=None, initial_state=None, out
     if plan.strategy == "lasp1":
         o, final = RingGLA.apply(q, k, v, g, initial_state, scale, layout, group, output_final_state, plan.name)
     else:
-        o, final = ScanGLA.apply(q, k, v, g, initial_state, scale, plan, output_final_state, packing, piece_split)
-    if not output_final_state:
-        return o, None
-    last_piece = layout.num_pieces(world) - 1
-    return o, broadcast(final, layout.owner(last_piece, world)[0], group)
+        o, final = scan_gla(q, k, v, g, initial_state, scale, plan, output_final_state, packing, piece_split)
+    return o, (final_state_everywhere(plan, final) if output_final_state else None)

@@ -1,9 +1,9 @@
 """Strategy ``a2a``: head-parallel all-to-all (Megatron's approach for its linear layers).
 
 Trade the sequence split for a head split: after one all-to-all every rank
-holds the whole sequence for H/P heads, runs GLA over it, and a second
-all-to-all brings the outputs back. Moves O(T*d) activations per layer (ZeCO
-moves one state) and needs H divisible by P.
+holds the whole sequence for H/P heads, runs the local operator over it, and a
+second all-to-all brings the outputs back. Moves O(T*d) activations per layer
+(ZeCO moves one state) and needs H divisible by P.
 """
 
 import torch
@@ -13,20 +13,29 @@ from .local import LocalGLA
 
 
 def a2a_gla(q, k, v, g, h0, scale, layout, group, output_final_state, packing=None):
+    def local(q, k, v, g, h0, *documents):
+        return LocalGLA.apply(q, k, v, g, h0, scale, output_final_state, *documents)
+
+    return head_all_to_all((q, k, v, g), h0, layout, group, output_final_state, packing, local)
+
+
+def head_all_to_all(inputs, h0, layout, group, output_final_state, packing, local):
+    """``local(*inputs, h0, [documents, documents_cpu]) -> (o, final)`` over the whole sequence for this
+    rank's heads. ``inputs``: per-token tensors ``[B, T, H, ...]`` (one trailing dim or none: ``[B, T, H]``
+    gates travel as a last dim of 1), exchanged as one all-to-all."""
     world, me = group.size(), group.rank()
-    K, V = q.shape[-1], v.shape[-1]
-    heads = q.shape[2] // world
-    fused = torch.cat([q, k, v, g], dim=-1)
+    heads = inputs[0].shape[2] // world
+    widths = [x.shape[-1] if x.dim() == 4 else 1 for x in inputs]
+    fused = torch.cat([x if x.dim() == 4 else x.unsqueeze(-1) for x in inputs], dim=-1)
     parts = all_to_all(list(fused.split(heads, dim=2)), group)  # rank r's tokens of my heads
     if packing is None:
         whole = layout.unshard(parts, dim=1)
     else:  # packed: tokens go back to their global positions (documents may be split one by one)
         positions = [packing.positions(r) for r in range(world)]
         whole = torch.cat(parts, dim=1)[:, torch.cat(positions).argsort()]
-    q_, k_, v_, g_ = whole.split([K, K, V, K], dim=-1)
+    mine = [y if x.dim() == 4 else y.squeeze(-1) for x, y in zip(inputs, whole.split(widths, dim=-1))]
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
-    o, final = LocalGLA.apply(q_, k_, v_, g_, h0, scale, output_final_state,
-                              *(() if packing is None else (packing.documents, packing.documents_cpu)))
+    o, final = local(*mine, h0, *(() if packing is None else (packing.documents, packing.documents_cpu)))
     if packing is None:
         back = all_to_all([layout.shard(o, r, world, dim=1) for r in range(world)], group)
     else:

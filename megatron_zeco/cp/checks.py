@@ -22,27 +22,39 @@ DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = "float64, float32, bfloat16 or float16"
 
 
-def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> List[str]:
-    tensors = {"q": q, "k": k, "v": v, "g": g}
+def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank, beta=None) -> List[str]:
+    """This rank's problems with its tensors; ``beta`` given: the gated delta rule's inputs
+    (``g`` and ``beta`` ``[B, T, H]``, the state pipelined in blocks of columns)."""
+    delta_rule = beta is not None
+    tensors = {"q": q, "k": k, "v": v, "g": g, **({"beta": beta} if delta_rule else {})}
     problems = [f"{n} must be a torch.Tensor, got {type(t).__name__}"
                 for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
     if problems:
         return problems
     for name, t in tensors.items():
-        if t.dim() != 4:
+        if delta_rule and name in ("g", "beta"):
+            if t.dim() != 3:
+                problems.append(f"{name} must have 3 dims [B, T, H], got shape {tuple(t.shape)}")
+        elif t.dim() != 4:
             problems.append(f"{name} must have 4 dims [B, T, H, D], got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
             problems.append(f"{name} must be {_DTYPE_NAMES}, got {t.dtype}")
     if problems:
         return problems
-    if k.shape != q.shape or g.shape != q.shape:
+    if delta_rule:
+        if k.shape != q.shape:
+            problems.append(f"q and k must have one shape [B, T, H, K], got {tuple(q.shape)}, {tuple(k.shape)}")
+        if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
+            problems.append(f"g and beta must be [B, T, H] with B, T, H of q {tuple(q.shape[:3])}, got "
+                            f"{tuple(g.shape)}, {tuple(beta.shape)}")
+    elif k.shape != q.shape or g.shape != q.shape:
         problems.append(f"q, k and g must have one shape [B, T, H, K], got "
                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
     if v.shape[:3] != q.shape[:3]:
         problems.append(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     dtypes = {n: t.dtype for n, t in tensors.items()}
     if len(set(dtypes.values())) > 1:
-        problems.append(f"q, k, v, g must share one dtype, got {dtypes}")
+        problems.append(f"{', '.join(tensors)} must share one dtype, got {dtypes}")
     devices = {n: t.device for n, t in tensors.items()}
     if initial_state is not None:
         devices["initial_state"] = initial_state.device
@@ -60,7 +72,12 @@ def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank) -> L
     elif T % pieces_per_rank:
         problems.append(f"the zigzag layout splits each rank's T = {T} tokens into {pieces_per_rank} "
                         f"equal pieces; T must be divisible by {pieces_per_rank}")
-    if not isinstance(num_blocks, int) or num_blocks < 1 or K % num_blocks:
+    if delta_rule:
+        V = v.shape[-1]
+        if not isinstance(num_blocks, int) or num_blocks < 1 or V % num_blocks:
+            problems.append(f"num_blocks = {num_blocks!r} must be a positive divisor of the value dim V = {V} "
+                            "(the gated delta rule's state is pipelined in blocks of columns)")
+    elif not isinstance(num_blocks, int) or num_blocks < 1 or K % num_blocks:
         problems.append(f"num_blocks = {num_blocks!r} must be a positive divisor of the key dim K = {K}")
     return problems
 
@@ -132,8 +149,9 @@ def _describe(x: Optional[torch.Tensor]):
 
 
 def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
-                 cu_seqlens=None, per_document=False, transport="auto", piece_split=None):
-    """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable."""
+                 cu_seqlens=None, per_document=False, transport="auto", piece_split=None, beta=None, op="zeco_gla"):
+    """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable.
+    ``beta`` given: the gated delta rule's inputs (``op`` names the operator in the message)."""
     world = 1 if group is None else dist.get_world_size(group)
     problems = []
     try:
@@ -145,9 +163,14 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if transport not in TRANSPORTS:
         problems.append(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
+    if beta is not None and transport == "peer_memory":
+        problems.append("transport 'peer_memory' moves the diagonal maps of GLA only; the gated delta rule's "
+                        "All-Scan runs over 'send_recv' (or 'auto')")
+    if beta is not None and strategy == "lasp1":
+        problems.append("strategy 'lasp1' is not offered for the gated delta rule; use zeco, lasp2 or a2a")
     # Per document, each document is cut into pieces, not each rank's tokens.
     problems += _local_problems(q, k, v, g, initial_state, num_blocks,
-                                1 if per_document else len(layout.pieces(0, world)))
+                                1 if per_document else len(layout.pieces(0, world)), beta)
     problems += split_problems(q, piece_split, cu_seqlens, len(layout.pieces(0, world)))
     packed = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
     cu = None
@@ -189,4 +212,4 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         errors.append(f"strategy 'a2a' splits heads over the group: H = {q.shape[2]} heads "
                       f"is not divisible by the group size {world}")
     if errors:
-        raise ValueError("zeco_gla: invalid input:\n  " + "\n  ".join(errors))
+        raise ValueError(f"{op}: invalid input:\n  " + "\n  ".join(errors))

@@ -37,9 +37,10 @@ class LocalGLA(torch.autograd.Function):
         return dq, dk, dv, dg, None if dh0 is None else dh0.to(ctx.h0_dtype), None, None, None, None
 
 
-def initial_state_grad(ctx, dh0, like):
-    """Gradient for a context-parallel op's ``initial_state`` input: the scan's result on the
-    rank where the state entered, zeros on the others (their sum over ranks is the gradient)."""
-    if not ctx.needs_input_grad[4]:
+def initial_state_grad(ctx, dh0, like, index=4):
+    """Gradient for a context-parallel op's ``initial_state`` input (argument ``index`` of its
+    ``apply``): the scan's result on the rank where the state entered, zeros on the others (their
+    sum over ranks is the gradient)."""
+    if not ctx.needs_input_grad[index]:
         return None
     return (torch.zeros_like(like) if dh0 is None else dh0).to(ctx.h0_dtype)

@@ -132,10 +132,12 @@ class Packing:
         return x
 
     def summaries(self, E: Tensor, gamma: Tensor) -> Tuple[Tensor, Tensor]:
-        """Per-segment ``(E, gamma)`` -> per-piece: the last segment's E; gamma 0 at a document start."""
+        """Per-segment ``(E, gamma)`` -> per-piece: the last segment's E; gamma 0 at a document start
+        (gamma the decays ``[N, H, K]`` or a dense transition ``[N, H, K, K]``)."""
         if self.identity:
             return E, gamma
-        return E[self.tail], torch.where(self.through[:, None, None], gamma[self.head], 0)
+        through = self.through.view(-1, *(1,) * (gamma.dim() - 1))
+        return E[self.tail], torch.where(through, gamma[self.head], 0)
 
     def initial_states(self, S_in: Tensor) -> Tensor:
         """Per-piece ``S_in`` -> per-segment initial states (zero where a document starts)."""

@@ -14,6 +14,7 @@ from typing import Optional, Union
 import torch
 
 from ..comm import Layout, as_layout
+from ..comm.functional import broadcast
 from ..comm.nodes import check_node_size
 from ..comm.peer import resolve_transport
 
@@ -84,3 +85,10 @@ def cp_plan(group, *, strategy: str = "zeco", layout: Union[str, Layout] = "cont
     if overlap is None:
         overlap = strategy == "zeco" and transport in ("peer_memory", "nvshmem")
     return CPPlan(group, strategy, layout, num_blocks, transport, bool(overlap), node_size, name)
+
+
+def final_state_everywhere(plan: CPPlan, final: torch.Tensor) -> torch.Tensor:
+    """The state after the last token on every rank of the plan's group, from the rank holding the
+    last piece (whose scan result ``final`` is; zeros elsewhere); backward sums onto that rank."""
+    last_piece = plan.layout.num_pieces(plan.world) - 1
+    return broadcast(final, plan.layout.owner(last_piece, plan.world)[0], plan.group)

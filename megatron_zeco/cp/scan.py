@@ -21,23 +21,39 @@ document is split on its own.
 
 ``zeco`` scans with the pipelined All-Scan (messages, or stores into peer memory on one
 node: ``comm/peer.py``); ``lasp2`` with an all-gather.
+
+The same steps serve the gated delta rule (``ops.gdn_piece``): its pieces map states by a
+dense matrix, ``S_out = M S_in + E``, and the backward scan runs through ``M^T``
+(``comm/transition.py``); ``piece_split`` stays 1 there.
 """
 
 import torch
 
 from ..comm import all_scan, gather_scan
+from ..comm.transition import transition_of
 from ..ops import gla_piece
 from .local import initial_state_grad
 
 
-class ScanGLA(torch.autograd.Function):
+def scan_gla(q, k, v, g, h0, scale, plan, output_final_state, packing=None, piece_split=1):
+    """GLA under ``zeco`` or ``lasp2`` (see the module docstring): ``(o, final state or zeros)``."""
+    return ScanOp.apply(gla_piece, h0, scale, plan, output_final_state, packing, piece_split, q, k, v, g)
+
+
+class ScanOp(torch.autograd.Function):
+    """A scan strategy over the local pieces ``make_piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=)``
+    builds (``ops.gla_piece``, ``ops.gdn_piece``): the inputs are per-token tensors ``[B, T, H, ...]``,
+    q first and v third; the piece's ``transition`` is its map's linear part. Returns ``o`` and the
+    final state (zeros where the rank does not end the chain); gradients for ``h0`` and every input."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, plan, output_final_state, packing=None, piece_split=1):
+    def forward(ctx, make_piece, h0, scale, plan, output_final_state, packing, piece_split, *inputs):
         n = plan.pieces_per_rank
         pieces = _Pieces(n, piece_split) if packing is None else packing
-        piece = gla_piece(*(pieces.local(x) for x in (q, k, v, g)), scale, cu_seqlens=pieces.cu,
-                          cu_seqlens_cpu=pieces.cu_cpu)
-        E, gamma = pieces.summaries(piece.E, piece.gamma)
+        q = inputs[0]
+        piece = make_piece(*(pieces.local(x) for x in inputs), scale, cu_seqlens=pieces.cu,
+                           cu_seqlens_cpu=pieces.cu_cpu)
+        E, gamma = pieces.summaries(piece.E, piece.transition)
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
@@ -57,12 +73,13 @@ class ScanGLA(torch.autograd.Function):
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
         dht = dht.to(A.dtype) if ctx.output_final_state else None
         D = torch.empty_like(A)
-        Ds, dh0 = _scan(_slots(gamma, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
+        gamma_t = transition_of(gamma, A).transpose(gamma)  # dS_in = T^T dS_out + A
+        Ds, dh0 = _scan(_slots(gamma_t, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
                         between=piece.before_grads)
         grads = piece.grads(pieces.final_grads(D))
-        dq, dk, dv, dg = (x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads)
-        dh0 = initial_state_grad(ctx, dh0, Ds[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None
+        grads = [x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads]
+        dh0 = initial_state_grad(ctx, dh0, Ds[0], index=1)
+        return (None, dh0, None, None, None, None, None, *grads)
 
 
 class _Pieces:

@@ -37,10 +37,37 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Saved(NamedTuple):
-    """What ``gla_bwd`` needs from ``gla_fwd``: its inputs as autograd leaves and its outputs."""
+    """What ``gla_bwd`` needs from ``gla_fwd`` (:func:`replay` from :func:`record`): the inputs as
+    autograd leaves (``inputs`` of them, then the initial state if any) and the outputs."""
     leaves: Tuple[Tensor, ...]
     o: Tensor
     ht: Optional[Tensor]
+    inputs: int
+
+
+def record(fn, inputs: Tuple[Tensor, ...], initial_state: Optional[Tensor], **kw
+           ) -> Tuple[Tensor, Optional[Tensor], Saved]:
+    """``fn(*inputs, initial_state=..., **kw) -> (o, ht)`` run on autograd leaves of its inputs, keeping
+    ``fn``'s own autograd record for :func:`replay` (so a backward costs what ``fn``'s costs)."""
+    with torch.enable_grad():
+        leaves = tuple(x.detach().requires_grad_() for x in inputs)
+        if initial_state is not None:
+            leaves += (initial_state.detach().requires_grad_(),)
+        h0 = leaves[len(inputs)] if initial_state is not None else None
+        o, ht = fn(*leaves[:len(inputs)], initial_state=h0, **kw)
+    return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht, len(inputs))
+
+
+def replay(saved: Saved, do: Tensor, dht: Optional[Tensor]) -> Tuple[Tuple[Tensor, ...], Optional[Tensor]]:
+    """The gradients of :func:`record`'s inputs and of its initial state (None if it had none) from
+    the output gradient ``do`` and the final-state gradient ``dht`` (None: the final state is unused;
+    the forward must have output it otherwise)."""
+    outputs, grads = [saved.o], [do]
+    if dht is not None:
+        outputs.append(saved.ht)
+        grads.append(dht)
+    result = torch.autograd.grad(outputs, saved.leaves, grads)
+    return result[:saved.inputs], (result[saved.inputs] if len(result) > saved.inputs else None)
 
 
 def gla_fwd(
@@ -59,15 +86,8 @@ def gla_fwd(
         ``o [B, T, H, V]`` (input dtype), the final state ``[B, H, K, V]`` or None, and
         what :func:`gla_bwd` takes.
     """
-    with torch.enable_grad():
-        leaves = tuple(x.detach().requires_grad_() for x in (q, k, v, g))
-        if initial_state is not None:
-            leaves += (initial_state.detach().requires_grad_(),)
-        h0 = leaves[4] if initial_state is not None else None
-        varlen = _varlen(q, cu_seqlens, cu_seqlens_cpu)
-        o, ht = _local_gla(q)(*leaves[:4], scale=scale, initial_state=h0, output_final_state=output_final_state,
-                              **varlen)
-    return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht)
+    return record(_local_gla(q), (q, k, v, g), initial_state, scale=scale, output_final_state=output_final_state,
+                  **_varlen(q, cu_seqlens, cu_seqlens_cpu))
 
 
 def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
@@ -77,12 +97,8 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
 
     Returns ``dq, dk, dv, dg`` and ``dh0`` (None when the forward had no initial state).
     """
-    outputs, grads = [saved.o], [do]
-    if dht is not None:
-        outputs.append(saved.ht)
-        grads.append(dht)
-    result = torch.autograd.grad(outputs, saved.leaves, grads)
-    return (*result[:4], result[4] if len(result) == 5 else None)
+    grads, dh0 = replay(saved, do, dht)
+    return (*grads, dh0)
 
 
 def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
@@ -93,6 +109,7 @@ def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqle
     ``gamma [N, H, K]`` (state dtype; ``S_out = Diag(gamma) S_in + E``; N = B, or one per
     segment with ``cu_seqlens``) and has, called in this order:
 
+    * ``transition``: ``gamma`` (what the scans call the map's linear part);
     * ``before_output()``: work that needs no incoming state (run it while the scan is in flight;
       ``output`` runs it if it has not run);
     * ``output(S_in) -> o [B, T, H, V]``: the output given the incoming state ``[N, H, K, V]``;
@@ -114,6 +131,11 @@ class _TorchPiece:
     def __init__(self, q, k, v, g, scale, cu_seqlens):
         self.inputs, self.scale, self.cu = (q, k, v, g), scale, cu_seqlens
         self.E, self.gamma = chunk_gla_state(k, v, g, cu_seqlens=cu_seqlens)
+
+    @property
+    def transition(self) -> Tensor:
+        """The linear part of the piece's map: the decays ``gamma`` (``comm/transition.py``)."""
+        return self.gamma
 
     def before_output(self) -> None:  # the PyTorch forms run as a whole once the state is known
         pass

@@ -130,6 +130,11 @@ class FlaPiece:
         self._into, self._out_of, self.gamma = chunk_decays(g_cumsum, c.size, c.cu, c.indices, c.offsets)
         self.A = None
 
+    @property
+    def transition(self) -> Tensor:
+        """The linear part of the piece's map: the decays ``gamma``."""
+        return self.gamma
+
     def before_output(self) -> None:
         """The in-chunk attention: needs no incoming state (runs while the scan is in flight)."""
         fla = _fla()

@@ -1,0 +1,131 @@
+"""Context-parallel gated delta rule (Gated DeltaNet's token mixer): ``zeco_gated_delta_rule``.
+
+Per head ``S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T``, ``o_t = scale * S_t^T q_t``.
+A rank's piece maps the state entering it to the state leaving it by ``S_out = M S_in + E`` with
+``M = prod_t exp(g_t) (I - beta_t k_t k_t^T)`` a K x K matrix, so the strategies of ``zeco_gla``
+carry over with a dense transition in place of the diagonal decay:
+
+=========  ===================================================  ===========================
+strategy   what crosses ranks per layer                          as
+=========  ===================================================  ===========================
+zeco       one K x V state per piece, pipelined All-Scan         scan.py (+ comm/all_scan);
+           (blocks of columns; M stays on its rank)              backward through M^T
+lasp2      all-gather of every piece's ``[E | M]``               fla 0.6's own context parallelism
+a2a        q, k, v, g, beta and o by all-to-all over heads       Megatron-Core's GDN
+none       nothing (one rank)                                    the local operator
+=========  ===================================================  ===========================
+
+All-Scan's combine here is a K x K by K x V product per head and state block. Its transport is
+the group's point-to-point messages: the peer-memory hop kernels combine diagonal maps only.
+"""
+
+from typing import Optional, Tuple, Union
+
+import torch
+
+from ..comm import Layout
+from ..ops import gdn_local, gdn_piece, state_dtype
+from .a2a import head_all_to_all
+from .checks import check_inputs, packed_problems
+from .packed import Packing
+from .plan import CPPlan, cp_plan, final_state_everywhere
+from .scan import ScanOp
+
+STRATEGIES = ("zeco", "lasp2", "a2a", "none")
+OP = "zeco_gated_delta_rule"
+
+
+def zeco_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    group=None,
+    strategy: str = "zeco",
+    layout: Union[str, Layout] = "contiguous",
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    per_document: bool = False,
+    num_blocks: int = 1,
+    transport: str = "auto",
+    validate: bool = True,
+    name: str = OP,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The gated delta rule over a sequence split across the ranks of ``group``.
+
+    Computes exactly fla's ``chunk_gated_delta_rule`` over the whole (unsplit) sequence; each rank
+    passes and gets back its own part of it. Differentiable in q, k, v, g, beta and ``initial_state``.
+
+    Args:
+        q, k: ``[B, T, H, K]`` this rank's tokens (T the same on every rank; k usually L2-normalised).
+        v: ``[B, T, H, V]``.
+        g: ``[B, T, H]`` log decay per head and token (``g <= 0``).
+        beta: ``[B, T, H]`` write strength in ``[0, 1]``. q, k, v, g, beta share one floating dtype
+            (float64, float32, bfloat16, float16) and device.
+        group: the context-parallel process group, or None for no context parallelism.
+        strategy: ``"zeco"`` (All-Scan), ``"lasp2"`` (all-gather of every piece's ``[E | M]``),
+            ``"a2a"`` (head all-to-all; H divisible by the group size) or ``"none"`` (one rank).
+        layout: ``"contiguous"`` (rank r holds tokens ``[r*T, (r+1)*T)``) or ``"zigzag"``
+            (Megatron's split: 2P pieces, rank r holds pieces r and 2P-1-r; T even).
+        scale: output scale, default ``K ** -0.5``.
+        initial_state: ``[B, H, K, V]`` state before the first token, the same on every rank; its
+            gradient is split over the ranks (their sum is the gradient).
+        output_final_state: also return the state after the last token (on every rank).
+        cu_seqlens, per_document: packed documents, as :func:`megatron_zeco.zeco_gla` takes them
+            (``[N+1]`` offsets over the whole packed sequence; B = 1; no initial or final state).
+        num_blocks: ``zeco`` only: blocks of value columns (a divisor of V) the All-Scan pipelines;
+            a row of ``M S`` reads every row of ``S``, so the state is cut by columns.
+        transport: ``zeco`` only: ``auto`` or ``send_recv`` (the group's point-to-point messages).
+            ``peer_memory`` is refused: its hop kernels combine diagonal maps only.
+        validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
+            on all ranks if any is unusable (one small collective).
+        name: names the caller in communication errors.
+
+    Returns:
+        ``o [B, T, H, V]`` in the input dtype, and the final state ``[B, H, K, V]`` in float32
+        (float64 for float64 inputs) on every rank, or None.
+    """
+    if validate:
+        check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout, num_blocks=num_blocks,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, per_document=per_document,
+                     transport=transport, beta=beta, op=name)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{name}: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
+    plan = cp_plan(group, strategy=strategy, layout=layout, num_blocks=num_blocks,
+                   transport="send_recv" if transport == "auto" else transport, like=q, name=name)
+    return planned_gated_delta_rule(plan, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                    per_document=per_document, checked=validate)
+
+
+def planned_gated_delta_rule(plan: CPPlan, q, k, v, g, beta, *, scale=None, initial_state=None,
+                             output_final_state=False, cu_seqlens=None, per_document=False, checked=False):
+    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:func:`cp_plan`; a send/recv
+    transport); the same arguments and result."""
+    if not checked and (cu_seqlens is not None or per_document):
+        problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, plan.strategy,
+                                   plan.world)
+        if problems:
+            raise ValueError(f"{plan.name}: invalid input: " + "; ".join(problems))
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    packing = None if cu_seqlens is None else Packing.cached(cu_seqlens, plan.layout, plan.world, plan.rank,
+                                                             q.shape[1], per_document, q.device)
+    documents = () if packing is None else (packing.documents, packing.documents_cpu)
+
+    def local(q, k, v, g, beta, h0, *documents):
+        h0 = None if h0 is None else h0.to(state_dtype(q.dtype))
+        return gdn_local(q, k, v, g, beta, scale, h0, output_final_state, *documents)
+
+    if plan.world == 1:  # one rank: every strategy is the local op, nothing to pass
+        o, final = local(q, k, v, g, beta, initial_state, *documents)
+        return o, (final if output_final_state else None)
+    if plan.strategy == "a2a":
+        return head_all_to_all((q, k, v, g, beta), initial_state, plan.layout, plan.group, output_final_state,
+                               packing, local)
+    o, final = ScanOp.apply(gdn_piece, initial_state, scale, plan, output_final_state, packing, 1, q, k, v, g, beta)
+    return o, (final_state_everywhere(plan, final) if output_final_state else None)

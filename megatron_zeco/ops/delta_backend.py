@@ -1,0 +1,113 @@
+"""The local gated-delta-rule operations the context-parallel strategies are built from.
+
+As ``backend.py`` for GLA:
+
+* ``gdn_local``: the gated delta rule over a piece from a given initial state, differentiable.
+  On CUDA flash-linear-attention's ``chunk_gated_delta_rule`` (fla-core); elsewhere, and for
+  float64, the PyTorch chunked form of ``delta_chunk.py``.
+* ``gdn_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
+  summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
+  ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
+  kernels (``fla_delta_piece.py``), elsewhere ``delta_chunk.py``.
+
+``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
+"""
+
+import functools
+from typing import Optional, Tuple
+
+import torch
+
+from .backend import BACKEND_ENV, record, replay, _use_kernels
+from .delta_chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
+
+Tensor = torch.Tensor
+
+
+def gdn_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+              initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Optional[Tensor]]:
+    """The gated delta rule on this device (differentiable in every input and the initial state).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, beta: ``[B, T, H]``; one floating dtype.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) float32 (float64 for
+            float64 inputs), or None.
+        cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); ``cu_seqlens_cpu``: the same on the host.
+    Returns:
+        ``o [B, T, H, V]`` (input dtype) and the final state (or None).
+    """
+    if _use_kernels(q.device, q.dtype):
+        varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return _fla_chunk_gated_delta_rule()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                             output_final_state=output_final_state, **varlen)
+    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+
+
+def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
+    """A piece of a sequence whose entering state comes later (from a scan).
+
+    Inputs as :func:`gdn_local`. The result holds the piece's summary ``E [N, H, K, V]`` and
+    ``M [N, H, K, K]`` (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with
+    ``cu_seqlens``), ``transition`` (= ``M``), and, called in this order:
+
+    * ``before_output()``: work that needs no entering state (a no-op here);
+    * ``output(S_in) -> o [B, T, H, V]``: the output given the entering state ``[N, H, K, V]``;
+    * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
+      (that of the whole loss is ``A + M^T D``);
+    * ``before_grads()``: likewise (a no-op here);
+    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
+      state leaving the piece.
+    """
+    if _use_kernels(q.device, q.dtype):
+        _fla_chunk_gated_delta_rule()  # the clear ImportError if fla is missing
+        from .fla_delta_piece import FlaDeltaPiece
+        return FlaDeltaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
+    return _TorchDeltaPiece(q, k, v, g, beta, scale, cu_seqlens)
+
+
+class _TorchDeltaPiece:
+    """``gdn_piece`` on ``delta_chunk.py``: the summary and ``A`` as their own passes, the output and the
+    gradients through autograd of the chunked form started from ``S_in``."""
+
+    def __init__(self, q, k, v, g, beta, scale, cu_seqlens):
+        self.inputs, self.scale, self.cu = (q, k, v, g, beta), scale, cu_seqlens
+        self.E, self.M = chunk_gated_delta_rule_state(k, v, g, beta, cu_seqlens=cu_seqlens)
+
+    @property
+    def transition(self) -> Tensor:
+        return self.M
+
+    def before_output(self) -> None:
+        pass
+
+    def before_grads(self) -> None:
+        pass
+
+    def output(self, S_in: Tensor) -> Tensor:
+        o, _, self.saved = record(chunk_gated_delta_rule, self.inputs, S_in, scale=self.scale, output_final_state=True,
+                                  cu_seqlens=self.cu)
+        return o
+
+    def entering_grad(self, do: Tensor) -> Tensor:
+        q, k, _, g, beta = self.inputs
+        self.do = do
+        return chunk_gated_delta_rule_state_grad(q, k, g, beta, do, self.scale, cu_seqlens=self.cu)
+
+    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
+        return replay(self.saved, self.do, D)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_chunk_gated_delta_rule():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+    except ImportError as e:
+        raise ImportError(
+            f"megatron_zeco: the gated delta rule on CUDA runs on flash-linear-attention, which failed to import "
+            f"({e}). Install it with `pip install fla-core`, or set {BACKEND_ENV}=torch to run the (slow) PyTorch "
+            "forms on the GPU."
+        ) from e
+    return fla_chunk_gated_delta_rule
