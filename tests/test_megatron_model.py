@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
 
+pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+
 TOL = 1e-5
 STEPS = 4
 BASE = dict(layers=2, hidden=32, heads=4, seq_len=48, batch=4, task="mock", lr=1e-2, log_interval=10**6)
