@@ -226,8 +226,9 @@ def test_pipeline_segments_match_whole_model(results):
 VPP_PATTERN = "G-|G*|GE|-G"  # 4 segments over PP = 2: two virtual stages per rank
 
 
-def _structure_worker(rank, world):
-    """Per virtual stage: (pre_process, post_process, [(layer number, layer class, kind)], final norm)."""
+def _structure_worker(rank, world, seed):
+    """Per virtual stage: (pre_process, post_process, [(layer number, layer class, kind)], final norm);
+    then the GPTModel-to-HybridModel mapping check (_gpt_as_hybrid)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
@@ -245,28 +246,80 @@ def _structure_worker(rank, world):
                   for layer in model.decoder.layers]
         norm = type(model.decoder.final_norm).__name__ if hasattr(model.decoder, "final_norm") else None
         built.append((model.pre_process, model.post_process, layers, norm))
-    return built
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    return built, _gpt_as_hybrid(seed)
+
+
+def gpt_name_to_hybrid(name: str) -> str:
+    """A hybrid GPTModel's parameter name -> the HybridModel's (docs/hybrid-model.md): GPTModel layer i
+    is HybridModel layers 2i (norm and mixer) and 2i + 1 (norm and MLP)."""
+    if name.startswith("decoder.final_layernorm."):
+        return "decoder.final_norm." + name[len("decoder.final_layernorm."):]
+    if not name.startswith("decoder.layers."):
+        return name
+    i, rest = name[len("decoder.layers."):].split(".", 1)
+    mlp = rest.startswith(("pre_mlp_layernorm.", "mlp."))
+    return f"decoder.layers.{2 * int(i) + mlp}.{rest}"
+
+
+def _gpt_as_hybrid(seed):
+    """A GPTModel of hybrid_layer_spec('G*') (2 layers, RoPE) and the HybridModel 'G-*-' with its weights
+    (float64): the logits' relative difference, and the parameter names of each."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.specs import hybrid_layer_spec
+
+    def config(layers):
+        return TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                 use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                 init_method_std=0.1)
+
+    torch.manual_seed(seed)
+    gpt = GPTModel(config(2), hybrid_layer_spec("G*"), VOCAB, 64, position_embedding_type="rope").double()
+    hybrid = build_hybrid_model(config(4), "G-*-", VOCAB, 64, position_embedding_type="rope").double()
+    mapped = {gpt_name_to_hybrid(k): v for k, v in gpt.state_dict().items()}
+    hybrid.load_state_dict(mapped)
+    tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+    with _host_rope():
+        got, want = hybrid(tokens, None, None), gpt(tokens, None, None)
+    return rel_err(got, want), sorted(mapped), sorted(hybrid.state_dict())
+
+
+@pytest.fixture(scope="module")
+def structure():
+    return run_ranks(_structure_worker, 2, _seed())
 
 
 @needs_hybrid_model
-def test_virtual_pipeline_segments_build_the_pattern_layers():
+def test_virtual_pipeline_segments_build_the_pattern_layers(structure):
     """Segment v x PP + rank on each (rank, virtual stage); embedding on the first, the final norm
     (Megatron-Core's own, no TransformerEngine) and output on the last."""
     kinds = {"G": ("HybridMixerLayer", "G"), "*": ("HybridMixerLayer", "*"), "-": ("MLPLayer", None),
              "E": ("MoETransformerLayer", None)}
     segments = VPP_PATTERN.split("|")
-    built = run_ranks(_structure_worker, 2)
     number = {}
     for index, segment in enumerate(segments):
         start = sum(map(len, segments[:index]))
         number[index] = [(start + i + 1, *kinds[s]) for i, s in enumerate(segment)]
-    for rank, stages in enumerate(built):
+    for rank, (stages, _) in enumerate(structure):
         for vp_stage, (pre, post, layers, norm) in enumerate(stages):
             index = vp_stage * 2 + rank
             assert layers == number[index], (rank, vp_stage, layers)
             assert (pre, post) == (index == 0, index == len(segments) - 1), (rank, vp_stage)
             want = ("LayerNorm", "FusedLayerNorm") if index == len(segments) - 1 else (None,)  # torch's, or apex's
             assert norm in want, (rank, vp_stage, norm)
+
+
+@needs_hybrid_model
+def test_gpt_model_pattern_maps_to_hybrid_model_pattern(structure):
+    """docs/hybrid-model.md: GPTModel hybrid_layer_spec('G*') = HybridModel 'G-*-' with the renamed
+    weights: every parameter maps, and the logits agree (float64, 1e-12)."""
+    for err, mapped, names in (result for _, result in structure):
+        assert mapped == names
+        assert err < 1e-12, err
 
 
 @needs_hybrid_model
