@@ -142,7 +142,20 @@ def _run(case, seed, full_state=None):
         dist.all_reduce(g, group=cp_group)
         grads[_global_name(name, offset)] = g
     layers = [(layer.layer_number, type(layer).__name__, getattr(layer, "kind", None)) for layer in model.decoder.layers]
-    return float(loss), grads, layers
+    alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
+    return float(loss), grads, layers, alone
+
+
+def _documents_alone(model, tokens, labels, cu):
+    """The packed batch's loss and gradients from every document run alone, unpacked (one process)."""
+    model.zero_grad()
+    loss = 0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        logits = model(tokens[:, a:b], None, None)
+        loss = loss + torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, a:b].flatten(), reduction="sum")
+    loss = loss / int(cu[-1])
+    loss.backward()
+    return float(loss), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
 def _worker(rank, world, cases, seed, with_reference):
@@ -183,8 +196,8 @@ def results():
 
 
 def _check(results, reference, where):
-    ref_loss, ref_grads, _ = reference
-    for rank, (loss, grads, _) in enumerate(results):
+    ref_loss, ref_grads = reference[:2]
+    for rank, (loss, grads) in enumerate(r[:2] for r in results):
         assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} rank {rank}: loss {loss} vs {ref_loss}"
         assert set(grads) <= set(ref_grads), f"{where} rank {rank}: parameters {set(grads) - set(ref_grads)}"
         for name, g in grads.items():
@@ -196,9 +209,12 @@ def _check(results, reference, where):
 @pytest.mark.parametrize("case,cp", [(c, cp) for c in CASES for cp in c.get("cps", (2, 3))],
                          ids=[f"{c['name']}-cp{cp}" for c in CASES for cp in c.get("cps", (2, 3))])
 def test_hybrid_model_under_cp_matches_one_process(results, case, cp):
-    """float32: the loss and every parameter's gradient (summed over CP) equal CP = 1's to 1e-5."""
+    """float32: the loss and every parameter's gradient (summed over CP) equal CP = 1's to 1e-5; on packed
+    batches CP = 1's equal those of every document run alone."""
     reference = results[2][0][case["name"], 1]
     _check([r[case["name"], cp] for r in results[cp]], reference, f"{case['name']} CP={cp}")
+    if case["packed"]:  # and CP = 1 on the packed batch equals every document alone
+        _check([reference], reference[3], f"{case['name']} CP=1 against each document alone")
 
 
 @needs_hybrid_model
@@ -210,10 +226,10 @@ def test_pipeline_segments_match_whole_model(results):
     stages = [r[name, "pp"] for r in results[2]]
     assert [s[2] for s in stages] == [[(1, "HybridMixerLayer", "G"), (2, "HybridMixerLayer", "*")],
                                       [(3, "HybridMixerLayer", "G"), (4, "MLPLayer", None)]]
-    ref_loss, ref_grads, _ = results[2][0][name, 1]
+    ref_loss, ref_grads = results[2][0][name, 1][:2]
     loss = stages[1][0]  # the last stage's
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{name}: loss {loss} vs {ref_loss}"
-    for stage, (_, grads, _) in enumerate(stages):
+    for stage, grads in enumerate(s[1] for s in stages):
         for param, g in grads.items():
             err = rel_err(g, ref_grads[param])
             assert err < TOL, f"{name} stage {stage}: gradient of {param} off by {err:.1e}"
