@@ -8,6 +8,10 @@ counted over the whole model, all pipeline stages) is ``pattern[(n - 1) % len(pa
 :class:`HybridTransformerLayer` is one ``ModuleSpec`` for every layer (so it passes
 through ``pretrain_gpt.py --spec`` and Megatron's per-stage fan-out unchanged); each
 layer builds the GLA or the softmax TransformerLayer by its global layer number.
+
+Megatron-Core's own ``HybridModel`` (megatron-core >= 0.19) takes the pattern itself
+(``--hybrid-layer-pattern``, one layer per symbol, MLPs as layers of their own):
+see megatron_zeco.hybrid_model. Its GLA and softmax layers are :class:`HybridMixerLayer`.
 """
 
 from dataclasses import dataclass
