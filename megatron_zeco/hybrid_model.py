@@ -43,7 +43,7 @@ SLOTS = {Symbols.MAMBA: ("mamba_layer", "Mamba"), Symbols.GDN: ("gdn_layer", "GL
 class GLAHybridStackSubmodules(HybridStackSubmodules):
     """``HybridStackSubmodules`` and the final norm (``TENorm`` in Megatron's stack, unconditionally)."""
 
-    final_norm: Union[ModuleSpec, type] = IdentityOp
+    final_norm: Optional[Union[ModuleSpec, type]] = None
 
 
 class GLAHybridStack(HybridStack):
@@ -67,6 +67,9 @@ class GLAHybridStack(HybridStack):
         super().__init__(config, submodules, *args, layer_type_list=layer_type_list, post_layer_norm=False, **kwargs)
         self.post_layer_norm = post_layer_norm
         if self.post_process and self.post_layer_norm:
+            if submodules.final_norm is None:
+                raise ValueError("GLAHybridStack: its submodules give no final_norm (TENorm with TransformerEngine, "
+                                 "else megatron.core.transformer.torch_norm.WrappedTorchNorm)")
             self.final_norm = build_module(submodules.final_norm, config=self.config,
                                            hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
 

@@ -141,7 +141,8 @@ def _run(case, seed, full_state=None):
         g = p.grad.detach().clone()
         dist.all_reduce(g, group=cp_group)
         grads[_global_name(name, offset)] = g
-    layers = [(layer.layer_number, type(layer).__name__, getattr(layer, "kind", None)) for layer in model.decoder.layers]
+    layers = [(layer.layer_number, type(layer).__name__, getattr(layer, "kind", None))
+              for layer in model.decoder.layers]
     alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
     return float(loss), grads, layers, alone
 
