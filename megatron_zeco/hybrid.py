@@ -8,6 +8,10 @@ counted over the whole model, all pipeline stages) is ``pattern[(n - 1) % len(pa
 :class:`HybridTransformerLayer` is one ``ModuleSpec`` for every layer (so it passes
 through ``pretrain_gpt.py --spec`` and Megatron's per-stage fan-out unchanged); each
 layer builds the GLA or the softmax TransformerLayer by its global layer number.
+
+Megatron-Core's own ``HybridModel`` (megatron-core >= 0.19) takes the pattern itself
+(``--hybrid-layer-pattern``, one layer per symbol, MLPs as layers of their own):
+see megatron_zeco.hybrid_model. Its GLA and softmax layers are :class:`HybridMixerLayer`.
 """
 
 from dataclasses import dataclass
@@ -49,13 +53,12 @@ class HybridLayerSubmodules:
     attention: TransformerLayerSubmodules
 
 
-class HybridTransformerLayer(TransformerLayer):
-    """A TransformerLayer built as GLA or softmax attention by its global layer number.
+class HybridMixerLayer(TransformerLayer):
+    """A TransformerLayer of a model that mixes GLA and softmax-attention layers under one CP split.
 
     Args:
-        config, layer_number, pg_collection, vp_stage, **kwargs: as TransformerLayer.
-        submodules: the GLA layer's and the softmax layer's submodules.
-        pattern: layer symbols (see the module docstring).
+        config, submodules, layer_number, pg_collection, **kwargs: as TransformerLayer.
+        kind: ``G`` (the token mixer is GLA) or ``*`` (causal softmax self-attention).
         cp_layout: the CP layout of the hidden states (``zigzag`` or ``contiguous``).
         cp_packed_split: how packed batches are split over CP (as the GLA layers').
 
@@ -63,24 +66,19 @@ class HybridTransformerLayer(TransformerLayer):
     Megatron-Core splits them over CP in its zigzag order, and those of packed batches
     document by document, so under a contiguous layout, or for packed batches split as a
     whole sequence, with CP > 1 they are refused rather than applied at the wrong positions.
+    The layers of Megatron's ``HybridModel`` stack (``megatron_zeco.hybrid_model``) are of this
+    class, their kind fixed by the stack's slot.
     """
 
-    def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, pattern: str = "GGG*",
-                 cp_layout: str = "zigzag", cp_packed_split: str = "auto", pg_collection=None, vp_stage=None,
-                 **kwargs):
-        kinds = layer_kinds(pattern, config.num_layers)
-        # TransformerLayer's own rule for the global number (it adds the stage offset unless told not to).
-        offset = 0 if kwargs.get("is_mtp_layer") or not kwargs.get("add_layer_offset", True) else \
-            get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp) if pg_collection else None)
-        kind = kinds[layer_number + offset - 1]
-        super().__init__(config, submodules.gla if kind == GLA else submodules.attention, layer_number=layer_number,
-                         pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
-        if self.layer_number != layer_number + offset:  # a future Megatron-Core numbering layers otherwise
-            raise RuntimeError(f"HybridTransformerLayer: layer {self.layer_number} was built as layer "
-                               f"{layer_number + offset} of pattern {pattern!r}")
+    def __init__(self, config, submodules: TransformerLayerSubmodules, layer_number: int = 1, kind: str = GLA,
+                 cp_layout: str = "zigzag", cp_packed_split: str = "auto", **kwargs):
+        if kind not in (GLA, ATTENTION):
+            raise ValueError(f"{type(self).__name__}: kind {kind!r} is not {GLA!r} (GLA) or {ATTENTION!r} "
+                             f"(softmax attention)")
+        super().__init__(config, submodules, layer_number=layer_number, **kwargs)
         self.kind = kind
         self.cp_layout = as_layout(cp_layout)
-        check_packed_split(cp_packed_split, "HybridTransformerLayer")
+        check_packed_split(cp_packed_split, type(self).__name__)
         self.cp_packed_split = cp_packed_split
 
     def forward(self, *args, **kwargs):
@@ -107,4 +105,32 @@ class HybridTransformerLayer(TransformerLayer):
         if not isinstance(self.self_attention.core_attention, AllGatherDotProductAttention):
             raise ValueError("hybrid model: TransformerEngine's attention takes packed batches under context "
                              "parallelism in Megatron's per-document split only; use cp_packed_split='document' "
-                             "(--sft), or hybrid_local_spec")
+                             "(--sft), or a spec without TransformerEngine (hybrid_local_spec, "
+                             "hybrid_stack_local_spec)")
+
+
+class HybridTransformerLayer(HybridMixerLayer):
+    """A :class:`HybridMixerLayer` built as GLA or softmax attention by its global layer number
+    (the layer spec of a hybrid ``GPTModel``).
+
+    Args:
+        config, layer_number, pg_collection, vp_stage, **kwargs: as TransformerLayer.
+        submodules: the GLA layer's and the softmax layer's submodules.
+        pattern: layer symbols (see the module docstring).
+        cp_layout, cp_packed_split: as :class:`HybridMixerLayer`.
+    """
+
+    def __init__(self, config, submodules: HybridLayerSubmodules, layer_number: int = 1, pattern: str = "GGG*",
+                 cp_layout: str = "zigzag", cp_packed_split: str = "auto", pg_collection=None, vp_stage=None,
+                 **kwargs):
+        kinds = layer_kinds(pattern, config.num_layers)
+        # TransformerLayer's own rule for the global number (it adds the stage offset unless told not to).
+        offset = 0 if kwargs.get("is_mtp_layer") or not kwargs.get("add_layer_offset", True) else \
+            get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp) if pg_collection else None)
+        kind = kinds[layer_number + offset - 1]
+        super().__init__(config, submodules.gla if kind == GLA else submodules.attention, layer_number=layer_number,
+                         kind=kind, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
+                         pg_collection=pg_collection, vp_stage=vp_stage, **kwargs)
+        if self.layer_number != layer_number + offset:  # a future Megatron-Core numbering layers otherwise
+            raise RuntimeError(f"HybridTransformerLayer: layer {self.layer_number} was built as layer "
+                               f"{layer_number + offset} of pattern {pattern!r}")

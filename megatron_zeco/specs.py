@@ -16,13 +16,30 @@ NAME                       layer
                            Megatron's TE attention with its own CP
 =========================  ================================================
 
-In your own model code, call :func:`gla_layer_spec` or :func:`hybrid_layer_spec`
-instead. Everything but the token mixer (norms, MLP, bias-dropout-add) is whatever
-Megatron's own GPT spec of the installed version builds, so the specs follow
-Megatron-Core releases.
+For ``pretrain_hybrid.py --spec megatron_zeco.specs NAME --hybrid-layer-pattern ...``
+(Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA, ``*`` softmax
+attention, ``-`` MLP, ``E`` MoE, ``|`` pipeline boundary; see megatron_zeco.hybrid_model):
+
+=================================  ==========================================
+NAME                               stack
+=================================  ==========================================
+``hybrid_stack_local_spec``        Megatron-Core linears and norms, ZeCO CP;
+                                   ``*`` all-gathers K/V over CP
+``hybrid_stack_local_<s>_spec``    the same, CP strategy ``<s>`` in lasp1,
+                                   lasp2, a2a
+``hybrid_stack_te_spec``           TE linears and norms, ZeCO CP; ``*`` is
+                                   TE's attention with its own CP
+=================================  ==========================================
+
+In your own model code, call :func:`gla_layer_spec`, :func:`hybrid_layer_spec` or
+:func:`hybrid_stack_spec` instead (and ``megatron_zeco.hybrid_model.build_hybrid_model``).
+Everything but the token mixer (norms, MLP, bias-dropout-add) is whatever Megatron's own
+GPT (or hybrid) spec of the installed version builds, so the specs follow Megatron-Core
+releases.
 """
 
 import functools
+import importlib.util
 from dataclasses import replace
 from typing import Optional
 
@@ -31,11 +48,12 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import AllGatherDotProductAttention
 from .comm import Layout, as_layout
-from .hybrid import HybridLayerSubmodules, HybridTransformerLayer, check_pattern
+from .hybrid import ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer, check_pattern
 from .layer import GatedLinearAttention, GatedLinearAttentionSubmodules
 
 try:
@@ -50,6 +68,9 @@ try:
 except ImportError:
     HAVE_TE = False
 
+# Megatron-Core's HybridModel (megatron/core/models/hybrid/) arrived in 0.19.
+HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
 
 class _TransformerEngineMissing:
     """Stands in for TE modules when TransformerEngine is not installed: fails at model build."""
@@ -59,6 +80,15 @@ class _TransformerEngineMissing:
             "megatron_zeco: this layer spec uses TransformerEngine, which is not installed. "
             f"Install transformer-engine, or use --spec megatron_zeco.specs {local_spec} (or use_te=False)."
         )
+
+
+class _HybridModelMissing:
+    """Stands in for the hybrid stack on megatron-core < 0.19 (no HybridModel): fails at model build."""
+
+    def __init__(self, *args, **kwargs):
+        raise ImportError("megatron_zeco: HybridModel stacks need megatron-core >= 0.19 (Python >= 3.12); this "
+                          "megatron-core has no megatron.core.models.hybrid. Upgrade megatron-core, or build a "
+                          "GPTModel with --spec megatron_zeco.specs hybrid_local_spec (pretrain_gpt.py).")
 
 
 def gla_layer_spec(
@@ -190,6 +220,98 @@ def hybrid_layer_spec(
                       submodules=HybridLayerSubmodules(gla=gla.submodules, attention=attention.submodules))
 
 
+def _mixer_only(submodules, keys_map: dict):
+    """A TransformerLayer's norm, token mixer and bias-dropout-add without its MLP: HybridModel's
+    ``G`` and ``*`` layers (the MLP is a layer of its own, ``-``)."""
+    return replace(submodules, pre_mlp_layernorm=IdentityOp, mlp=IdentityOp, mlp_bda=IdentityFuncOp,
+                   sharded_state_dict_keys_map=keys_map)
+
+
+def hybrid_stack_spec(
+    use_te: bool = False,
+    cp_strategy: str = "zeco",
+    cp_layout: str = "zigzag",
+    cp_num_blocks: int = 1,
+    cp_overlap_scan: Optional[bool] = None,
+    cp_transport: str = "auto",
+    cp_piece_split: Optional[int] = None,
+    cp_packed_split: str = "auto",
+    gate_low_rank_dim: int = 16,
+    gate_timescales=None,
+    normalization: Optional[str] = None,
+) -> ModuleSpec:
+    """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA layers.
+
+    The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer (Megatron's
+    ``gdn_layer`` slot), ``*`` causal softmax self-attention, ``-`` MLP, ``E`` MoE; each a norm,
+    the module and the residual, as in Megatron's ``hybrid_stack_spec``. All layers share the CP
+    split. See megatron_zeco.hybrid_model.
+
+    Args:
+        use_te: TransformerEngine linears and norms, ``*`` TE's attention with its own CP, and
+            Megatron's own other slots (``M``, ``D``, ``+``); or Megatron-Core's linears and norms,
+            ``*`` :class:`~megatron_zeco.attention.AllGatherDotProductAttention` (any device).
+        cp_layout: the CP layout of every layer; TE's attention takes ``zigzag`` (Megatron's
+            ``get_batch_on_this_cp_rank`` split) only.
+        cp_packed_split: how packed batches are split over CP, for GLA and softmax layers.
+        cp_strategy, cp_num_blocks, cp_overlap_scan, cp_transport, cp_piece_split,
+        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
+        normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
+            TE norms follow ``--normalization`` by themselves.
+
+    Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``: under
+    CP the zigzag layout, and for packed batches the per-document split) or none; GLA layers
+    ignore them.
+    """
+    if not HAVE_HYBRID_MODEL:
+        return ModuleSpec(module=_HybridModelMissing)
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
+
+    from .hybrid_model import GLAHybridStack, GLAHybridStackSubmodules
+
+    attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
+                                   normalization=normalization)  # checks TE against the layout
+    if use_te and not HAVE_TE:
+        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "hybrid_stack_local_spec"})
+    gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
+                         cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
+                         cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim,
+                         gate_timescales=gate_timescales, normalization=normalization)
+    mixer = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
+    # The GLA mixer's gate reads the normed input too, so the norm is never fused into in_proj:
+    # the same parameters with and without TE.
+    gla_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": GLA, **mixer},
+                           submodules=_mixer_only(gla.submodules, {}))
+    if use_te:
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as megatron_stack
+
+        theirs = megatron_stack.submodules
+        attention_layer = replace(theirs.attention_layer, module=HybridMixerLayer,
+                                  params={**theirs.attention_layer.params, "kind": ATTENTION, **mixer})
+        slots = {name: getattr(theirs, name) for name in theirs.__dataclass_fields__}
+        return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
+            **{**slots, "gdn_layer": gla_layer, "attention_layer": attention_layer, "final_norm": TENorm}))
+    # Megatron-Core's local layer: its norm, MLP, MoE; checkpoint keys mapped to the TE stack's
+    # fused norms (linear_qkv's, linear_fc1's), as Megatron's local GPT spec does.
+    local = get_gpt_layer_local_spec(normalization=normalization).submodules
+    keys = local.sharded_state_dict_keys_map
+    attention_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": ATTENTION, **mixer},
+                                 submodules=_mixer_only(attention.submodules, {
+                                     k: v for k, v in keys.items() if k == "input_layernorm."}))
+    mlp_keys = {k: v for k, v in keys.items() if k == "pre_mlp_layernorm."}
+    mlp_layer = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=local.pre_mlp_layernorm, mlp=local.mlp, mlp_bda=local.mlp_bda,
+        sharded_state_dict_keys_map=mlp_keys))
+    # The expert count comes from --num-experts; the spec only needs it to pick the MoE module.
+    moe = get_gpt_layer_local_spec(num_experts=8, normalization=normalization).submodules
+    moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
+        gdn_layer=gla_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
+        final_norm=local.input_layernorm))
+
+
 gla_local_spec = gla_layer_spec(use_te=False)
 gla_te_spec = gla_layer_spec(use_te=True)
 gla_local_lasp1_spec = gla_layer_spec(use_te=False, cp_strategy="lasp1")
@@ -200,3 +322,8 @@ gla_te_lasp2_spec = gla_layer_spec(use_te=True, cp_strategy="lasp2")
 gla_te_a2a_spec = gla_layer_spec(use_te=True, cp_strategy="a2a")
 hybrid_local_spec = hybrid_layer_spec(use_te=False)
 hybrid_te_spec = hybrid_layer_spec(use_te=True)
+hybrid_stack_local_spec = hybrid_stack_spec(use_te=False)
+hybrid_stack_local_lasp1_spec = hybrid_stack_spec(use_te=False, cp_strategy="lasp1")
+hybrid_stack_local_lasp2_spec = hybrid_stack_spec(use_te=False, cp_strategy="lasp2")
+hybrid_stack_local_a2a_spec = hybrid_stack_spec(use_te=False, cp_strategy="a2a")
+hybrid_stack_te_spec = hybrid_stack_spec(use_te=True)

@@ -36,6 +36,7 @@ def _deterministic_steps(rank, world):
     return steps["float32"]
 
 
+@pytest.mark.megatron
 def test_megatron_training_is_bit_identical_across_launches():
     """GPTModel with the GLA spec at CP=2 (zeco, zigzag), TransformerConfig(deterministic_mode=True)
     and torch's deterministic algorithms (train.py --deterministic, as Megatron-LM's

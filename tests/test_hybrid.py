@@ -12,6 +12,8 @@ from distributed import host_as_cuda, run_ranks
 from reference import rel_err
 from test_megatron_model import _check_training_matches, _train_steps
 
+pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+
 # Layer 1 GLA, layer 2 softmax attention. RoPE needs Megatron's zigzag split under CP; the
 # contiguous layout trains without positions.
 MODELS = {"zigzag-rope": dict(pattern="G*", position_embedding="rope"),

@@ -11,6 +11,8 @@ import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
 
+pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+
 TOL = 1e-5
 STEPS = 4
 BASE = dict(layers=2, hidden=32, heads=4, seq_len=48, batch=4, task="mock", lr=1e-2, log_interval=10**6)
@@ -119,18 +121,24 @@ def _check_training_matches(results, reference):
 
 def test_megatron_zigzag_split_is_our_layout():
     """Megatron's get_batch_on_this_cp_rank gives exactly Layout.ZIGZAG's pieces (no patch needed)."""
+    import inspect
     from unittest import mock
 
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     from megatron_zeco import Layout
 
+    # megatron-core 0.16 reads the CP group's size and rank from parallel_state; 0.19 takes
+    # (batch, is_hybrid_cp, cp_group) and asks torch.distributed about the group.
+    takes_group = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+    where = "torch.distributed.get_" if takes_group else "megatron.core.parallel_state.get_context_parallel_"
     x = torch.arange(3 * 48).view(3, 48)
     for world in (1, 2, 3, 4):
         for rank in range(world):
-            with mock.patch("megatron.core.parallel_state.get_context_parallel_world_size", return_value=world), \
-                 mock.patch("megatron.core.parallel_state.get_context_parallel_rank", return_value=rank):
-                got = get_batch_on_this_cp_rank({"tokens": x.clone()})["tokens"]
+            with mock.patch(where + "world_size", return_value=world), mock.patch(where + "rank", return_value=rank):
+                batch = {"tokens": x.clone()}
+                got = (get_batch_on_this_cp_rank(batch, False, None) if takes_group else
+                       get_batch_on_this_cp_rank(batch))["tokens"]
             assert torch.equal(got, Layout.ZIGZAG.shard(x, rank, world)), (world, rank)
 
 

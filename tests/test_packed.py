@@ -226,6 +226,7 @@ def _mixer(rank, world, seed, kind):
         return out
 
 
+@pytest.mark.megatron
 @pytest.mark.parametrize("kind", ["gla", "attention"])
 def test_layer_with_packed_seq_params_matches_each_document_alone(seed, kind):
     """The GLA layer's mixer, and a hybrid model's softmax attention, on packed batches (Megatron's
@@ -244,6 +245,7 @@ def test_layer_with_packed_seq_params_matches_each_document_alone(seed, kind):
                     assert rel_err(g, grads_ref[name]) < TOL, f"{where}: grad of {name}"
 
 
+@pytest.mark.megatron
 def test_layer_packed_split_follows_megatron_lm_arguments(monkeypatch):
     """cp_packed_split='auto' reads pretrain_gpt.py's flags; --reset-attention-mask alone is refused."""
     import sys

@@ -11,6 +11,8 @@ import torch
 
 from distributed import host_as_cuda, run_ranks
 
+pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+
 SPEC_NAMES = ["gla_local_spec", "gla_te_spec"] + [
     f"gla_{flavour}_{s}_spec" for flavour in ("local", "te") for s in ("lasp1", "lasp2", "a2a")]
 

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Train a GLA hybrid model as Megatron-Core's HybridModel with Megatron-LM's pretrain_hybrid.py
+# (core_v0.19.0 or later): one layer per symbol of --hybrid-layer-pattern, G = GLA (ZeCO context
+# parallelism), * = softmax attention, - = MLP, E = MoE, | = pipeline-stage boundary.
+#
+#   MEGATRON_LM=/path/to/Megatron-LM CP=2 GPUS=2 bash examples/pretrain_gla_hybrid.sh [extra pretrain_hybrid.py flags]
+#
+# Environment (all optional): MEGATRON_LM (checkout with pretrain_hybrid.py), GPUS (processes on this
+# node), CP, TP, PP, SPEC (a stack from megatron_zeco/specs.py: hybrid_stack_local_spec, or
+# hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine), MODEL
+# (small | gla-1b), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
+# PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
+# (--position-embedding-type: rope, for the softmax layers; GLA layers ignore it; none without them).
+# docs/hybrid-model.md maps the GPTModel specs' patterns to these.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")/.." && pwd)
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (core_v0.19.0 or later: pretrain_hybrid.py)}"
+GPUS=${GPUS:-2} CP=${CP:-2} TP=${TP:-1} PP=${PP:-1}
+SPEC=${SPEC:-hybrid_stack_local_spec} MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60} POS=${POS:-rope}
+
+case "$MODEL" in
+  # examples/pretrain_hybrid.sh's model (GPTModel GGG*, 4 layers with an MLP each) as HybridModel layers.
+  small)  ARCH=(--hidden-size 1024 --num-attention-heads 8) DEFAULT_PATTERN='G-G-G-*-' ;;
+  # The ZeCO paper's GLA-1B (20 GLA layers, each with its MLP), every 4th mixer softmax attention.
+  gla-1b) ARCH=(--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632)
+          DEFAULT_PATTERN='G-G-G-*-G-G-G-*-G-G-G-*-G-G-G-*-G-G-G-*-' ;;
+  *) echo "MODEL must be small or gla-1b" >&2; exit 2 ;;
+esac
+PATTERN=${PATTERN:-$DEFAULT_PATTERN}
+LAYERS=${PATTERN//|/}  # --num-layers is the pattern's layer count (Megatron-LM derives it so)
+case "$SPEC" in
+  *_te_*) IMPL=(--transformer-impl transformer_engine) ;;
+  *) IMPL=(--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm) ;;
+esac
+
+export PYTHONPATH="$HERE:$MEGATRON_LM:${PYTHONPATH:-}"
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink multicast
+
+cd "$MEGATRON_LM"
+exec torchrun --nproc-per-node "$GPUS" pretrain_hybrid.py \
+  "${ARCH[@]}" \
+  --spec megatron_zeco.specs "$SPEC" \
+  --hybrid-layer-pattern "$PATTERN" --num-layers "${#LAYERS}" \
+  --position-embedding-type "$POS" --no-rope-fusion \
+  --context-parallel-size "$CP" --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
+  --seq-length "$SEQ" --max-position-embeddings "$SEQ" \
+  --micro-batch-size 1 --global-batch-size 8 --train-iters "$ITERS" \
+  --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 5 --clip-grad 1.0 \
+  ${PRECISION---bf16} --attention-dropout 0 --hidden-dropout 0 --disable-bias-linear \
+  "${IMPL[@]}" \
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 32000 \
+  --no-create-attention-mask-in-dataloader \
+  --split 100,0,0 --eval-iters 0 --eval-interval 1000 --log-interval 5 --seed 1234 \
+  "$@"
