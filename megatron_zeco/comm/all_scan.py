@@ -106,7 +106,7 @@ def chain_scan(
                 inject.delay(x.device)  # test hook: no-op unless a stress test sets delays
                 with _naming_failures(what, f"receiving block {b} of the state leaving piece "
                                             f"{link.piece - shift} from global rank {src}"):
-                    dist.recv(x, src, group=group, tag=tag(link.piece - shift, b))
+                    inject.recv(x, src, group, tag(link.piece - shift, b))  # dist.recv (+ latency test hook)
                 inject.delay(x.device)
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
@@ -114,7 +114,7 @@ def chain_scan(
             if link.dst is not None:
                 dst = dist.get_global_rank(group, link.dst)
                 inject.delay(y.device)
-                sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
+                sends.append((link, dst, inject.isend(y.contiguous(), dst, group, tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
         inputs[link.slot] = _join(xs) if out is None else out[link.slot].copy_(_join(xs))

@@ -149,10 +149,10 @@ def hierarchical_scan(
             if first == me:
                 entering[j + 1] = composite[j][1]
             else:
-                sends.append((first, composite[j][1], f"the state entering segment {j + 1}"))
+                sends.append((first, composite[j][1].contiguous(), f"the state entering segment {j + 1}"))
         elif first == me:
             recvs.append((walk.leader(j), j + 1))
-    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "into the next node")
+    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "into the next node")
     entering.update({j: x for (_, j), x in zip(recvs, got)})
     sends, recvs = [], []
     for j in range(1, M):
@@ -162,7 +162,7 @@ def hierarchical_scan(
             sends += [(rank, entering[j], f"the state entering segment {j}") for rank in others]
         elif me in others:
             recvs.append((first, j))
-    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "inside the next node")
+    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "inside the next node")
     entering.update({j: x for (_, j), x in zip(recvs, got)})
     steps.finish()
 
@@ -224,7 +224,7 @@ class _Steps:
                 for rank, buffer in recvs]
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        works = inject.batch_isend_irecv(ops)  # dist.batch_isend_irecv (+ latency test hook)
         for work, (rank, tensor, thing) in zip(works, sends):
             self.pending.append((f"sending {thing} to global rank {dist.get_global_rank(self.group, rank)}", work))
         peers = ", ".join(str(dist.get_global_rank(self.group, rank)) for rank, _ in recvs)
