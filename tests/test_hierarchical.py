@@ -9,7 +9,9 @@ both splits), to 1e-10. One pool of 16 gloo processes serves every group size.
 import contextlib
 import importlib
 import itertools
+import math
 import os
+import time
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as dist
 
 from distributed import RankPool, host_as_cuda, run_ranks
 from megatron_zeco import Layout, packed_positions, zeco_gla
+from megatron_zeco import cost_model as cm
 from megatron_zeco.comm import all_scan
 from megatron_zeco.comm.all_scan import SHAPE_ENV, scan_shape
 from megatron_zeco.comm.nodes import NODE_SIZE_ENV
@@ -277,15 +280,18 @@ def test_shape_is_chosen_by_the_cost_model_the_environment_or_the_caller(pool, P
     results = pool.run(_shape_choices, P)
     out, errors = results[0]
     assert all(r == results[0] for r in results), "ranks disagree"
-    # one node, or one hop between nodes: the chain; 16 ranks on 8 nodes of 2: 15 hops of the chain
-    # against 2 + 4 of the hierarchical scan (cost_model.prefer_hierarchical)
+    state_bytes = 2 * 4 * 3 * 8
     for layout in ("contiguous", "zigzag"):
-        assert out[layout, P, "auto"] == "chain"
-        assert out[layout, 2, "auto"] == ("hierarchical" if P == 16 else "chain"), out
+        for node_size in (1, 2, P):  # auto: what the cost model finds faster for these nodes
+            nodes = tuple(r // node_size for r in range(P))
+            assert out[layout, node_size, "auto"] == cm.scan_choice(layout, nodes, state_bytes, "send_recv")
+        assert out[layout, P, "auto"] == "chain"  # one node
         assert out[layout, "env 2", "auto"] == out[layout, 2, "auto"]
         assert out[layout, 2, "env chain"] == "chain" and out[layout, 2, "forced over env"] == "hierarchical"
         assert out[layout, P, "env hierarchical"] == "hierarchical"
-    assert out["contiguous", 1, "auto"] == ("hierarchical" if P == 16 else "chain")
+    # 16 ranks on 8 nodes: 15 hops between nodes along the chain, ~3 + 2 in the hierarchical scan;
+    # 4 ranks on 2 nodes, contiguous: one hop between nodes either way, the chain has fewer steps
+    assert out["contiguous", 2, "auto"] == ("hierarchical" if P == 16 else "chain")
     assert out["ran"] == (1 if P == 16 else 0)
     assert "unknown All-Scan shape 'tree'" in errors["bad shape"] and "shape" in errors["bad shape"]
     assert "unknown All-Scan shape 'ring'" in errors["bad env shape"] and SHAPE_ENV in errors["bad env shape"]
@@ -359,3 +365,90 @@ def test_specs_pass_cp_node_size_to_the_layer():
     assert gla_layer_spec().submodules.self_attention.params["cp_node_size"] is None
     hybrid = hybrid_layer_spec(cp_node_size=4)
     assert hybrid.submodules.gla.self_attention.params["cp_node_size"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- latency
+
+ALPHA = 0.02  # s per message between emulated nodes
+
+
+def _latency_runs(group, seed, cases):
+    """Forward and backward scans under inject.link_latency: per case, whether the result is exact,
+    the wall time from the first rank's start to the last rank's end, and this rank's record of
+    messages. (Pool groups are the first ranks: group ranks are global ranks.)"""
+    from megatron_zeco.comm import inject
+
+    P, me = group.size(), group.rank()
+    out = []
+    for n, (layout, node_size, shape, blocks) in enumerate(cases):
+        layout = Layout(layout)
+        gen = torch.Generator().manual_seed(seed + n)
+        pieces = layout.num_pieces(P)
+        gammas = [_decays((1, 2, 4), gen) for _ in range(pieces)]
+        deltas = [torch.randn(1, 2, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        mine = layout.pieces(me, P)
+        kwargs = dict(layout=layout, group=group, node_size=node_size, shape=shape, num_blocks=blocks,
+                      transport="send_recv")
+        for reverse in (False, True):  # each direction from a barrier, as the model times them apart
+            dist.barrier(group=group)
+            with inject.link_latency(ALPHA, node_size) as events:
+                start = time.monotonic()
+                got, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, reverse=reverse,
+                                  **kwargs)
+                end = time.monotonic()
+            want, _ = _fold(gammas, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
+            exact = all(rel_err(got[s], want[p]) < TOL for s, p in enumerate(mine))
+            out.append((exact, start, end, list(events)))
+    return out
+
+
+LATENCY_CASES = {  # group size -> (layout, node size, shape, blocks)
+    5: [("contiguous", 2, "chain", 1), ("zigzag", 2, "hierarchical", 1), ("zigzag", 2, "chain", 2)],
+    16: [(layout, ns, shape, 1) for layout in ("contiguous", "zigzag") for ns in (1, 4)
+         for shape in ("chain", "hierarchical")],
+}
+
+
+@pytest.mark.parametrize("P", list(LATENCY_CASES))
+def test_latency_emulation_counts_the_hops_the_cost_model_counts(pool, seed, P):
+    """With a latency between emulated nodes, every scan stays exact; the chain of messages each scan
+    waits for (counted from the records, forward + backward) is the one the cost model times: the
+    chain's hops (``cost_model.chain_hops``) and the hierarchical scan's schedule
+    (``cost_model.hierarchical_steps``) with the same weights; the chain's hops between nodes grow
+    like P / node size, the hierarchical scan's like log2 of the nodes. The wall time is at least
+    the latency times the hops between nodes on that path (a lower bound: no timing can make this
+    flake). Times themselves are compared in benchmarks/emulate_latency.py."""
+    from megatron_zeco.comm import inject
+
+    cases = LATENCY_CASES[P]
+    results = pool.run(_latency_runs, P, seed, cases)
+    inter_of = {}
+    for n, (layout, node_size, shape, blocks) in enumerate(cases):
+        node = lambda r: r // node_size  # noqa: E731
+        weights = {"inter": lambda a, b: float(node(a) != node(b)), "all": lambda a, b: 1.0,
+                   "mixed": lambda a, b: 1.0 if node(a) != node(b) else 1e-3}
+        nodes_crossed = (P + node_size - 1) // node_size - 1  # a walk up the ranks crosses this many
+        for reverse in (False, True):
+            runs = [rank[2 * n + reverse] for rank in results]
+            assert all(exact for exact, *_ in runs), (layout, node_size, shape, reverse)
+            recorded = {k: inject.critical_path([events for *_, events in runs], w) for k, w in weights.items()}
+            if shape == "chain":  # (the blocks follow one another: the path counts each hop once)
+                intra, inter, _ = cm.chain_hops(P, layout, node_size)
+                model = {"inter": inter, "all": intra + inter, "mixed": inter + 1e-3 * intra}
+                assert inter == (1 if layout == "contiguous" else 2) * nodes_crossed
+            else:
+                steps = cm.hierarchical_steps(P, layout, node_size, reverse)
+                model = {k: cm.critical_path(steps, P, lambda a, b, what, phase, w=w: w(a, b))
+                         for k, w in weights.items()}
+                walk = cm.walk_ranks(P, layout)
+                runs_ = 1 + sum(a // node_size != b // node_size for a, b in zip(walk, walk[1:]))  # segments
+                assert recorded["inter"] <= (math.ceil(math.log2(runs_ - 1)) if runs_ > 2 else 0) + 1
+            assert recorded == pytest.approx(model, rel=1e-12), (layout, node_size, shape, reverse, recorded, model)
+            start, end = min(s for _, s, _, _ in runs), max(e for _, _, e, _ in runs)
+            assert end - start >= ALPHA * recorded["inter"] * (1 - 1e-6), (layout, node_size, shape, end - start)
+            inter_of[layout, node_size, shape, reverse] = recorded["inter"]
+    if P == 16:  # the scaling shape: between nodes the chain waits for ~P hops, the hierarchical scan ~log P
+        for reverse in (False, True):
+            assert inter_of["contiguous", 1, "chain", reverse] == 15
+            assert inter_of["contiguous", 1, "hierarchical", reverse] <= 5
+            assert inter_of["zigzag", 4, "chain", reverse] == 6 and inter_of["zigzag", 4, "hierarchical", reverse] <= 3

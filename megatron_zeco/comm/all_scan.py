@@ -219,12 +219,9 @@ def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], tran
     nodes = _nodes(group, node_size, what)
     if len(set(nodes)) == 1:
         return "chain"
-    from ..cost_model import prefer_hierarchical  # standard library only
+    from ..cost_model import scan_choice  # standard library only
 
-    state_bytes = like.numel() * like.element_size()
-    walk = Walk(layout, world, nodes, reverse=False)
-    return "hierarchical" if prefer_hierarchical(_chain_hops(walk, nodes), walk.depth(), state_bytes, transport) \
-        else "chain"
+    return scan_choice(layout.value, nodes, like.numel() * like.element_size(), transport)
 
 
 def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:
