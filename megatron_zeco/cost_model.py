@@ -311,6 +311,26 @@ def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse
     return sw.scan_call + (critical_path(steps, w.P, cost, sw.message, drain) if steps else 0.0)
 
 
+def hierarchical_phases(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> dict:
+    """Seconds of :func:`hierarchical_time` by the end of each phase (``A``, ``B``, ``C``; the call
+    counted in ``A``): where the scan's time goes."""
+    if TRANSPORTS[sw.transport].block_messages:
+        K = 1
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
+
+    def cost(a, b, what, phase):
+        nbytes = w.map_bytes if what == "map" else w.state_bytes
+        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
+
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    ends, done = {}, 0.0
+    for phase in "ABC":
+        upto = tuple(s for s in steps if s[0][3] <= phase)
+        done = critical_path(upto, w.P, cost, sw.message, drain) if upto else done
+        ends[phase] = sw.scan_call + done
+    return ends
+
+
 def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
     """One All-Scan of ``shape`` (forward, or the backward's mirror walk)."""
     if shape == "chain":
