@@ -341,16 +341,18 @@ def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, rev
 
 
 # Per-hop cost beyond the wire, by transport, for the choice of the All-Scan's shape at run time
-# (all_scan(shape="auto"), :func:`scan_choice`): the device time of a hop as fitted on the measured scan
+# (all_scan(shape="auto"), :func:`scan_choice`): the GPU time of a hop as fitted on the measured scan
 # rows (send/recv 20.7 us, peer memory 5.8 us; docs/scaling.md), rounded. Stated here so that the choice
 # needs no result files.
 HOP_COST = {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
 
 
-def scan_choice(layout: str, nodes, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
+@functools.lru_cache(maxsize=256)
+def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
     """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
     backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
-    cluster's links. What ``all_scan(shape="auto")`` runs over send/recv."""
+    cluster's links. What ``all_scan(shape="auto")`` runs over send/recv (remembered per arguments:
+    a layer's scans ask the same question every step)."""
     P = len(nodes)
     node = _node_of(tuple(nodes))
     link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter
@@ -372,7 +374,9 @@ def scan_path(hops: tuple[int, int], state_bytes: float, transport: str, cluster
 
 def prefer_hierarchical(chain_hops: tuple[int, int], tree_hops: tuple[int, int], state_bytes: float,
                         transport: str) -> bool:
-    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts."""
+    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts
+    (inside, between nodes; e.g. ``Walk.depth()``): the coarse form of :func:`scan_choice`, which
+    replays the schedule."""
     return scan_path(tree_hops, state_bytes, transport) < scan_path(chain_hops, state_bytes, transport)
 
 
@@ -542,7 +546,7 @@ def _fit_scan(chain, cluster: Cluster, sw: Software, key: str, hop=None) -> dict
     ``chain``: (row, workload, K) of ``all_scan`` rows; the model is ``scan_call + (K - 1) message
     + hops * hop + wire`` (stated links). The per-hop cost is identifiable only from rows at two
     or more P: otherwise it is ``hop`` if given (the device's hop under a host-issued call), or,
-    for device time (``key="gpu_ms"``), what one hop takes beyond its fixed call (no call term).
+    for GPU time (``key="gpu_ms"``), what one hop takes beyond its fixed call (no call term).
     Costs that fit below 0 are set to 0 and the rest refitted.
     """
     two_legs = TRANSPORTS[sw.transport].two_legs

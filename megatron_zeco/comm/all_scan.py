@@ -221,7 +221,7 @@ def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], tran
         return "chain"
     from ..cost_model import scan_choice  # standard library only
 
-    return scan_choice(layout.value, nodes, like.numel() * like.element_size(), transport)
+    return scan_choice(layout.value, tuple(nodes), like.numel() * like.element_size(), transport)
 
 
 def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:
