@@ -150,7 +150,8 @@ def main():
     for r in rows:
         r["model_ms"] = model_ms(r, call, hop)
     table(rows, call, hop)
-    meta = dict(command="python benchmarks/emulate_latency.py " + " ".join(sys.argv[1:]), date=str(datetime.date.today()),
+    meta = dict(command="python benchmarks/emulate_latency.py " + " ".join(sys.argv[1:]),
+                date=str(datetime.date.today()),
                 host=platform.node(), cpus=os.cpu_count(), torch=torch.__version__, build=cm.BUILD,
                 fitted_call_ms=call * 1e3, fitted_message_ms=hop * 1e3,
                 note="CPU emulation: gloo processes on one host, latency between emulated nodes injected by "

@@ -52,7 +52,8 @@ def plot(rows, cal, cluster, tokens, path):
     fig, axes = plt.subplots(1, 2, figsize=(13, 6.2), sharey=True)
     for ax, layout in zip(axes, cm.LAYOUTS):
         for label, (transport, shape, style) in ZECO.items():
-            pts = [(P, ch.efficiency) for P in PS if (ch := zeco_eff(cal, cluster, P, tokens, layout, transport, shape))]
+            pts = [(P, ch.efficiency) for P in PS
+                   if (ch := zeco_eff(cal, cluster, P, tokens, layout, transport, shape))]
             ax.plot(*zip(*pts), label=label, **style)
         for strategy in ("lasp2", "lasp1", "a2a"):
             ps = [P for P in PS if strategy != "a2a" or HEADS % P == 0]
@@ -222,7 +223,8 @@ def breakdown(cal, cluster, P, tokens=16384, want=0.95, regime="steady"):
                      else "no per-hop cost alone")
         ib = solve(lambda b: eff(c=dataclasses.replace(cluster, inter=dataclasses.replace(cluster.inter, bandwidth=b))),
                    cluster.inter.bandwidth, 1e13, want)
-        needs.append(f"InfiniBand >= {ib / 1e9:.0f} GB/s per GPU" if ib is not None else "no InfiniBand bandwidth alone")
+        needs.append(f"InfiniBand >= {ib / 1e9:.0f} GB/s per GPU" if ib is not None
+                     else "no InfiniBand bandwidth alone")
         n = solve(lambda T: eff(w=cm.projection_workload(cal, P, int(T), layout, HEADS, DIM, regime)), 1024, 1 << 20,
                   want)
         needs.append(f">= {n / 1024:.0f}K tokens per GPU" if n is not None else "no token count")

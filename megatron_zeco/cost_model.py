@@ -622,8 +622,8 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             continue
         if not all(rows_of.values()):
             raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
-        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
-                    for name, rs in rows_of.items()}
+        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
+                                        [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
         passes[b] = dict(build=b, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
         kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
     base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
@@ -740,8 +740,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
             key = (r["file"], *_shape(r), r["layers"])
             if key not in per_file:
-                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in its file")
-            model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r)) * 1e3)
+                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in "
+                                 f"its file")
+            layer = layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r))
+            model = r["layers"] * (per_file[key] + layer * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
 
@@ -901,8 +903,8 @@ def main(argv=None) -> None:
     cluster = Cluster(inter=Link(args.ib_latency_us * 1e-6, args.ib_bandwidth_gbs * 1e9), gpus_per_node=args.node_size)
     w = projection_workload(cal, args.gpus, args.tokens_per_gpu, heads=args.heads, head_dim=args.head_dim,
                             regime=args.regime)
-    print(f"# {args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, {args.heads} heads of "
-          f"{args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd); links: NVLink "
+    print(f"# {args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, {args.heads} "
+          f"heads of {args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd); links: NVLink "
           f"{cluster.intra.latency * 1e6:g} us {cluster.intra.bandwidth / 1e9:g} GB/s, between nodes "
           f"{cluster.inter.latency * 1e6:g} us {cluster.inter.bandwidth / 1e9:g} GB/s")
     for layout in args.layout or LAYOUTS:
