@@ -1,30 +1,43 @@
-"""Cost model of GLA context parallelism: time of one layer per strategy as P grows.
+"""Cost model of GLA context parallelism as built: the time of one layer per strategy as P grows.
 
 Times are seconds of one GLA layer, forward + backward, on each of P GPUs holding ``tokens``
 tokens each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens per GPU.
-The equations, the stated figures and their sources are in ``docs/scaling.md``; in short:
+The equations, the figures and their sources are in ``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
-* ``zeco``:  ``t_op (1 + extra) + passes + sum over fwd/bwd of max(0, chain - overlap * t_dir)``;
-  the All-Scan chain of K blocks over hops with per-hop times ``tau_i`` takes
-  ``scan_call + sum_i tau_i + (K - 1) max(message, max_i tau_i)`` (the paper's
-  ``tau(S) + (P-1) tau(S)/K`` up to one block stage), ``tau = hop + latency + (S / K) / bandwidth``:
-  ``hop`` is the critical path of one rank's receive -> combine -> send, ``message`` what each
-  rank spends issuing one block (ranks issue theirs at the same time, so it paces the blocks,
-  not the hops).
+* ``zeco``:  ``t_op (1 + extra) + passes + sum over fwd/bwd of max(0, scan - overlap * t_dir)``,
+  the scan one All-Scan of a *shape* over a *transport* (both as built, ``comm/``):
+
+  - ``chain`` (``all_scan``): the K blocks of the state walk every piece;
+    ``call + sum_i tau_i + (K - 1) pace`` with ``tau = hop + latency + (S / K) / bandwidth``
+    per hop of the walk (``chain_hops``) and ``pace = max(message, (S / K) / bandwidth)``: a
+    block follows the previous one at the pace of its issue or its transfer; the latency is
+    paid once per hop. Over peer memory a zigzag walk runs as two legs of P - 1 hops at once.
+  - ``hierarchical`` (``comm/hierarchical.py``): its schedule of messages step by step (prefix
+    maps along each node's run of pieces, a Kogge-Stone scan of the runs' maps between nodes,
+    the state into each run), replayed here (``hierarchical_steps``) and timed along its
+    critical path (``critical_path``); over send/recv one message per step carries every block.
+
+  Transports (``TRANSPORTS``): ``send_recv`` (the group's messages, host-issued NCCL),
+  ``peer_memory`` (one-sided stores and device flags, one node), ``nvshmem`` (device-initiated
+  puts across nodes: *projected*, see ``NVSHMEM_PROJECTION``).
 * ``lasp2``: as zeco with an all-gather of every piece's state, ``(P-1)(latency + S/bandwidth)``
   on the slowest link, and a local fold over all pieces.
 * ``lasp1``: the ranks run one after another: ``P t_op`` plus two K=1 chains.
 * ``a2a``:   all-to-all of q, k, v, g and o (and their gradients) plus the copies around it.
 
-Two sets of implementation costs (:class:`Software`): the code as built, fitted to the measured
-points by :func:`calibrate` (``docs/results/*.json``; a new measured point is a new JSON row),
-and :func:`target`, the overlapped design (device-side All-Scan, state passes fused into
-the chunk kernels, scan overlapped with the local op), with stated figures.
+Two regimes. ``eager``: a layer issued from Python and timed from an empty queue (what
+``benchmarks/bench_op.py``'s eager rows measure); the host's per-call and per-message costs are
+fitted on those rows' ``ms``. ``steady``: layers issued back to back as in training, the host
+ahead of the GPU (bench_op's steady rows); only what the devices do counts, fitted on the scan
+rows' ``gpu_ms``. Each calibration row is modelled in its regime (:func:`calibrate`).
 
-Standard library only: this module needs no torch and no GPU.
+Run ``python -m megatron_zeco.cost_model --help`` for the command line. Standard library only:
+this module needs no torch and no GPU.
 """
 
+import argparse
+import functools
 import glob
 import json
 import math
@@ -33,12 +46,15 @@ import re
 from dataclasses import dataclass, replace
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
+SHAPES = ("chain", "hierarchical")
+LAYOUTS = ("contiguous", "zigzag")
+REGIMES = ("steady", "eager")
 
 # Stated hardware figures (docs/scaling.md says why).
 HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
-FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd (ms), 16K tokens, H200
+FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-FOLD_LAUNCH_BUILT = 10e-6  # as built, per folded piece: two eager kernels (multiply, add), ~5 us each
+FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
 
 # ZeCO's passes beyond the local op in each build of the GPU path: the (forward, backward) kernel
@@ -52,12 +68,14 @@ BUILDS = {
     "peer memory": None,  # fused, and All-Scan through peer memory by default on one node (comm/peer.py)
 }
 BUILD = "peer memory"
-# The version of the scan code each build's zeco ran: the scans' call and per-message costs are
-# fitted per version (v1, v2: host-issued NCCL messages, v2 with one block without concatenation
-# and one addcmul; v3: one Triton kernel per piece storing into peer memory). A scan row naming
-# its transport (``all_scan send_recv K=4``) ran the code of that transport.
+# The version of the scan code each build's zeco ran: the scans' call, per-message and per-hop
+# costs are fitted per version (v1, v2: host-issued NCCL messages, v2 with one block without
+# concatenation and one addcmul; v3: one Triton kernel per piece storing into peer memory). A scan
+# row naming its transport (``all_scan send_recv K=4``) ran the code of that transport.
 SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2", "peer memory": "v3"}
-TRANSPORT_CODE = {"send_recv": "v2", "peer_memory": "v3"}
+TRANSPORT_CODE = {"send_recv": "v2", "peer_memory": "v3", "nvshmem": "nvshmem"}
+BUILD_TRANSPORT = {"state passes": "send_recv", "fla piece": "send_recv", "fused": "send_recv",
+                   "peer memory": "peer_memory"}  # what each build's zeco scanned over (its default)
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
 
@@ -73,28 +91,48 @@ class Link:
 
 
 NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: NCCL all-to-all measured on the 2 H200 (docs/scaling.md)
-INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU
+INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU (stated)
 
 
 @dataclass(frozen=True)
 class Cluster:
-    """Ranks placed node-major: rank r on node r // gpus_per_node."""
+    """Ranks placed node-major: rank r on node r // gpus_per_node (the last node may hold fewer)."""
 
     intra: Link = NVLINK
     inter: Link = INFINIBAND
     gpus_per_node: int = 8
 
-    def chain_hops(self, P: int, layout: str) -> tuple[int, int, int]:
-        """(intra-node, inter-node, same-rank) hops of the chain visiting every piece in order."""
-        inter = math.ceil(P / self.gpus_per_node) - 1
-        if layout == "contiguous":
-            return P - 1 - inter, inter, 0
-        if layout == "zigzag":  # up the ranks, turn on the last one, back down
-            return 2 * (P - 1 - inter), 2 * inter, 1
-        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    def link(self, a: int, b: int) -> Link:
+        return self.intra if a // self.gpus_per_node == b // self.gpus_per_node else self.inter
 
     def slowest(self, P: int) -> Link:
         return self.inter if P > self.gpus_per_node else self.intra
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How All-Scan moves states (``comm.all_scan``'s ``transport``), its structure as built."""
+
+    name: str
+    one_node: bool = False  # every rank of the group on one node (peer memory)
+    block_messages: bool = True  # the chain's blocks are separate host-issued messages (else tiles of one kernel)
+    two_legs: bool = False  # a zigzag walk runs as two legs of P - 1 hops at once (the peer-memory kernels)
+    shapes: tuple = ("chain",)
+    projected: bool = False  # not measured: costs projected (NVSHMEM_PROJECTION)
+
+
+TRANSPORTS = {
+    "send_recv": Transport("send_recv", shapes=("chain", "hierarchical")),
+    "peer_memory": Transport("peer_memory", one_node=True, block_messages=False, two_legs=True),
+    # the device kernels run the chain (and two legs under zigzag); the hierarchical shape is built over
+    # messages only
+    "nvshmem": Transport("nvshmem", block_messages=False, two_legs=True, projected=True),
+}
+# NVSHMEM (device-initiated put + signal) is not measured yet: until scan rows named
+# "all_scan nvshmem K=*" exist in docs/results (then they are fitted like the others), its costs are
+# those of the transport named here, measured on one node (a device-side store and flag per hop,
+# the same kind of work), and between nodes the Cluster's stated InfiniBand link (5 us, 50 GB/s).
+NVSHMEM_PROJECTION = {"priced_as": "peer_memory"}
 
 
 @dataclass(frozen=True)
@@ -120,6 +158,10 @@ class Workload:
         return self.heads * self.k_dim * self.v_dim * 4
 
     @property
+    def map_bytes(self) -> int:  # one fp32 map (state and decays): what the hierarchical scan moves
+        return self.heads * self.k_dim * (self.v_dim + 1) * 4
+
+    @property
     def pass_bytes(self) -> int:  # read by one state pass: k, v, g (or q, g, dO)
         return self.tokens * self.heads * (2 * self.k_dim + self.v_dim) * self.act_bytes
 
@@ -134,9 +176,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class Software:
-    """Costs of an implementation beyond the wire: seconds, seconds per byte (passes, copies), shares."""
+    """Costs of an implementation beyond the wire, in one regime: seconds, seconds per byte, shares."""
 
-    message: float  # per block on each rank: issue, slicing, combine (paces the pipeline's blocks)
+    message: float  # per message a rank issues (a chain block; a hierarchical step): paces the blocks
     scan_call: float  # fixed per All-Scan (or ring) call
     gather_call: float  # fixed per all-gather scan call, the collective's own call included
     fold_launch: float  # per piece folded after the all-gather, beyond reading its state
@@ -144,29 +186,184 @@ class Software:
     state_grad_pass: float  # per byte of its backward pass
     a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
     a2a_wire: float = 1.0  # NCCL's all-to-all time over the stated links' (1: at their bandwidth)
-    hop: float = 0.0  # per hop beyond the wire: one rank's receive -> combine -> send turnaround
+    hop: float = 0.0  # per hop beyond the wire on the critical path: receive -> combine -> send
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
     build: str = BUILD  # which BUILDS entry the passes are (what they are charged per byte of)
+    transport: str = "send_recv"  # the All-Scan's transport (TRANSPORTS)
+
+
+# ---------------------------------------------------------------------------------------------- scan shapes
+
+def walk_ranks(P: int, layout: str) -> list[int]:
+    """The rank holding each piece, in scan order (``comm.Layout``): contiguous 0..P-1; zigzag up
+    the ranks and back down."""
+    if layout == "contiguous":
+        return list(range(P))
+    if layout == "zigzag":
+        return list(range(P)) + list(range(P - 1, -1, -1))
+    raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+
+
+def _node_of(nodes) -> "callable":
+    """Rank -> node: ``nodes`` is a node size (consecutive ranks) or each rank's node."""
+    if isinstance(nodes, int):
+        return lambda r: r // nodes
+    return lambda r: nodes[r]
+
+
+def chain_hops(P: int, layout: str, nodes, two_legs: bool = False) -> tuple[int, int, int]:
+    """(inside nodes, between nodes, same rank) hops of the chain through every piece: the
+    ``_chain_hops`` of ``comm.all_scan``. ``nodes``: ranks per node (consecutive), or each rank's
+    node. ``two_legs``: a zigzag walk's two legs run at once, so a rank waits for P - 1 hops (the
+    contiguous walk's)."""
+    node = _node_of(nodes)
+    ranks = walk_ranks(P, "contiguous" if two_legs else layout)
+    pairs = list(zip(ranks, ranks[1:]))
+    inter = sum(node(a) != node(b) for a, b in pairs)
+    same = sum(a == b for a, b in pairs)
+    return len(pairs) - inter - same, inter, same
+
+
+@functools.lru_cache(maxsize=256)
+def hierarchical_steps(P: int, layout: str, nodes, reverse: bool = False) -> tuple:
+    """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
+    rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
+    tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
+    ``"map"`` (a state and its decays) or ``"state"``, phase ``"A"`` (along each node's run of
+    pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run)."""
+    node = _node_of(nodes)
+    ranks = walk_ranks(P, layout)
+    if reverse:
+        ranks = ranks[::-1]
+    segments: list[list[int]] = []
+    for i, r in enumerate(ranks):
+        if i == 0 or node(r) != node(ranks[i - 1]):
+            segments.append([])
+        segments[-1].append(i)
+    steps = []
+    longest = max(len(s) for s in segments)
+    for t in range(longest - 1):  # A: prefix maps along each run
+        steps.append(tuple((ranks[s[t]], ranks[s[t + 1]], "map", "A") for s in segments
+                           if t + 1 < len(s) and ranks[s[t]] != ranks[s[t + 1]]))
+    M = len(segments)
+    leader = [ranks[s[-1]] for s in segments]
+    first = [ranks[s[0]] for s in segments]
+    for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
+        d = 1 << r
+        steps.append(tuple((leader[j], leader[j + d], "map", "B") for j in range(M - 1 - d)
+                           if leader[j] != leader[j + d]))
+    steps.append(tuple((leader[j], first[j + 1], "state", "C") for j in range(M - 1) if leader[j] != first[j + 1]))
+    steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
+                       for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
+    return tuple(step for step in steps if step)
+
+
+def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> float:
+    """Seconds until the last rank has what it waits for, ``steps`` issued in order by every rank
+    (:func:`hierarchical_steps`): a rank sends a step's messages once it has received the earlier
+    steps' and spent ``per_step`` on each step it takes part in; a message from a to b arrives
+    ``cost(a, b, what, phase)`` later. ``drain``: ``{phase: seconds}`` added to every rank when a
+    phase ends (a pipeline's last blocks)."""
+    clock = [0.0] * P
+    for n, step in enumerate(steps):
+        start = list(clock)
+        for r in {r for a, b, *_ in step for r in (a, b)}:
+            clock[r] = start[r] + per_step
+        for a, b, what, phase in step:
+            clock[b] = max(clock[b], start[a] + per_step + cost(a, b, what, phase))
+        ends = n + 1 == len(steps) or steps[n + 1][0][3] != step[0][3]
+        if drain and ends and drain.get(step[0][3]):
+            clock = [t + drain[step[0][3]] for t in clock]
+    return max(clock)
 
 
 def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
     """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
-    taus = _hop_times(w, c, sw, K)
-    return sw.scan_call + sum(n * tau for n, tau in taus) + (K - 1) * max(sw.message, *(tau for _, tau in taus))
+    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
+    block = w.state_bytes / K
+    wires = [block / link.bandwidth for n, link in ((intra, c.intra), (inter, c.inter)) if n]
+    return sw.scan_call + sum(n * tau for n, tau in _hop_times(w, c, sw, K)) + (K - 1) * max(sw.message, *wires, 0.0)
 
 
 def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int, float]]:
-    """(number, seconds) of the chain's hops of each kind (NVLink, InfiniBand, same rank) for one block."""
-    intra, inter, local = c.chain_hops(w.P, w.layout)
+    """(number, seconds) of the chain's hops inside nodes, between nodes and on the same rank, for one
+    block (the same-rank turn of a zigzag chain: a combine, no wire)."""
+    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
     block = w.state_bytes / K
     taus = [(intra, sw.hop + c.intra.time(block)), (inter, sw.hop + c.inter.time(block)), (local, sw.hop)]
     return [(n, tau) for n, tau in taus if n]
 
 
-# Per-hop software cost of a scan hop beyond the wire, by transport (docs/scaling.md): a host-issued
-# message (send/recv), a device-side flag wait and combine (peer memory).
-HOP_COST = {"send_recv": 60e-6, "peer_memory": 3e-6}
+def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
+    """One hierarchical All-Scan (``reverse``: the backward's, over the mirror walk). Over send/recv
+    each step is one message carrying every block (K does not apply) and costs each rank taking
+    part ``message``; over device transports the prefix maps inside nodes are pipelined in K
+    blocks (the first block's path, then K - 1 blocks at the pace of their transfer)."""
+    if TRANSPORTS[sw.transport].block_messages:
+        K = 1
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
+
+    def cost(a, b, what, phase):
+        nbytes = w.map_bytes if what == "map" else w.state_bytes
+        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
+
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    return sw.scan_call + (critical_path(steps, w.P, cost, sw.message, drain) if steps else 0.0)
+
+
+def hierarchical_phases(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> dict:
+    """Seconds of :func:`hierarchical_time` by the end of each phase (``A``, ``B``, ``C``; the call
+    counted in ``A``): where the scan's time goes."""
+    if TRANSPORTS[sw.transport].block_messages:
+        K = 1
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
+
+    def cost(a, b, what, phase):
+        nbytes = w.map_bytes if what == "map" else w.state_bytes
+        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
+
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    ends, done = {}, 0.0
+    for phase in "ABC":
+        upto = tuple(s for s in steps if s[0][3] <= phase)
+        done = critical_path(upto, w.P, cost, sw.message, drain) if upto else done
+        ends[phase] = sw.scan_call + done
+    return ends
+
+
+def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
+    """One All-Scan of ``shape`` (forward, or the backward's mirror walk)."""
+    if shape == "chain":
+        return chain_time(w, c, sw, K)
+    if shape == "hierarchical":
+        return hierarchical_time(w, c, sw, K, reverse)
+    raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+
+
+# Per-hop cost beyond the wire, by transport, for the choice of the All-Scan's shape at run time
+# (all_scan(shape="auto"), :func:`scan_choice`): the GPU time of a hop as fitted on the measured scan
+# rows (send/recv 20.7 us, peer memory 5.8 us; docs/scaling.md), rounded. Stated here so that the choice
+# needs no result files.
+HOP_COST = {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
+
+
+@functools.lru_cache(maxsize=256)
+def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
+    """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
+    backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
+    cluster's links. What ``all_scan(shape="auto")`` runs over send/recv (remembered per arguments:
+    a layer's scans ask the same question every step)."""
+    P = len(nodes)
+    node = _node_of(tuple(nodes))
+    link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter
+    hop = HOP_COST[transport]
+    intra, inter, same = chain_hops(P, layout, tuple(nodes), TRANSPORTS[transport].two_legs)
+    chain = 2 * (intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes)))
+    # (a map is a state and one more column: counted as a state here)
+    tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse), P,
+                             lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
+    return "hierarchical" if tree < chain else "chain"
 
 
 def scan_path(hops: tuple[int, int], state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> float:
@@ -178,9 +375,13 @@ def scan_path(hops: tuple[int, int], state_bytes: float, transport: str, cluster
 
 def prefer_hierarchical(chain_hops: tuple[int, int], tree_hops: tuple[int, int], state_bytes: float,
                         transport: str) -> bool:
-    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts."""
+    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts
+    (inside, between nodes; e.g. ``Walk.depth()``): the coarse form of :func:`scan_choice`, which
+    replays the schedule."""
     return scan_path(tree_hops, state_bytes, transport) < scan_path(chain_hops, state_bytes, transport)
 
+
+# ---------------------------------------------------------------------------------------------- a layer
 
 def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
     """(communication, fold) of LASP-2's all-gather scan: every piece's (state | gamma) to all."""
@@ -197,41 +398,59 @@ def _a2a_wire(w: Workload, c: Cluster) -> float:
                                             (w.P - on_node) / w.P * w.a2a_bytes / c.inter.bandwidth)
 
 
-def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1) -> float:
-    """Seconds of one GLA layer, fwd + bwd, under ``strategy`` (K: All-Scan blocks, zeco only)."""
+def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1, shape: str = "chain") -> float:
+    """Seconds of one GLA layer, fwd + bwd, under ``strategy`` (zeco: an All-Scan of ``shape`` in K
+    blocks over ``sw.transport``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if w.k_dim % K:
         raise ValueError(f"K (All-Scan blocks, {K}) must divide k_dim ({w.k_dim})")
+    if w.layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {w.layout!r}")
     t_op = w.op_ms * 1e-3
     if strategy == "none" or w.P == 1:
         return t_op
-    if strategy == "lasp1":
-        return w.P * t_op + 2 * chain_time(w, c, sw, 1)
+    if strategy == "lasp1":  # its ring passes whole states over send/recv
+        return w.P * t_op + 2 * chain_time(w, c, replace(sw, transport="send_recv"), 1)
     if strategy == "a2a":
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
         return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
     passes = 0.0 if BUILDS[sw.build] is None else getattr(w, BUILDS[sw.build][1]) * (sw.state_pass + sw.state_grad_pass)
-    comm, after = (chain_time(w, c, sw, K), 0.0) if strategy == "zeco" else gather_time(w, c, sw)
-    exposed = sum(max(0.0, comm - sw.overlap * t) + after for t in (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op))
+    if strategy == "zeco":
+        transport = TRANSPORTS[sw.transport]
+        if shape not in transport.shapes:
+            raise ValueError(f"All-Scan shape {shape!r} does not run over transport {sw.transport!r}")
+        if transport.one_node and w.P > c.gpus_per_node:
+            raise ValueError(f"transport {sw.transport!r} needs the CP group on one node (P = {w.P} > "
+                             f"{c.gpus_per_node} GPUs per node)")
+        comm = [(scan_time(shape, w, c, sw, K, reverse), 0.0) for reverse in (False, True)]
+    else:
+        comm = [gather_time(w, c, sw)] * 2
+    windows = (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op)
+    exposed = sum(max(0.0, scan - sw.overlap * t) + after for (scan, after), t in zip(comm, windows))
     return t_op * (1 + sw.extra) + passes + exposed
 
 
-def best_blocks(w: Workload, c: Cluster, sw: Software) -> tuple[int, float]:
-    """(K, seconds): the All-Scan block count (a divisor of k_dim) with the fastest zeco layer."""
-    times = {K: layer_time("zeco", w, c, sw, K) for K in range(1, w.k_dim + 1) if w.k_dim % K == 0}
-    K = min(times, key=times.get)
+def blocks(w: Workload) -> list[int]:
+    """The All-Scan block counts a layer can take: the divisors of the key dim."""
+    return [K for K in range(1, w.k_dim + 1) if w.k_dim % K == 0]
+
+
+def best_blocks(w: Workload, c: Cluster, sw: Software, shape: str = "chain") -> tuple[int, float]:
+    """(K, seconds): the All-Scan block count with the fastest zeco layer (the fewest where K does not matter)."""
+    times = {K: layer_time("zeco", w, c, sw, K, shape) for K in blocks(w)}
+    K = min(times, key=lambda k: (times[k] * (1 + 1e-12), k))
     return K, times[K]
 
 
-def efficiency(strategy: str, w: Workload, c: Cluster, sw: Software) -> float:
+def efficiency(strategy: str, w: Workload, c: Cluster, sw: Software, shape: str = "chain") -> float:
     """``t(none) / t(strategy)`` at the same tokens per GPU (zeco at its best K), ``w.other_ms`` added to both."""
-    t = best_blocks(w, c, sw)[1] if strategy == "zeco" else layer_time(strategy, w, c, sw)
+    t = best_blocks(w, c, sw, shape)[1] if strategy == "zeco" else layer_time(strategy, w, c, sw)
     return (w.op_ms * 1e-3 + w.other_ms * 1e-3) / (t + w.other_ms * 1e-3)
 
 
-# ---------------------------------------------------------------- calibration from measured JSON
+# ---------------------------------------------------------------------------------------------- calibration
 
 @dataclass(frozen=True)
 class Residual:
@@ -247,38 +466,34 @@ class Residual:
 
 @dataclass(frozen=True)
 class Calibration:
-    software: Software  # the code as built (BUILD)
-    builds: dict[str, Software]  # each build measured, and BUILD, with its passes' and scan code's costs
-    nccl_call: float  # NCCL's own all-gather call at P = 2 (used by :func:`target`'s lasp2)
-    op_ms: dict[tuple[int, int, int], float]  # (tokens, heads, dim) -> one-GPU fwd+bwd of the local op
+    software: Software  # the code as built (BUILD), eager, over its default transport
+    builds: dict[str, Software]  # each build measured (eager), with its passes' and scan code's costs
+    transports: dict[tuple[str, str], Software]  # (transport, regime) -> the code as built over that transport
+    nccl_call: float  # NCCL's own all-gather call at P = 2 (eager)
+    op_ms: dict[str, dict[tuple[int, int, int], float]]  # regime -> (tokens, heads, dim) -> one-GPU fwd+bwd
     other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
     residuals: list[Residual]
 
+    def sw(self, transport: str, regime: str = "steady") -> Software:
+        """The code as built with its All-Scan over ``transport``, in ``regime``."""
+        if regime not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
+        return self.transports[transport, regime]
 
-def target(cal: Calibration, overlapped: bool = True, message: float = 2e-6, scan_call: float = 5e-6,
-           overlap: float = 0.5, extra: float = 0.03) -> Software:
-    """The overlapped design (not built): calibrated costs where unchanged, stated figures elsewhere.
-
-    All-Scan on the device: ``message`` per block and per hop (a signal wait and the combine) and
-    one launch (``scan_call``) instead of host-issued NCCL messages; the state passes fused into fla's chunk
-    kernels (no extra pass). ``overlapped``: the correction form, the scan in flight while the
-    ``overlap`` share of each direction's local op runs, corrections costing ``extra`` * t_op;
-    else the initial-state form (nothing overlapped, no corrections). lasp2 gets the same fused
-    passes, overlap and corrections, NCCL's own all-gather call and a fused fold; lasp1's ring the
-    same device-side messages; a2a is unchanged.
-    """
-    return replace(cal.software, message=message, hop=message, scan_call=scan_call, gather_call=cal.nccl_call, fold_launch=0.0,
-                   state_pass=0.0, state_grad_pass=0.0, overlap=overlap if overlapped else 0.0,
-                   extra=extra if overlapped else 0.0)
+    def projected(self, transport: str) -> bool:
+        """Whether ``transport``'s costs are projected (priced from another transport's measurements)."""
+        return TRANSPORTS[transport].projected and self.transports[transport, "steady"] == replace(
+            self.transports.get((NVSHMEM_PROJECTION["priced_as"], "steady")), transport=transport)
 
 
 def load_rows(pattern: str) -> list[dict]:
     """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
 
-    Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without
-    ``dtype`` are bf16 (what ``benchmarks/bench_op.py`` measures). Op rows timed back to back or replayed
-    from a CUDA graph (``mode`` ``steady`` or ``graph``) are left out: the model describes one layer
-    issued from Python and timed from an empty queue.
+    Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take
+    them from the file's ``op`` rows; rows without ``dtype`` are bf16 (what ``benchmarks/bench_op.py``
+    measures); op rows without ``mode`` are ``eager`` (timed one call from an empty queue).
     """
     rows = []
     for path in sorted(glob.glob(pattern)):
@@ -289,13 +504,11 @@ def load_rows(pattern: str) -> list[dict]:
             raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
         shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
         for r in file_rows:
-            if r.get("mode", "eager") != "eager":  # op back to back or from a CUDA graph: not what the model describes
-                continue
             if "heads" not in r and r["part"] == "kernel":
                 if len(shapes) != 1:
                     raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")
                 r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
-            rows.append(dict(r, file=os.path.basename(path), build=build))
+            rows.append(dict(r, file=os.path.basename(path), build=build, mode=r.get("mode", "eager")))
     if not rows:
         raise ValueError(f"no measured rows in {pattern!r}")
     return rows
@@ -328,30 +541,72 @@ def _weighted_fit(xs: list[list[float]], ys: list[float]) -> list[float]:
     return [b[i] / a[i][i] for i in range(n)]
 
 
+def _fit_scan(chain, cluster: Cluster, sw: Software, key: str, hop=None) -> dict:
+    """The scan code's ``scan_call``, ``message`` and ``hop`` from its rows' ``key``.
+
+    ``chain``: (row, workload, K) of ``all_scan`` rows; the model is ``scan_call + (K - 1) message
+    + hops * hop + wire`` (stated links). The per-hop cost is identifiable only from rows at two
+    or more P: otherwise it is ``hop`` if given (the device's hop under a host-issued call), or,
+    for GPU time (``key="gpu_ms"``), what one hop takes beyond its fixed call (no call term).
+    Costs that fit below 0 are set to 0 and the rest refitted.
+    """
+    two_legs = TRANSPORTS[sw.transport].two_legs
+    xs = [[1.0, K - 1, sum(chain_hops(w.P, w.layout, cluster.gpus_per_node, two_legs)[:2])] for _, w, K in chain]
+    ys = [r[key] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, replace(sw, message=0.0, hop=0.0), K))
+          for r, w, K in chain]
+    several = len({x[2] for x in xs}) > 1
+    if several:
+        cols = [0, 1, 2]
+    elif hop is not None:
+        ys = [y - hop * x[2] for x, y in zip(xs, ys)]
+        cols = [0, 1]
+    elif key == "gpu_ms":
+        cols = [2, 1]
+    else:
+        cols = [0, 1]
+    fit = dict(zip(cols, _weighted_fit([[x[c] for c in cols] for x in xs], ys)))
+    for c in (2, 1, 0):  # drop what fits below 0 (nothing measurable) and refit the rest
+        if fit.get(c, 0.0) < 0 and len(fit) > 1:
+            cols = [k for k in cols if k != c]
+            fit = dict(zip(cols, _weighted_fit([[x[k] for k in cols] for x in xs], ys)))
+    return dict(scan_call=max(fit.get(0, 0.0), 0.0), message=max(fit.get(1, 0.0), 0.0),
+                hop=max(fit.get(2, 0.0), 0.0) if (several or hop is None) else hop)
+
+
+def _fit_gather(gather, cluster: Cluster, sw: Software, key: str) -> dict:
+    """The all-gather scan's ``gather_call`` from its rows' ``key`` (its wire and fold known)."""
+    known = lambda r: sum(gather_time(_scan_workload(r), cluster, replace(sw, gather_call=0.0)))
+    return dict(gather_call=_weighted_fit([[1.0] for _ in gather], [r[key] * 1e-3 - known(r) for r in gather])[0])
+
+
 def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD) -> Calibration:
     """Fit the as-built costs on the measured rows; predict every other row; return both.
     ``build``: the build whose costs ``Calibration.software`` holds (the code as it is now).
 
-    Fitted, each on its own rows: the state passes' cost per byte (``kernel`` rows), the All-Scan
-    call and per-message costs (``scan`` rows ``all_scan K=*``), the all-gather scan's call
-    (``gather_scan``), NCCL's all-gather call (``nccl all_gather``) and the a2a copies (``a2a`` op
-    rows). Inputs: the ``none`` op rows (one-GPU op time per shape) and the CP = 1 ``model`` rows
-    (per-layer time outside GLA). Predicted: the other ``op`` rows, the ``nccl send/recv hop``
-    rows and the CP > 1 ``model`` rows.
+    Fitted, each on its own rows: the state passes' cost per byte (``kernel`` rows), each scan
+    code's call, per-message and per-hop costs (``scan`` rows ``all_scan K=*``: host-issued from
+    ``ms``, device from ``gpu_ms``), the all-gather scan's call (``gather_scan``), NCCL's
+    all-gather call (``nccl all_gather``) and the a2a copies (``a2a`` op rows). Inputs: the
+    ``none`` op rows (one-GPU op time per shape and regime) and the CP = 1 ``model`` rows
+    (per-layer time outside GLA). Predicted: the other ``op`` rows (eager, and steady: issued
+    back to back), the ``nccl send/recv hop`` rows and the CP > 1 ``model`` rows.
     """
     def by(**kv):
         return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
 
-    op_ms: dict[tuple[int, int, int], list[float]] = {}
-    for r in by(part="op", strategy="none"):
-        op_ms.setdefault(_shape(r), []).append(r["ms"])
-    own = {(r["file"], *_shape(r)): r["ms"] for r in by(part="op", strategy="none")}
-    op_ms = {k: sum(v) / len(v) for k, v in op_ms.items()}
+    op_ms: dict[str, dict[tuple[int, int, int], float]] = {}
+    own: dict[tuple, float] = {}
+    for regime in REGIMES:
+        times: dict[tuple[int, int, int], list[float]] = {}
+        for r in by(part="op", strategy="none", mode=regime):
+            times.setdefault(_shape(r), []).append(r["ms"])
+            own[(regime, r["file"], *_shape(r))] = r["ms"]
+        op_ms[regime] = {k: sum(v) / len(v) for k, v in times.items()}
 
-    def t_op(r):  # the one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean
-        if _shape(r) not in op_ms:
-            raise ValueError(f"{r['file']}: no 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
-        return own.get((r["file"], *_shape(r)), op_ms[_shape(r)])
+    def t_op(r, regime="eager"):  # the one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean
+        if _shape(r) not in op_ms[regime]:
+            raise ValueError(f"{r['file']}: no {regime} 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
+        return own.get((regime, r["file"], *_shape(r)), op_ms[regime][_shape(r)])
 
     def fit_constant(rs, known):  # y = constant + known(row)
         return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
@@ -368,16 +623,20 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             continue
         if not all(rows_of.values()):
             raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
-        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs], [r["ms"] * 1e-3 for r in rs])[0]
-                    for name, rs in rows_of.items()}
+        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
+                                        [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
         passes[b] = dict(build=b, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
         kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
-    sw = Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH_BUILT, a2a_copy=0.0,
-                  **passes[build])
+    base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
+                             a2a_copy=0.0, **passes[build]) for regime in REGIMES}
 
-    # Per version of the scan code: All-Scan = scan_call + (K - 1) * message + hops * hop + wire
-    # (stated links), hop >= 0; the all-gather scan = gather_call + its wire and fold.
-    scan_fits, scans, gathers = {}, [], []
+    # Per version of the scan code and regime: All-Scan = scan_call + (K - 1) * message + hops * hop
+    # + wire (stated links), the all-gather scan = gather_call + its wire and fold. Device costs
+    # (steady) first: a host-issued call's hops are the device's.
+    version_transport = {v: t for t, v in TRANSPORT_CODE.items()}
+    version_transport.update({"v1": "send_recv"})
+    scan_fits, gather_fits, scans, gathers = {}, {}, [], []
+
     def scan_code(r):
         m = _CHAIN.match(r["method"])
         return TRANSPORT_CODE[m.group(1)] if m and m.group(1) else SCAN_CODE.get(r["build"])
@@ -386,45 +645,41 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         m = _CHAIN.match(r["method"])
         return f"all_scan K={m.group(2)}" if m else r["method"]
 
-    for version in dict.fromkeys(SCAN_CODE.values()):
-        mine = _pooled([dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version])
-        chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
-                 for r in mine if _CHAIN.match(r["method"])]
-        gather = [r for r in mine if r["method"] == "gather_scan"]
-        if not chain or not gather:
-            continue
-        xs = [[1.0, K - 1, sum(cluster.chain_hops(w.P, w.layout))] for _, w, K in chain]
-        ys = [r["ms"] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, sw, K)) for r, w, K in chain]
-        # hop: only where rows differ in their hop count (several P); else, and where it fits < 0
-        # (nothing measurable beyond the wire), 0 and the other two alone
-        scan_call, message, hop = _weighted_fit(xs, ys) if len({x[2] for x in xs}) > 1 else (0.0, 0.0, -1.0)
-        if hop < 0:
-            (scan_call, message), hop = _weighted_fit([x[:2] for x in xs], ys), 0.0
-        if message < 0:  # no per-block cost measurable (peer memory: blocks are tiles of one kernel)
-            cols = [0, 2] if hop > 0 else [0]
-            fitted = _weighted_fit([[x[c] for c in cols] for x in xs], ys)
-            scan_call, message, hop = fitted[0], 0.0, (fitted[1] if hop > 0 else 0.0)
-        fit = dict(scan_call=scan_call, message=message, hop=hop)
-        fit["gather_call"] = fit_constant(gather, lambda r: sum(gather_time(_scan_workload(r), cluster,
-                                                                             replace(sw, **fit))))
-        scan_fits[version] = fit
-        scans += [(r, w, K, version) for r, w, K in chain]
-        gathers += [(r, version) for r in gather]
-    if SCAN_CODE[build] not in scan_fits:
+    for version in dict.fromkeys([*SCAN_CODE.values(), *TRANSPORT_CODE.values()]):
+        mine = [dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version]
+        hop = None
+        for regime, key in (("steady", "gpu_ms"), ("eager", "ms")):
+            pooled = _pooled(mine, key)
+            chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
+                     for r in pooled if _CHAIN.match(r["method"])]
+            gather = [r for r in pooled if r["method"] == "gather_scan"]
+            sw = replace(base[regime], transport=version_transport.get(version, "send_recv"))
+            if chain:
+                scan_fits[version, regime] = fit = _fit_scan(chain, cluster, sw, key, hop)
+                hop = fit["hop"] if regime == "steady" else hop
+                scans += [(r, w, K, version, regime, key) for r, w, K in chain]
+            if gather:
+                gather_fits[version, regime] = _fit_gather(gather, cluster, sw, key)
+                gathers += [(r, version, regime, key) for r in gather]
+    if (SCAN_CODE[build], "eager") not in scan_fits or (SCAN_CODE[build], "eager") not in gather_fits:
         raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code")
-    sw = replace(sw, **scan_fits[SCAN_CODE[build]])
 
-    def built(r):  # the Software a row was measured with: shared costs, its build's passes and scan code
+    def fits(version, regime):  # the scan code's chain and all-gather costs in regime
+        return {**scan_fits.get((version, regime), {}), **gather_fits.get((version, regime), {})}
+
+    def built(r, regime="eager"):  # the Software a row was measured with: its build's passes and scan code
         if r["build"] not in passes:
             raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
-        if SCAN_CODE[r["build"]] not in scan_fits:
-            raise ValueError(f"{r['file']}: no 'scan' rows of scan code {SCAN_CODE[r['build']]!r} (build {r['build']!r})")
-        return replace(sw, **passes[r["build"]], **scan_fits[SCAN_CODE[r["build"]]])
+        code = SCAN_CODE[r["build"]]
+        if (code, regime) not in scan_fits or (code, regime) not in gather_fits:
+            raise ValueError(f"{r['file']}: no {regime} 'scan' rows of scan code {code!r} (build {r['build']!r})")
+        return replace(sw_of[regime], **passes[r["build"]], **fits(code, regime), transport=BUILD_TRANSPORT[r["build"]])
 
+    sw_of = {regime: replace(base[regime], **fits(SCAN_CODE[build], regime)) for regime in REGIMES}
     ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
-    nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"))
+    nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"), "ms")
     nccl_call = fit_constant(nccl_gathers, ring)
-    a2a = [r for r in by(part="op", strategy="a2a") if r["cp"] > 1]
+    a2a = [r for r in by(part="op", strategy="a2a", mode="eager") if r["cp"] > 1]
     if a2a:
         # copies (the same at every P) and the wire ((P - 1) / P of the bytes cross links): both fitted
         # where rows at two or more P allow it, else the wire at the stated bandwidth.
@@ -434,36 +689,44 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         if fit is None or min(fit) <= 0:
             fit = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
         copy, wire = fit
-        sw = replace(sw, a2a_copy=copy, a2a_wire=wire)
+        sw_of = {regime: replace(sw, a2a_copy=copy, a2a_wire=wire) for regime, sw in sw_of.items()}
 
     res = [Residual(f"kernel {name} ({build}) T={r['tokens_per_gpu']}", r["ms"],
                     per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
            for (build, name), (rs, per_byte, unit) in kernels.items() for r in rs]
-    res += [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v})", r["ms"],
-                     chain_time(w, cluster, replace(sw, **scan_fits[v]), K) * 1e3, True) for r, w, K, v in scans]
-    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v})", r["ms"],
-                     sum(gather_time(_scan_workload(r), cluster, replace(sw, **scan_fits[v]))) * 1e3, True)
-            for r, v in gathers]
+    gpu = {"eager": "", "steady": ", GPU"}
+    res += [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v}{gpu[regime]})", r[key],
+                     chain_time(w, cluster, replace(sw_of[regime], **scan_fits[v, regime],
+                                                    transport=version_transport.get(v, "send_recv")), K) * 1e3,
+                     True) for r, w, K, v, regime, key in scans]
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v}{gpu[regime]})", r[key],
+                     sum(gather_time(_scan_workload(r), cluster, replace(sw_of[regime], **gather_fits[v, regime])))
+                     * 1e3, True) for r, v, regime, key in gathers]
     res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3,
                      True) for r in nccl_gathers]
     # one hop: NCCL's call (as its all-gathers cost) + one message
     res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
                      (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
-            for r in _pooled(by(part="scan", method="nccl send/recv hop"))]
-    # One point per configuration and build: the mean of its runs (files), each modelled from its own
-    # run's one-GPU time, as the same configuration measured in separate runs differs by up to ~17%.
-    # The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool across builds.
+            for r in _pooled(by(part="scan", method="nccl send/recv hop"), "ms")]
+    # One point per configuration, regime and build: the mean of its runs (files), each modelled from
+    # its own run's one-GPU time, as the same configuration measured in separate runs differs by up
+    # to ~17%. The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool
+    # across builds. Eager rows from an empty queue; steady rows back to back (the host ahead).
     runs: dict[tuple, list[dict]] = {}
     for r in by(part="op"):
-        if r["strategy"] in STRATEGIES[1:]:
-            build = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
-            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build, *_shape(r)), []).append(r)
-    for (strategy, P, layout, build, T, *_), rs in runs.items():
+        if r["strategy"] in STRATEGIES[1:] and r["mode"] in REGIMES:
+            if r["mode"] == "steady" and (_shape(r) not in op_ms["steady"] or r["build"] not in passes):
+                continue
+            build_of = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
+            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build_of, r["mode"], *_shape(r)),
+                            []).append(r)
+    for (strategy, P, layout, build_of, regime, T, *_), rs in runs.items():
         n = len(rs)
-        res.append(Residual(f"op {strategy} CP={P} {layout} T={T} ({build})" + (f" (mean of {n} runs)" if n > 1 else ""),
-                            sum(x["ms"] for x in rs) / n,
-                            sum(layer_time(strategy, _workload(x, t_op(x)), cluster, built(x)) for x in rs) / n * 1e3,
-                            strategy == "a2a"))
+        label = f"op {strategy} CP={P} {layout} T={T} ({build_of})" + (" steady" if regime == "steady" else "")
+        res.append(Residual(label + (f" (mean of {n} runs)" if n > 1 else ""), sum(x["ms"] for x in rs) / n,
+                            sum(layer_time(strategy, _workload(x, t_op(x, regime)), cluster, built(x, regime))
+                                for x in rs) / n * 1e3,
+                            strategy == "a2a" and regime == "eager"))
 
     # Per-layer time outside GLA from each file's CP = 1 run (its own GPUs and data-parallel size);
     # Calibration.other_ms is their mean per shape, for projections.
@@ -478,21 +741,35 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
         if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
             key = (r["file"], *_shape(r), r["layers"])
             if key not in per_file:
-                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in its file")
-            model = r["layers"] * (per_file[key] + layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r)) * 1e3)
+                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in "
+                                 f"its file")
+            layer = layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r))
+            model = r["layers"] * (per_file[key] + layer * 1e3)
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
-    builds = {b: replace(sw, **p, **scan_fits.get(SCAN_CODE[b], {})) for b, p in passes.items()}
-    return Calibration(sw, builds, nccl_call, op_ms, other_ms, res)
+
+    builds = {b: replace(sw_of["eager"], **p, **fits(SCAN_CODE[b], "eager"), transport=BUILD_TRANSPORT[b])
+              for b, p in passes.items()}
+    transports = {}
+    for name, transport in TRANSPORTS.items():
+        measured = all((TRANSPORT_CODE[name], regime) in scan_fits for regime in REGIMES)
+        priced_as = NVSHMEM_PROJECTION["priced_as"] if transport.projected and not measured else name
+        for regime in REGIMES:
+            if (TRANSPORT_CODE[priced_as], regime) in scan_fits:
+                transports[name, regime] = replace(sw_of[regime], **scan_fits[TRANSPORT_CODE[priced_as], regime],
+                                                   transport=name)
+    return Calibration(builds[build], builds, transports, nccl_call, op_ms, other_ms, res)
 
 
-def _pooled(scan_rows: list[dict]) -> list[dict]:
-    """One scan row per method, P and size: the mean of its runs. These micro-benchmarks are timed
-    from an empty queue, so host jitter moves a point by up to 2x from run to run."""
+def _pooled(scan_rows: list[dict], key: str) -> list[dict]:
+    """One scan row per method, P and size with a ``key`` time: the mean of its runs. These
+    micro-benchmarks are timed from an empty queue, so host jitter moves a point by up to 2x from
+    run to run."""
     groups: dict[tuple, list[dict]] = {}
     for r in scan_rows:
-        groups.setdefault((r["method"], r["cp"], r["state_mib"]), []).append(r)
-    return [dict(rs[0], ms=sum(r["ms"] for r in rs) / len(rs), runs=len(rs)) for rs in groups.values()]
+        if key in r:
+            groups.setdefault((r["method"], r["cp"], r["state_mib"]), []).append(r)
+    return [dict(rs[0], **{key: sum(r[key] for r in rs) / len(rs)}, runs=len(rs)) for rs in groups.values()]
 
 
 def _shape(r: dict) -> tuple[int, int, int]:
@@ -508,3 +785,134 @@ def default_rows() -> list[dict]:
     """Every measured row committed in ``docs/results/*.json``."""
     here = os.path.dirname(os.path.abspath(__file__))
     return load_rows(os.path.join(here, os.pardir, "docs", "results", "*.json"))
+
+
+# ---------------------------------------------------------------------------------------------- projections
+
+@dataclass(frozen=True)
+class Choice:
+    """A strategy's projected layer: for zeco, the All-Scan's transport, shape and blocks."""
+
+    strategy: str
+    seconds: float
+    efficiency: float
+    transport: str = ""
+    shape: str = ""
+    K: int = 0
+    projected: bool = False  # rests on projected (not measured) transport costs
+    why_not: str = ""  # set where the strategy cannot run this workload (seconds = inf)
+
+
+def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "contiguous", heads: int = 16,
+                        head_dim: int = 128, regime: str = "steady") -> Workload:
+    """A layer at ``tokens`` per GPU: the one-GPU op time measured in ``regime`` at the fewest tokens
+    with this head dim, scaled linearly in tokens and heads (docs/scaling.md, "Limits")."""
+    measured = {(t, h): ms for (t, h, d), ms in cal.op_ms[regime].items() if d == head_dim}
+    if not measured:
+        raise ValueError(f"no measured one-GPU op time with head dim {head_dim} (measured: "
+                         f"{sorted({d for *_, d in cal.op_ms[regime]})}); choose --head-dim among them")
+    t0, h0 = min(measured)
+    op_ms = measured[t0, h0] * tokens / t0 * heads / h0
+    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout)
+
+
+def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "steady", shapes=SHAPES,
+                 transports=None) -> list[Choice]:
+    """ZeCO at its best K over each transport and shape that can run this group (peer memory on one
+    node only), fastest first."""
+    out = []
+    for name in transports or TRANSPORTS:
+        transport = TRANSPORTS[name]
+        if transport.one_node and w.P > c.gpus_per_node:
+            continue
+        sw = cal.sw(name, regime)
+        for shape in (s for s in shapes if s in transport.shapes):
+            if shape == "hierarchical" and transport.block_messages:
+                K, t = 1, layer_time("zeco", w, c, sw, 1, shape)  # one message per step: K does not apply
+            else:
+                K, t = best_blocks(w, c, sw, shape)
+            out.append(Choice("zeco", t, w.op_ms * 1e-3 / t, name, shape, K, cal.projected(name)))
+    return sorted(out, key=lambda ch: ch.seconds)
+
+
+def project(cal: Calibration, P: int, tokens: int, layout: str, node_size: int = 8, regime: str = "steady",
+            heads: int = 16, head_dim: int = 128, cluster: Cluster = Cluster(), transports=None) -> list[Choice]:
+    """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
+    (each at its best transport), lasp2, lasp1, a2a."""
+    c = replace(cluster, gpus_per_node=node_size)
+    w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime)
+    t_op = w.op_ms * 1e-3
+    zeco = zeco_choices(w, c, cal, regime, transports=transports)
+    out = [zeco[0]]
+    for shape in SHAPES:
+        best = [ch for ch in zeco if ch.shape == shape]
+        out.append(replace(best[0], strategy=f"zeco-{shape}") if best else
+                   Choice(f"zeco-{shape}", math.inf, 0.0, why_not="no transport runs it here"))
+    sw = cal.sw("send_recv", regime)
+    for strategy in ("lasp2", "lasp1", "a2a"):
+        if strategy == "a2a" and heads % P:
+            out.append(Choice(strategy, math.inf, 0.0, why_not=f"needs the {heads} heads divisible by {P} GPUs"))
+            continue
+        t = layer_time(strategy, w, c, sw)
+        out.append(Choice(strategy, t, t_op / t))
+    return out
+
+
+def _format(ch: Choice, layout: str) -> str:
+    if ch.why_not:
+        return f"{ch.strategy:<18} layout={layout:<10} cannot run: {ch.why_not} efficiency=0.000"
+    scan = ""
+    if ch.transport:
+        scan = (f" transport={ch.transport}{' (projected)' if ch.projected else ''} shape={ch.shape} "
+                f"K={ch.K}")
+    return f"{ch.strategy:<18} layout={layout:<10}{scan} time_ms={ch.seconds * 1e3:.3f} efficiency={ch.efficiency:.3f}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_zeco.cost_model",
+        description="Projected efficiency t(one GPU) / t(strategy) of one GLA layer (forward + backward) under "
+                    "each context-parallel strategy, from the measured points in docs/results/*.json and the "
+                    "stated link figures (docs/scaling.md). One line per strategy and layout, ending in "
+                    "efficiency=. Transports marked (projected) are not measured.")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the context-parallel group (P)")
+    parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU (default 16384)")
+    parser.add_argument("--layout", choices=LAYOUTS, action="append",
+                        help="sequence layout over the GPUs: contiguous or zigzag (Megatron's); repeat for both "
+                             "(default: both)")
+    parser.add_argument("--node-size", type=int, default=8, help="GPUs per node, consecutive in rank order (default 8)")
+    parser.add_argument("--regime", choices=REGIMES, default="steady",
+                        help="steady: layers issued back to back as in training, the host ahead of the GPU "
+                             "(default); eager: each layer timed from an empty queue, host costs visible")
+    parser.add_argument("--transport", choices=tuple(TRANSPORTS), action="append",
+                        help="restrict zeco's All-Scan to this transport; repeat for several (default: all)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16, GLA-1B)")
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="key and value head dim; needs a measured one-GPU op time at it (default 128)")
+    parser.add_argument("--ib-latency-us", type=float, default=INFINIBAND.latency * 1e6,
+                        help=f"latency of a message between nodes, us (default {INFINIBAND.latency * 1e6:g}, stated)")
+    parser.add_argument("--ib-bandwidth-gbs", type=float, default=INFINIBAND.bandwidth / 1e9,
+                        help=f"bandwidth per GPU between nodes, GB/s (default {INFINIBAND.bandwidth / 1e9:g}, stated)")
+    parser.add_argument("--results", default=None,
+                        help="glob of measured result files (default: docs/results/*.json of this checkout)")
+    args = parser.parse_args(argv)
+    for name, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
+                        ("--node-size", args.node_size), ("--heads", args.heads)):
+        if value < 1:
+            parser.error(f"{name} must be a positive integer, got {value}")
+    cal = calibrate(load_rows(args.results) if args.results else default_rows())
+    cluster = Cluster(inter=Link(args.ib_latency_us * 1e-6, args.ib_bandwidth_gbs * 1e9), gpus_per_node=args.node_size)
+    w = projection_workload(cal, args.gpus, args.tokens_per_gpu, heads=args.heads, head_dim=args.head_dim,
+                            regime=args.regime)
+    print(f"# {args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, {args.heads} "
+          f"heads of {args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd); links: NVLink "
+          f"{cluster.intra.latency * 1e6:g} us {cluster.intra.bandwidth / 1e9:g} GB/s, between nodes "
+          f"{cluster.inter.latency * 1e6:g} us {cluster.inter.bandwidth / 1e9:g} GB/s")
+    for layout in args.layout or LAYOUTS:
+        for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, args.node_size, args.regime, args.heads,
+                          args.head_dim, cluster, args.transport):
+            print(_format(ch, layout))
+
+
+if __name__ == "__main__":
+    main()

@@ -118,7 +118,7 @@ class GatedLinearAttention(MegatronModule):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
         _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, cp_transport,
-                      cp_piece_split, tp, cp)
+                      cp_piece_split, tp, cp, cp_node_size)
         if not config.use_cpu_initialization:  # parameters, so the layer, live on the GPU
             require_backend("cuda", config.params_dtype)
         self.heads_per_rank = self.num_heads // tp
@@ -287,9 +287,13 @@ def _megatron_lm_arg(name):
         return False
 
 
-def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, piece_split, tp, cp):
+def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, piece_split, tp, cp,
+                  node_size=None):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
+    if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):
+        raise ValueError(f"GatedLinearAttention: cp_node_size {node_size!r} must be a positive integer (ranks of "
+                         f"the CP group per node) or None")
     if piece_split is not None and (not isinstance(piece_split, int) or isinstance(piece_split, bool)
                                     or piece_split < 1):
         raise ValueError(f"GatedLinearAttention: cp_piece_split {piece_split!r} must be a positive integer or None")

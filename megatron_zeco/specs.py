@@ -100,6 +100,7 @@ def gla_layer_spec(
     cp_transport: str = "auto",
     cp_piece_split: Optional[int] = None,
     cp_packed_split: str = "auto",
+    cp_node_size: Optional[int] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
@@ -120,6 +121,8 @@ def gla_layer_spec(
         cp_packed_split: how packed (THD) batches are split over CP: ``document``
             (Megatron's THD split), ``sequence`` (``--dataloader-inter-document-masking``)
             or ``auto`` (from Megatron-LM's arguments; see GatedLinearAttention).
+        cp_node_size: ranks of the CP group per node, for the All-Scan's shape across nodes
+            (None: from the hosts, or ``$MEGATRON_ZECO_NODE_SIZE``; see GatedLinearAttention).
         gate_low_rank_dim: rank of GLA's forget-gate projection.
         gate_timescales: ``(shortest, longest)`` initial memory of the gate channels in
             tokens, or None for fla's zero gate bias (see GatedLinearAttention).
@@ -128,7 +131,8 @@ def gla_layer_spec(
     """
     params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
                   cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                  cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
+                  cp_packed_split=cp_packed_split, cp_node_size=cp_node_size, gate_low_rank_dim=gate_low_rank_dim,
+                  gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing)
     if use_te:
@@ -185,6 +189,7 @@ def hybrid_layer_spec(
     cp_num_blocks: int = 1,
     cp_piece_split: Optional[int] = None,
     cp_packed_split: str = "auto",
+    cp_node_size: Optional[int] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
@@ -197,8 +202,8 @@ def hybrid_layer_spec(
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
         cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
-        cp_strategy, cp_num_blocks, cp_piece_split, gate_low_rank_dim, gate_timescales: the
-            GLA layers' (:func:`gla_layer_spec`).
+        cp_strategy, cp_num_blocks, cp_piece_split, cp_node_size, gate_low_rank_dim, gate_timescales:
+            the GLA layers' (:func:`gla_layer_spec`).
         cp_packed_split: how packed batches are split over CP, for both layer kinds.
         normalization: as in :func:`gla_layer_spec`.
 
@@ -212,7 +217,7 @@ def hybrid_layer_spec(
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
     gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                         cp_piece_split=cp_piece_split, cp_packed_split=cp_packed_split,
+                         cp_piece_split=cp_piece_split, cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
                          gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales,
                          normalization=normalization)
     return ModuleSpec(module=HybridTransformerLayer,

@@ -112,7 +112,7 @@ def chain_scan(
                 inject.delay(x.device)  # test hook: no-op unless a stress test sets delays
                 with _naming_failures(what, f"receiving block {b} of the state leaving piece "
                                             f"{link.piece - shift} from global rank {src}"):
-                    dist.recv(x, src, group=group, tag=tag(link.piece - shift, b))
+                    inject.recv(x, src, group, tag(link.piece - shift, b))  # dist.recv (+ latency test hook)
                 inject.delay(x.device)
             else:  # previous piece is ours (zigzag turn-around on the last rank)
                 x = carried[b]
@@ -120,7 +120,7 @@ def chain_scan(
             if link.dst is not None:
                 dst = dist.get_global_rank(group, link.dst)
                 inject.delay(y.device)
-                sends.append((link, dst, dist.isend(y.contiguous(), dst, group=group, tag=tag(link.piece, b))))
+                sends.append((link, dst, inject.isend(y.contiguous(), dst, group, tag(link.piece, b))))
             xs.append(x)
             ys.append(y)
         inputs[link.slot] = _join(xs, block_dim) if out is None else out[link.slot].copy_(_join(xs, block_dim))
@@ -232,12 +232,9 @@ def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], tran
     nodes = _nodes(group, node_size, what)
     if len(set(nodes)) == 1:
         return "chain"
-    from ..cost_model import prefer_hierarchical  # standard library only
+    from ..cost_model import scan_choice  # standard library only
 
-    state_bytes = like.numel() * like.element_size()
-    walk = Walk(layout, world, nodes, reverse=False)
-    return "hierarchical" if prefer_hierarchical(_chain_hops(walk, nodes), walk.depth(), state_bytes, transport) \
-        else "chain"
+    return scan_choice(layout.value, tuple(nodes), like.numel() * like.element_size(), transport)
 
 
 def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:

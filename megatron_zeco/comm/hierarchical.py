@@ -11,10 +11,11 @@ The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
   of the segment's pieces before it, ``(Gamma_i, S_i)``, and passes ``(g_i Gamma_i,
   g_i S_i + d_i)`` on; the last piece's owner (the segment's *leader*) holds the segment's map.
   The first segment starts from the scan's initial state, so its prefixes are states.
-* **B**, between segments: a Kogge-Stone scan of the segments' maps among the leaders:
-  ceil(log2 M) rounds for M segments; in round r the leader of segment j sends its composite to
-  the leader of j + 2^r and composes what it gets from j - 2^r. The leader of segment j then
-  holds the state leaving it.
+* **B**, between segments: a Kogge-Stone scan of the segments' maps among the leaders, over the
+  M - 1 segments whose outgoing state another segment needs (the last one's is not): ceil(log2
+  (M - 1)) rounds; in round r the leader of segment j sends its composite to the leader of
+  j + 2^r and composes what it gets from j - 2^r. The leader of segment j then holds the state
+  leaving it.
 * **C**: that state goes to the first rank of segment j + 1 (one hop between nodes), which passes
   it to the segment's other ranks (inside the node); each piece's incoming state is then
   ``Gamma_i X + S_i``.
@@ -22,10 +23,11 @@ The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
 Dense transitions (the gated delta rule, ``S -> M S + delta``; ``transition.py``) take the same
 steps, the maps composing as ``(M2, d2) o (M1, d1) = (M2 M1, M2 d1 + d2)``.
 
-The critical path is (segment length - 1) + ceil(log2 M) + 2 hops instead of P - 1 (contiguous)
-or 2P - 1 (zigzag); a rank sends at most one map per round of B (ceil(log2 M) states, against the
-chain's one). Backward is the same over the reversed walk. Exact: the same compositions in
-another order (rounding aside).
+The critical path is about (segment length - 1) + ceil(log2 (M - 1)) + 2 hops instead of P - 1
+(contiguous) or 2P - 1 (zigzag) (``cost_model.hierarchical_steps`` replays the schedule); a rank
+sends at most one map per round of B (ceil(log2 (M - 1)) states, against the chain's one).
+Backward is the same over the reversed walk. Exact: the same compositions in another order
+(rounding aside).
 
 This module moves the maps as the group's point-to-point messages, one grouped call
 (``batch_isend_irecv``) per step, every block of rows in one message: the host work per step is
@@ -71,7 +73,8 @@ class Walk:
 
     @property
     def rounds(self) -> int:
-        return math.ceil(math.log2(len(self.segments))) if len(self.segments) > 1 else 0
+        """Rounds of B: a Kogge-Stone scan over the segments but the last (whose map nobody needs)."""
+        return math.ceil(math.log2(len(self.segments) - 1)) if len(self.segments) > 2 else 0
 
     def depth(self) -> Tuple[int, int]:
         """(hops inside nodes, hops between nodes) on the critical path: the longest segment's chain
@@ -135,13 +138,13 @@ def hierarchical_scan(
         d = 1 << r
         sends, recvs, local = [], [], {}
         for j in led:
-            if j + d < M:
+            if j + d < M - 1:
                 if walk.leader(j + d) == me:
                     local[j + d] = composite[j]
                 else:
                     sends.append((walk.leader(j + d), kind.pack(*composite[j]).contiguous(),
                                   f"segment {j}'s map (round {r})"))
-            if j >= d and walk.leader(j - d) != me:
+            if d <= j < M - 1 and walk.leader(j - d) != me:
                 recvs.append((walk.leader(j - d), j))
         got = steps.run(sends, [(src, _empty_map(kind, like)) for src, _ in recvs], f"between nodes, round {r}")
         earlier = {**local, **{j: kind.unpack(buffer, like.shape[-1]) for (_, j), buffer in zip(recvs, got)}}
@@ -156,10 +159,10 @@ def hierarchical_scan(
             if first == me:
                 entering[j + 1] = composite[j][1]
             else:
-                sends.append((first, composite[j][1], f"the state entering segment {j + 1}"))
+                sends.append((first, composite[j][1].contiguous(), f"the state entering segment {j + 1}"))
         elif first == me:
             recvs.append((walk.leader(j), j + 1))
-    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "into the next node")
+    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "into the next node")
     entering.update({j: x for (_, j), x in zip(recvs, got)})
     sends, recvs = [], []
     for j in range(1, M):
@@ -169,7 +172,7 @@ def hierarchical_scan(
             sends += [(rank, entering[j], f"the state entering segment {j}") for rank in others]
         elif me in others:
             recvs.append((first, j))
-    got = steps.run(sends, [(src, torch.empty_like(like)) for src, _ in recvs], "inside the next node")
+    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "inside the next node")
     entering.update({j: x for (_, j), x in zip(recvs, got)})
     steps.finish()
 
@@ -218,7 +221,7 @@ class _Steps:
                 for rank, buffer in recvs]
         if not ops:
             return []
-        works = dist.batch_isend_irecv(ops)
+        works = inject.batch_isend_irecv(ops)  # dist.batch_isend_irecv (+ latency test hook)
         for work, (rank, tensor, thing) in zip(works, sends):
             self.pending.append((f"sending {thing} to global rank {dist.get_global_rank(self.group, rank)}", work))
         peers = ", ".join(str(dist.get_global_rank(self.group, rank)) for rank, _ in recvs)
