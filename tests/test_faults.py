@@ -8,6 +8,7 @@ up at once, naming the rank that gave up first.
 """
 
 import datetime
+import os
 import time
 
 import pytest
@@ -24,6 +25,7 @@ OPERATION = {"zeco": "zeco All-Scan", "zeco@peer_memory": "zeco All-Scan", "lasp
 
 
 def _faulty(rank, world, strategy, fault, phase):
+    os.environ.pop("MEGATRON_ZECO_SCAN_TIMEOUT", None)  # the waits are bounded by the group's timeout here
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=PG_TIMEOUT))
     x = problem(0, B=1, T=world * 16, H=2, K=8, V=4)
     leaves = [x[n][:, rank * 16:(rank + 1) * 16].clone().requires_grad_() for n in ("q", "k", "v", "g")]
@@ -77,8 +79,6 @@ def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, p
 
 def _relay(rank, world, timeouts):
     """Peer memory: rank 0 stalls in the second scan; the others wait with their own timeouts."""
-    import os
-
     import torch
 
     from megatron_zeco.comm import Layout, all_scan

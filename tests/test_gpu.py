@@ -95,7 +95,14 @@ DELAY = 5e-4  # seconds: the most a delayed rank waits before or after each scan
 # generous, and a scan that hangs is caught sooner, by name: every peer-memory wait gives up after
 # $MEGATRON_ZECO_SCAN_TIMEOUT and the rank raises ScanTimeoutError (comm/peer.py).
 RANK_TIMEOUT = float(os.environ.get("ZECO_GPU_TEST_TIMEOUT", 1800))
-os.environ.setdefault("MEGATRON_ZECO_SCAN_TIMEOUT", "120")  # inherited by the spawned ranks
+SCAN_TIMEOUT = os.environ.get("MEGATRON_ZECO_SCAN_TIMEOUT", "120")
+
+
+@pytest.fixture(autouse=True)
+def _scan_timeout(monkeypatch):
+    """This module's tests only: the spawned ranks inherit the scan timeout (set while each test runs,
+    not at import, so that it never reaches other modules' tests)."""
+    monkeypatch.setenv("MEGATRON_ZECO_SCAN_TIMEOUT", SCAN_TIMEOUT)
 
 
 def _cp_errors(x, ref, rank, world, group, layout, kw):
