@@ -2,6 +2,12 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --out results/op.json
     python benchmarks/plot_op.py results/op.json docs/img/op.png
+    torchrun --nproc-per-node 2 benchmarks/bench_op.py --op gdn --parts op --out results/op-gdn.json
+
+``--op gdn`` times the gated delta rule instead (``zeco_gated_delta_rule`` against fla's
+``chunk_gated_delta_rule`` on one GPU; part ``op`` only, eager and steady modes); ``--forward-only``
+times the forward alone (where fla refuses the gated delta rule's backward: Hopper with Triton
+3.4 - 3.7.0, fla's issue #640).
 
 Four parts (``--parts``), all in one run so that the figures compare side by side:
 
@@ -53,10 +59,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_zeco import zeco_gla
+from megatron_zeco import zeco_gated_delta_rule, zeco_gla
 from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import Layout, all_scan, as_layout, gather_scan
 from megatron_zeco.comm.peer import PeerBuffers
+
+TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
 from megatron_zeco.cp.packed import Packing
 from megatron_zeco.kernels.chunk_state import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 from megatron_zeco.ops import chunk_gla
@@ -67,13 +75,16 @@ def parse_args():
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--strategies", nargs="+",
-                   default=["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"],
-                   help="strategy[+overlap][@transport][:piece_split]")
+    p.add_argument("--strategies", nargs="+", default=None,
+                   help="strategy[+overlap][@transport][:piece_split]; default: zeco zeco:1 zeco@send_recv "
+                        "zeco+overlap lasp1 lasp2 a2a (--op gdn: zeco zeco@send_recv lasp2 a2a)")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
                    help="op part: issue from Python (each iteration from an empty queue, or back to back), "
                         "or replay one captured CUDA graph")
+    p.add_argument("--op", choices=["gla", "gdn"], default="gla",
+                   help="gla: gated linear attention; gdn: the gated delta rule (part op only)")
+    p.add_argument("--forward-only", action="store_true", help="op part: time the forward alone")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--scan-mib", type=float, nargs="+", default=[0.25, 0.5, 1, 2, 4])
@@ -84,7 +95,15 @@ def parse_args():
     p.add_argument("--parts", nargs="+", default=["op", "scan", "accuracy", "packed"],
                    choices=["op", "scan", "accuracy", "packed"])
     p.add_argument("--out", default="op.json")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.strategies is None:
+        args.strategies = (["zeco", "zeco@send_recv", "lasp2", "a2a"] if args.op == "gdn" else
+                           ["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"])
+    if args.op == "gdn" and set(args.parts) != {"op"}:
+        p.error("--op gdn times part op only: add --parts op")
+    if args.op == "gdn" and not set(args.strategies) <= {"zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
+        p.error("--op gdn: --strategies from zeco, zeco@<transport>, lasp2, a2a")
+    return args
 
 
 def log(*args):
@@ -160,10 +179,16 @@ def gates(B, N, H, K, device, generator):
     return -(rate * noise)
 
 
-def inputs(B, N, H, D, seed, dtype=torch.bfloat16):
+def inputs(B, N, H, D, seed, dtype=torch.bfloat16, op="gla"):
+    """q, k, v, the gates and the output gradient ``o``; for the gated delta rule a gate per head (log
+    decay, time scales from 1 token to the sequence) and ``beta`` in (0, 1), as fla's tests draw them."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(B, N, H, D, device="cuda", generator=gen) for _ in range(4))
     k = F.normalize(k, dim=-1)  # fla's convention in its tests: bounded key norms
+    if op == "gdn":
+        g = gates(B, N, 1, H, "cuda", gen)[:, :, 0]
+        beta = torch.rand(B, N, H, device="cuda", generator=gen).sigmoid()
+        return {n: x.to(dtype) for n, x in zip(("q", "k", "v", "g", "beta", "o"), (q, k, v, g, beta, do))}
     g = gates(B, N, H, D, "cuda", gen)
     return {n: x.to(dtype) for n, x in zip("qkvgo", (q, k, v, g, do))}
 
@@ -177,46 +202,54 @@ def options(strategy):
                 transport=transport or "auto", piece_split=int(split) if split else None)
 
 
-def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False):
-    """fwd + bwd of one row's op on ``x`` (a packed sequence of documents with ``cu_seqlens``)."""
-    leaves = [x[n].detach().requires_grad_() for n in "qkvg"]
-    if strategy == "fla":
-        from fla.ops.gla import chunk_gla as fla_chunk_gla
+def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False, op="gla", backward=True):
+    """fwd + bwd (or fwd alone) of one row's op on ``x`` (a packed sequence of documents with ``cu_seqlens``)."""
+    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")[:5 if op == "gdn" else 4]]
+    if strategy == "fla" and op == "gla":
+        from fla.ops.gla import chunk_gla as fla_op
+    elif strategy == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
+    zeco_op = zeco_gated_delta_rule if op == "gdn" else zeco_gla
+    kw = options(strategy)
+    if op == "gdn":  # the gated delta rule's operator has no side stream or piece split
+        kw = {k: v for k, v in kw.items() if k in ("strategy", "transport")}
 
     def run():
         if strategy == "fla":
-            o, _ = fla_chunk_gla(*leaves)
+            o, _ = fla_op(*leaves)
         else:
-            o, _ = zeco_gla(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
-                            validate=False, **options(strategy))
-        return torch.autograd.grad(o, leaves, x["o"])
+            o, _ = zeco_op(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
+                           validate=False, **kw)
+        return torch.autograd.grad(o, leaves, x["o"]) if backward else o
 
     return run
 
 
 def bench_op(args, world, me, cp_group, self_group, rows):
     for T in args.tokens:
-        x = inputs(1, T, args.heads, args.dim, seed=1000 + me)
+        x = inputs(1, T, args.heads, args.dim, seed=1000 + me, op=args.op)
         cases = [("fla", None, "contiguous", 1), ("none", None, "contiguous", 1), ("zeco", self_group, "contiguous", 1)]
         cases += [(s, cp_group, lay, world) for s in args.strategies for lay in args.layouts]
         base = {}
         for mode in args.modes:
             for strategy, group, layout, P in cases:
-                if mode == "graph" and not capturable(strategy, P):
+                if mode == "graph" and (args.op == "gdn" or not capturable(strategy, P)):
                     continue
-                fn = op_fn(x, strategy, group, layout)
+                fn = op_fn(x, strategy, group, layout, op=args.op, backward=not args.forward_only)
                 ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
                 host = host_ms(fn, args.iters) if mode == "eager" else None
                 if strategy == "none":
                     base[mode] = ms
                 vs_none = ms / base[mode] if mode in base else None
-                rows.append({"part": "op", "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
+                rows.append({"part": "op", "op": args.op, "direction": "fwd" if args.forward_only else "fwd+bwd",
+                             "mode": mode, "tokens_per_gpu": T, "heads": args.heads, "dim": args.dim,
                              "strategy": strategy, "cp": P, "layout": layout, "ms": ms, "vs_none": vs_none,
                              "host_ms": host})
                 log(f"op  {mode:5s} T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} {ms:8.3f} ms"
                     + ("" if vs_none is None else f"  x{vs_none:.3f} of none")
                     + ("" if host is None else f"  (host issue {host:.3f} ms)"))
-        bench_kernels(args, x, T, rows)
+        if args.op == "gla":
+            bench_kernels(args, x, T, rows)
         del x
         torch.cuda.empty_cache()
 
