@@ -327,12 +327,17 @@ def transformer_config(cfg: TrainConfig):
     moe = {}
     if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern:
         moe = dict(num_moe_experts=cfg.experts, moe_ffn_hidden_size=4 * cfg.hidden, add_bias_linear=False)
+    # A GPTModel's checkpoint stacks each layer tensor of its block along a layer axis, which needs every
+    # layer to hold the same tensors; GLA and softmax layers (--pattern 'G*') do not (without this the
+    # save fails megatron-core's sharding check), so they are saved per layer, as HybridModel's always
+    # are. ('hetereogenous' is megatron-core's spelling, in 0.16 and 0.19 alike.)
+    mixed = cfg.model == "gpt" and len(set(cfg.pattern)) > 1
     return TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic, **graphs, **moe,
+        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe,
     )
 
 
@@ -456,7 +461,8 @@ def _vocab_parallel_argmax(logits):
     if tp.size() == 1:
         return index
     index = index + tp.rank() * logits.shape[-1]
-    bests, indices = [torch.empty_like(best) for _ in range(tp.size())], [torch.empty_like(index) for _ in range(tp.size())]
+    bests = [torch.empty_like(best) for _ in range(tp.size())]
+    indices = [torch.empty_like(index) for _ in range(tp.size())]
     dist.all_gather(bests, best.contiguous(), group=tp)
     dist.all_gather(indices, index.contiguous(), group=tp)
     return torch.stack(indices).gather(0, torch.stack(bests).argmax(0, keepdim=True)).squeeze(0)
