@@ -1,11 +1,13 @@
-"""The main job: train a small GLA GPTModel (megatron-core) with ZeCO context parallelism.
+"""The main job: train a small GLA model (megatron-core) with ZeCO context parallelism.
 
     torchrun --nproc-per-node 4 -m megatron_zeco.train                 # CPU, gloo, CP = 4
     torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2          # TP 2 x CP 4
     torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
+    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid  # HybridModel 'G-G-' (megatron-core >= 0.19)
+    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid --hybrid-layer-pattern 'G-G-G-*-'
     torchrun --nproc-per-node 4 -m megatron_zeco.train --save ckpt --load ckpt   # save, and resume if saved
 
-Uses megatron-core directly (parallel_state, GPTModel, the layer spec of this package,
+Uses megatron-core directly (parallel_state, GPTModel or HybridModel, the specs of this package,
 dist_checkpointing); gradients of the parameters, replicated over data and context parallel
 ranks, are summed over that group as Megatron's DDP does. Runs on GPUs with NCCL when torch
 sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP strategy every
@@ -13,6 +15,8 @@ sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP
 """
 
 import argparse
+import importlib.metadata
+import importlib.util
 import logging
 import math
 import os
@@ -35,6 +39,10 @@ from .recall import RecallTask
 
 PROG = "megatron_zeco.train"
 SEQ_LEN = 64  # --seq-len's default, rounded up to what the CP layout cuts evenly
+GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pattern's length)
+# --hybrid-layer-pattern's symbols this job builds (Megatron-LM's): the hybrid stack's slots of
+# megatron_zeco.specs.hybrid_stack_spec without TransformerEngine.
+HYBRID_SYMBOLS = {"G": "GLA", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
 
 
 def _flag(default, group: str, help: str, shown: Optional[str] = None, **argparse_kwargs):
@@ -69,11 +77,22 @@ class TrainConfig:
     device: str = _flag("auto", PARALLEL, "cuda (NCCL, one GPU per process), cpu (gloo), or auto: cuda when "
                         "torch sees a GPU", choices=["auto", "cpu", "cuda"])
     # -- model
-    pattern: str = _flag("G", MODEL, "layer kinds, repeated over the depth: G = GLA, * = causal softmax "
-                         "attention ('G*': every second layer softmax)")
+    model: str = _flag("gpt", MODEL, "gpt: megatron-core's GPTModel, layers by --pattern (deprecated in "
+                       "megatron-core 0.19, which says so at start-up); hybrid: megatron-core's HybridModel, the "
+                       "current Megatron model (megatron-core >= 0.19), layers by --hybrid-layer-pattern",
+                       choices=["gpt", "hybrid"])
+    pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = GLA, * = causal "
+                         "softmax attention ('G*': every second layer softmax)")
+    hybrid_layer_pattern: str = _flag("G-G-", MODEL, "--model hybrid: one layer per symbol, as Megatron-LM's "
+                                      "flag: G = GLA, * = causal softmax attention, - = MLP, E = mixture of experts "
+                                      "(needs a GPU); the GPTModel pattern 'G*' is 'G-*-' here")
+    experts: int = _flag(4, MODEL, "--model hybrid: experts of each E layer (Megatron's router: top-2, no "
+                         "auxiliary loss)")
     position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (GLA layers "
                                     "carry no positions)", choices=["none", "rope"])
-    layers: int = _flag(2, MODEL, "transformer layers")
+    layers: Optional[int] = _flag(None, MODEL, "--model gpt: transformer layers; --model hybrid: the number of "
+                                  "symbols in --hybrid-layer-pattern, which it must equal",
+                                  shown=f"{GPT_LAYERS} for gpt; for hybrid the pattern's length")
     hidden: int = _flag(64, MODEL, "hidden size (a multiple of --heads)")
     heads: int = _flag(4, MODEL, "attention heads per layer (a multiple of --tp; for a2a, of --tp x --cp)")
     dtype: str = _flag("float32", MODEL, "parameters and activations; float64 for exactness checks",
@@ -115,6 +134,9 @@ class TrainConfig:
                               "every this many steps")
 
 
+_DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
+
+
 class _Parser(argparse.ArgumentParser):
     """Prints (help, usage, errors) on the first process only: torchrun starts one per rank."""
 
@@ -153,6 +175,7 @@ class ConfigError(ValueError):
 def resolve(cfg: TrainConfig, world: int) -> List[str]:
     """Fill in what depends on the number of processes (``cp``, ``seq_len``) and check the flags
     against each other; ValueError naming the flag to change. Returns lines for the log."""
+    notes = resolve_model(cfg)
     for name in ("tp", "dp", "layers", "hidden", "heads", "batch", "steps", "log_interval", "pairs", "keys",
                  "values", "filler"):
         if getattr(cfg, name) < 1:
@@ -176,7 +199,6 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * split if cfg.cp > 1 else 1
     why = f"the {cfg.layout} layout cuts each sequence into {pieces} equal pieces over --cp {cfg.cp} ranks" \
         + (f" (x --piece-split {split})" if split > 1 else "")
-    notes = []
     if cfg.seq_len is None:
         cfg.seq_len = -(-SEQ_LEN // pieces) * pieces
         if cfg.seq_len != SEQ_LEN:
@@ -191,12 +213,63 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     return notes
 
 
+def have_hybrid_model() -> bool:
+    """Whether this megatron-core has HybridModel (megatron.core.models.hybrid, from 0.19 on)."""
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
+def resolve_model(cfg: TrainConfig) -> List[str]:
+    """Check ``--model`` and its pattern flag; fill in ``--layers`` (for hybrid, the pattern's
+    length). ValueError naming the flag to change; returns lines for the log."""
+    if cfg.model == "gpt":
+        if cfg.hybrid_layer_pattern != _DEFAULTS["hybrid_layer_pattern"]:
+            raise ValueError("--hybrid-layer-pattern is for --model hybrid; --model gpt takes --pattern "
+                             "(G GLA, * softmax attention), e.g. --pattern 'G*' for 'G-*-'")
+        if cfg.layers is None:
+            cfg.layers = GPT_LAYERS
+        return []
+    if cfg.model != "hybrid":
+        raise ValueError(f"--model must be gpt or hybrid, got {cfg.model!r}")
+    if not have_hybrid_model():
+        raise ValueError(f"--model hybrid needs megatron-core >= 0.19 (HybridModel; 0.19.2 is tested), and this is "
+                         f"megatron-core {importlib.metadata.version('megatron-core')}: pip install "
+                         f"'megatron-core>=0.19.2' (its wheels need Python >= 3.12), or use --model gpt")
+    pattern = cfg.hybrid_layer_pattern
+    if cfg.pattern != _DEFAULTS["pattern"]:
+        raise ValueError("--pattern is for --model gpt; --model hybrid takes --hybrid-layer-pattern, one layer per "
+                         "symbol (--pattern 'G*' is --hybrid-layer-pattern 'G-*-')")
+    if "|" in pattern:
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: '|' separates pipeline stages, and this job runs one "
+                         f"stage (no pipeline parallelism); drop the '|'")
+    unknown = sorted(set(pattern) - set(HYBRID_SYMBOLS))
+    if not pattern or unknown:
+        offered = ", ".join(f"{s!r} ({name})" for s, name in HYBRID_SYMBOLS.items())
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r}: " + (f"no layer for {', '.join(map(repr, unknown))}; "
+                         if unknown else "no layers; ") + f"its symbols are {offered}, e.g. 'G-G-G-*-'")
+    if "E" in pattern and cfg.experts < 2:
+        raise ValueError(f"--experts {cfg.experts}: an E layer routes each token to 2 experts; give at least 2")
+    if "E" in pattern and cfg.tp > 1:
+        raise ValueError(f"--hybrid-layer-pattern {pattern!r} with --tp {cfg.tp}: megatron-core runs MoE under tensor "
+                         f"parallelism only with sequence parallelism, which this job does not use; use --tp 1")
+    if cfg.layers is None:
+        cfg.layers = len(pattern)
+        return [f"--layers {cfg.layers}: the layer count of --hybrid-layer-pattern {pattern!r} (one layer per "
+                f"symbol)"]
+    if cfg.layers != len(pattern):
+        raise ValueError(f"--layers {cfg.layers} must equal the {len(pattern)} layers of --hybrid-layer-pattern "
+                         f"{pattern!r} (one per symbol); leave --layers out to take the pattern's")
+    return []
+
+
 def check_device(cfg: TrainConfig):
     """ValueError for what megatron-core cannot run on the chosen device. (Tests that train RoPE
     models on the CPU let the host stand in for CUDA: tests/test_hybrid.py; the job does not.)"""
     if cfg.position_embedding == "rope" and not uses_cuda(cfg):
         raise ValueError("--position-embedding rope needs a GPU: megatron-core's rotary embeddings move their "
                          "tables to CUDA; on the CPU use --position-embedding none")
+    if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern and not uses_cuda(cfg):
+        raise ValueError(f"--hybrid-layer-pattern {cfg.hybrid_layer_pattern!r}: E (mixture of experts) needs a GPU: "
+                         f"megatron-core's MoE router moves its weights to CUDA; on the CPU use - (MLP) layers")
 
 
 def _world_size() -> int:
@@ -247,21 +320,38 @@ def transformer_config(cfg: TrainConfig):
     # CUDA graphs are off; say so in the form this megatron-core takes (its default, "full", is deprecated).
     names = {f.name for f in fields(TransformerConfig)}
     graphs = dict(cuda_graph_modules=[]) if "cuda_graph_modules" in names else dict(cuda_graph_scope=[])
+    # HybridModel's E layers: Megatron's router defaults (top-2, no auxiliary loss), experts the size
+    # of the MLP layers (said, or megatron-core warns). Linears without biases, as Megatron's MoE models
+    # train (--disable-bias-linear): its local experts' forward adds an expert's bias in place to a
+    # view of autograd's and fails.
+    moe = {}
+    if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern:
+        moe = dict(num_moe_experts=cfg.experts, moe_ffn_hidden_size=4 * cfg.hidden, add_bias_linear=False)
+    # A GPTModel's checkpoint stacks each layer tensor of its block along a layer axis, which needs every
+    # layer to hold the same tensors; GLA and softmax layers (--pattern 'G*') do not (without this the
+    # save fails megatron-core's sharding check), so they are saved per layer, as HybridModel's always
+    # are. ('hetereogenous' is megatron-core's spelling, in 0.16 and 0.19 alike.)
+    mixed = cfg.model == "gpt" and len(set(cfg.pattern)) > 1
     return TransformerConfig(
         num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic, **graphs,
+        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe,
     )
+
+
+def _gla_knobs(cfg: TrainConfig) -> dict:
+    """The GLA layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
+    return dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
+                cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
 
 
 def layer_spec(cfg: TrainConfig):
     """This package's layer spec for ``--pattern``: GLA layers, or GLA and softmax layers."""
     from .specs import gla_layer_spec, hybrid_layer_spec
 
-    gla = dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
-               cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
+    gla = _gla_knobs(cfg)
     return gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
 
 
@@ -275,14 +365,24 @@ def gpt_model(cfg: TrainConfig, config, vocab_size: int):
                     max_sequence_length=cfg.seq_len, position_embedding_type=cfg.position_embedding)
 
 
-# Model kinds: name -> builder(cfg, TransformerConfig, vocab_size). Another kind is one builder here.
-MODEL_KINDS = {"gpt": gpt_model}
+def hybrid_model(cfg: TrainConfig, config, vocab_size: int):
+    """megatron-core's HybridModel (>= 0.19) of ``--hybrid-layer-pattern`` over this package's
+    hybrid stack spec (Megatron-Core linears and norms; the GLA layers as ``--pattern``'s)."""
+    from .hybrid_model import build_hybrid_model
+    from .specs import hybrid_stack_spec
+
+    return build_hybrid_model(config, cfg.hybrid_layer_pattern, vocab_size, cfg.seq_len,
+                              hybrid_stack_spec(**_gla_knobs(cfg)), position_embedding_type=cfg.position_embedding)
 
 
-def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device, kind: str = "gpt"):
-    """The model of ``kind``; identical initial weights for any TP/CP layout."""
+# Model kinds (--model): name -> builder(cfg, TransformerConfig, vocab_size).
+MODEL_KINDS = {"gpt": gpt_model, "hybrid": hybrid_model}
+
+
+def build_model(cfg: TrainConfig, vocab_size: int, device: torch.device):
+    """The model ``--model`` names; identical initial weights for any TP/CP layout."""
     torch.manual_seed(cfg.seed)
-    model = MODEL_KINDS[kind](cfg, transformer_config(cfg), vocab_size)
+    model = MODEL_KINDS[cfg.model](cfg, transformer_config(cfg), vocab_size)
     return model.to(device=device, dtype=getattr(torch, cfg.dtype))  # some norms ignore params_dtype
 
 
@@ -361,7 +461,8 @@ def _vocab_parallel_argmax(logits):
     if tp.size() == 1:
         return index
     index = index + tp.rank() * logits.shape[-1]
-    bests, indices = [torch.empty_like(best) for _ in range(tp.size())], [torch.empty_like(index) for _ in range(tp.size())]
+    bests = [torch.empty_like(best) for _ in range(tp.size())]
+    indices = [torch.empty_like(index) for _ in range(tp.size())]
     dist.all_gather(bests, best.contiguous(), group=tp)
     dist.all_gather(indices, index.contiguous(), group=tp)
     return torch.stack(indices).gather(0, torch.stack(bests).argmax(0, keepdim=True)).squeeze(0)
@@ -419,6 +520,7 @@ _JOB_FLAGS = {
     "--tensor-model-parallel-size": "--tp", "tensor_model_parallel_size": "--tp",
     "--context-parallel-size": "--cp", "--seq-length": "--seq-len", "--hidden-size": "--hidden",
     "hidden_size": "--hidden", "--num-layers": "--layers", "--kv-channels": "--hidden / --heads",
+    "--num-experts": "--experts",
     "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
     "cp_piece_split": "--piece-split", "--position-embedding-type": "--position-embedding",
     "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
@@ -445,8 +547,9 @@ def startup_errors():
 # Flags that shape the loss curve: a resumed run takes them as saved (--steps may change: the
 # learning-rate schedule then spans the new count). The parallel layout, CP strategy, device and
 # logging may change: a checkpoint loads at any TP x CP x DP.
-RESUME_FLAGS = ("pattern", "position_embedding", "layers", "hidden", "heads", "dtype", "task", "seq_len", "batch",
-                "pairs", "keys", "values", "filler", "seed", "lr", "clip_grad")
+RESUME_FLAGS = ("model", "pattern", "hybrid_layer_pattern", "experts", "position_embedding", "layers", "hidden",
+                "heads", "dtype", "task", "seq_len", "batch", "pairs", "keys", "values", "filler", "seed", "lr",
+                "clip_grad")
 
 
 def save_checkpoint(cfg: TrainConfig, step: int, model, optimizer, scheduler, device, log):
@@ -469,8 +572,9 @@ def resume(cfg: TrainConfig, model, optimizer, scheduler, device, log) -> int:
     saved = checkpoint.read_common(path).get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"--load {path} is a distributed checkpoint, but not of this job (no configuration in it)")
-    differ = [f"--{name.replace('_', '-')} {saved.get(name)} (given {getattr(cfg, name)})"
-              for name in RESUME_FLAGS if saved.get(name) != getattr(cfg, name)]
+    # A flag newer than the checkpoint had its default then (--model gpt, ...).
+    differ = [f"--{name.replace('_', '-')} {saved.get(name, _DEFAULTS[name])} (given {getattr(cfg, name)})"
+              for name in RESUME_FLAGS if saved.get(name, _DEFAULTS[name]) != getattr(cfg, name)]
     if differ:
         raise ValueError(f"--load {path} was saved with {', '.join(differ)}; a resumed run continues its loss "
                          f"curve with the same model, task, data and optimiser flags: pass those")
@@ -494,8 +598,8 @@ def train(cfg: TrainConfig, log=_log):
 
     try:
         with startup_errors():
+            device = init_distributed(cfg, log)  # checks the flags (resolve) first
             check_device(cfg)
-            device = init_distributed(cfg, log)
             task = make_task(cfg)
             model = build_model(cfg, task.vocab_size, device)
             optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
@@ -511,8 +615,11 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
 
     rank0 = dist.get_rank() == 0
     if rank0:
-        kind = "GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})"
-        log(f"megatron_zeco: {kind} GPTModel {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
+        if cfg.model == "hybrid":
+            kind = f"HybridModel {cfg.hybrid_layer_pattern!r},"
+        else:
+            kind = ("GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})") + " GPTModel"
+        log(f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
             f"layout {cfg.layout}, piece split {cfg.piece_split or 'auto'} | "
             f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "

@@ -2,16 +2,22 @@
 save / resume through Megatron-Core's distributed checkpointing on real gloo process groups."""
 
 import contextlib
+import importlib.util
 import io
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 
-from distributed import run_ranks
+from distributed import host_as_cuda, run_ranks
 
 TINY = dict(layers=2, hidden=32, heads=4, seq_len=32, batch=4, steps=6, log_interval=10**6)
+HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+needs_hybrid_model = pytest.mark.skipif(not HAVE_HYBRID_MODEL,
+                                        reason="--model hybrid needs megatron-core >= 0.19 (HybridModel; .ci/run "
+                                               "runs these tests in its megatron-core 0.19 pass)")
 
 
 # --- flags -----------------------------------------------------------------------------------------
@@ -82,12 +88,63 @@ def test_resolve_names_the_flag_to_change(world, flags, names):
     assert all(n in str(error.value) for n in names), str(error.value)
 
 
+@needs_hybrid_model
+@pytest.mark.megatron
+@pytest.mark.parametrize("flags,names", [
+    (dict(hybrid_layer_pattern="G-|G-"), ["'G-|G-'", "'|' separates pipeline stages", "drop the '|'"]),
+    (dict(hybrid_layer_pattern="GM-"), ["'GM-'", "no layer for 'M'", "'G' (GLA), '*' (softmax attention)"]),
+    (dict(hybrid_layer_pattern=""), ["no layers"]),
+    (dict(layers=3), ["--layers 3 must equal the 4 layers of --hybrid-layer-pattern 'G-G-'"]),
+    (dict(pattern="G*"), ["--pattern is for --model gpt", "--hybrid-layer-pattern 'G-*-'"]),
+    (dict(hybrid_layer_pattern="G-E-", experts=1), ["--experts 1", "at least 2"]),
+    (dict(hybrid_layer_pattern="G-E-", tp=2), ["'G-E-' with --tp 2", "sequence parallelism", "use --tp 1"]),
+])
+def test_hybrid_model_flags_are_checked(flags, names):
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError) as error:
+        T.resolve(T.TrainConfig(model="hybrid", **flags), 2)
+    assert all(n in str(error.value) for n in names), str(error.value)
+
+
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_hybrid_model_takes_its_layers_from_the_pattern():
+    from megatron_zeco import train as T
+
+    cfg = T.TrainConfig(model="hybrid", hybrid_layer_pattern="G-G-G-*-")
+    notes = T.resolve(cfg, 2)
+    assert cfg.layers == 8 and notes == ["--layers 8: the layer count of --hybrid-layer-pattern 'G-G-G-*-' (one "
+                                         "layer per symbol)"]
+    cfg = T.TrainConfig(model="hybrid", layers=4)
+    assert T.resolve(cfg, 2) == [] and cfg.layers == 4
+    cfg = T.TrainConfig()
+    assert T.resolve(cfg, 2) == [] and cfg.layers == 2  # --model gpt
+
+
+def test_gpt_model_refuses_the_hybrid_pattern():
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError, match="--hybrid-layer-pattern is for --model hybrid; --model gpt takes --pattern"):
+        T.resolve(T.TrainConfig(hybrid_layer_pattern="G-*-"), 2)
+
+
+@pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel")
+def test_hybrid_model_on_megatron_core_without_it_names_the_version():
+    from megatron_zeco import train as T
+
+    with pytest.raises(ValueError, match=r"--model hybrid needs megatron-core >= 0\.19 .*this is megatron-core 0\.16"):
+        T.resolve(T.TrainConfig(model="hybrid"), 2)
+
+
 def test_rope_on_the_cpu_is_refused():
     from megatron_zeco import train as T
 
     with pytest.raises(ValueError, match="--position-embedding rope needs a GPU"):
         T.check_device(T.TrainConfig(position_embedding="rope", device="cpu"))
     T.check_device(T.TrainConfig(device="cpu"))
+    with pytest.raises(ValueError, match="E .mixture of experts. needs a GPU"):
+        T.check_device(T.TrainConfig(model="hybrid", hybrid_layer_pattern="G-GE", device="cpu"))
 
 
 # --- start-up errors -------------------------------------------------------------------------------
@@ -109,6 +166,9 @@ MISCONFIGURED = {
     "rope": (["--pattern", "G*", "--position-embedding", "rope", "--device", "cpu"],  # train.check_device
              ["--position-embedding rope needs a GPU"]),
 }
+if not HAVE_HYBRID_MODEL:  # megatron-core 0.16: train.resolve_model
+    MISCONFIGURED["hybrid"] = (["--model", "hybrid"], ["--model hybrid needs megatron-core >= 0.19",
+                                                        "pip install 'megatron-core>=0.19.2'"])
 
 
 def _main_outputs(rank, world, cases, load_dir):
@@ -220,13 +280,19 @@ def test_load_without_a_checkpoint_starts_from_step_0(resume_runs):
     assert any("no checkpoint there; starting from step 0" in line for line in out["empty log"])
 
 
-def test_command_saves_and_resumes_without_warnings(tmp_path):
+@pytest.mark.parametrize("model", ["gpt", pytest.param("hybrid", marks=[needs_hybrid_model, pytest.mark.megatron])])
+def test_command_saves_and_resumes_without_warnings(tmp_path, model):
     """torchrun: 2 steps saved at CP 2 (--exit-interval), resumed at TP 2; no warning in either
     output (megatron-core's Apex/TE notices and torch's deprecations inside its checkpointing are
-    filtered; CUDA graph scope set as this megatron-core wants it)."""
+    filtered; CUDA graph scope set as this megatron-core wants it). GLA and softmax attention layers
+    (the softmax layers' K/V all-gather runs backward under CP 2): --model gpt --pattern 'G*' (a
+    GPTModel whose layers differ, saved per layer) and, on megatron-core >= 0.19 (CI's second
+    pass), --model hybrid 'G-*-' (its only run as a command: the warnings of 0.19, and a
+    HybridModel checkpoint resharded to TP 2)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    layers = ["--pattern", "G*"] if model == "gpt" else ["--model", "hybrid", "--hybrid-layer-pattern", "G-*-"]
     base = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
-            "--steps", "4", "--log-interval", "1", "--hidden", "32"]
+            "--steps", "4", "--log-interval", "1", "--hidden", "32", *layers]
     first = subprocess.run(base + ["--save", str(tmp_path), "--exit-interval", "2"], env=env, capture_output=True,
                            text=True, timeout=300)
     second = subprocess.run(base + ["--load", str(tmp_path), "--tp", "2"], env=env, capture_output=True, text=True,
@@ -237,3 +303,68 @@ def test_command_saves_and_resumes_without_warnings(tmp_path):
     assert "step     2/4" in first.stdout and "step     3/4" not in first.stdout
     assert "resumed from" in second.stdout and "step     3/4" in second.stdout and "done: 2 steps 3-4 of 4" in \
         second.stdout
+
+
+# --- --model hybrid (megatron-core >= 0.19) --------------------------------------------------------
+
+HYBRID = dict(TINY, model="hybrid", layers=None, hybrid_layer_pattern="G-*-")  # GLA, MLP, softmax, MLP
+
+
+def _hybrid_runs(rank, world, root):
+    """Histories of --model hybrid (G-*-): 6 steps at CP 2 and at CP 1 (DP 2); 3 steps saved at CP 2
+    and resumed; and the error of --model gpt loading that checkpoint."""
+    from megatron_zeco import train as T
+
+    ckpt = os.path.join(root, "ckpt")
+    out = {"cp2": T.train(T.TrainConfig(**HYBRID, cp=2), log=lambda line: None),
+           "cp1": T.train(T.TrainConfig(**HYBRID, cp=1, dp=2), log=lambda line: None)}
+    out["first"] = T.train(T.TrainConfig(**HYBRID, cp=2, save=ckpt, exit_interval=3), log=lambda line: None)
+    out["resumed"] = T.train(T.TrainConfig(**HYBRID, cp=2, load=ckpt), log=lambda line: None)
+    try:
+        T.train(T.TrainConfig(**TINY, cp=2, load=ckpt), log=lambda line: None)
+    except T.ConfigError as e:
+        out["gpt error"] = str(e)
+    # E layers: megatron-core's MoE router moves its weights to CUDA, which the job refuses on the CPU
+    # (check_device); the host stands in for CUDA here, as in tests/test_hybrid_model.py.
+    moe = dict(HYBRID, hybrid_layer_pattern="G-GE", steps=3)
+    with host_as_cuda(), mock.patch.object(T, "check_device"):
+        out["moe cp2"] = T.train(T.TrainConfig(**moe, cp=2), log=lambda line: None)
+        out["moe cp1"] = T.train(T.TrainConfig(**moe, cp=1, dp=2), log=lambda line: None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs(tmp_path_factory):
+    return run_ranks(_hybrid_runs, 2, str(tmp_path_factory.mktemp("hybrid")))
+
+
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_hybrid_model_under_cp_trains_as_one_rank(hybrid_runs):
+    """--model hybrid 'G-*-': 6 AdamW steps at CP 2 (GLA by ZeCO, softmax attention by its K/V
+    all-gather) give CP 1's losses (float32, 1e-5)."""
+    for out in hybrid_runs:
+        assert len(out["cp2"]) == len(out["cp1"]) == 6
+        for (loss, _), (ref, _) in zip(out["cp2"], out["cp1"]):
+            assert loss == pytest.approx(ref, rel=1e-5, abs=0), (out["cp2"], out["cp1"])
+
+
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_hybrid_model_with_experts_under_cp_trains_as_one_rank(hybrid_runs):
+    """--model hybrid 'G-GE' (--experts 4, top-2 routing): 3 steps at CP 2 give CP 1's losses
+    (float32, 1e-5)."""
+    for out in hybrid_runs:
+        assert len(out["moe cp2"]) == len(out["moe cp1"]) == 3
+        for (loss, _), (ref, _) in zip(out["moe cp2"], out["moe cp1"]):
+            assert loss == pytest.approx(ref, rel=1e-5, abs=0), (out["moe cp2"], out["moe cp1"])
+
+
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_hybrid_model_resumes_the_same_losses_and_refuses_the_other_model(hybrid_runs):
+    """3 steps + save + load + 3 steps == 6 steps straight, to the bit (HybridModel's
+    sharded_state_dict through dist checkpointing); --model gpt refuses the checkpoint."""
+    for out in hybrid_runs:
+        assert out["first"] == out["cp2"][:3] and out["resumed"] == out["cp2"][3:], out
+        assert "was saved with --model hybrid (given gpt)" in out["gpt error"], out["gpt error"]

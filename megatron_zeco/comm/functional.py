@@ -42,6 +42,11 @@ class _AllToAll(torch.autograd.Function):
         return (None, *out)
 
 
+# torch 2.13 renames reduce_scatter_tensor to reduce_scatter_single (same arguments) and warns
+# (FutureWarning) at every call of the old name; older releases have the old name only.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
@@ -55,7 +60,7 @@ class _AllGather(torch.autograd.Function):
         # Every rank used every part: this rank's part of the sum over ranks (reduce-scatter).
         blocks = grad.movedim(ctx.dim, 0).contiguous()  # rank r's part is the r-th block of rows
         mine = blocks.new_empty((blocks.shape[0] // dist.get_world_size(ctx.group), *blocks.shape[1:]))
-        dist.reduce_scatter_tensor(mine, blocks, group=ctx.group)
+        _reduce_scatter(mine, blocks, group=ctx.group)
         return mine.movedim(0, ctx.dim), None, None
 
 
