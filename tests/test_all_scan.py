@@ -34,7 +34,7 @@ def _scan_worker(rank, world, seed, groups):
     group, P = handles[gid], len(groups[gid])
     me = dist.get_rank(group)
     failures = []
-    cases = itertools.product(Layout, (1, 2, 4), (False, True), (False, True),
+    cases = itertools.product(Layout, (1, 4), (False, True), (False, True),
                               ("all_scan send_recv", "all_scan peer_memory", "gather_scan"))
     for n, (layout, blocks, reverse, with_init, impl) in enumerate(cases):
         gen = torch.Generator().manual_seed(seed + 1000 * gid + n)  # each group scans different data
@@ -154,9 +154,9 @@ def _varying_counts_worker(rank, world, seed, counts):
 
 
 def test_peer_memory_state_counts_change_between_calls(seed):
-    """Channels come in powers of two of states and are reused: 3, 5, 4, 7, 8, 2, 5 states need
-    the channels for 4, 8 and 2, not one per count (each is a collective allocation kept alive)."""
-    results = run_ranks(_varying_counts_worker, 3, seed, [3, 5, 4, 7, 8, 2, 5])
+    """Channels come in powers of two of states and are reused: 3, 5, 4, 2, 7 states need the
+    channels for 4, 8 and 2, not one per count (each is a collective allocation kept alive)."""
+    results = run_ranks(_varying_counts_worker, 3, seed, [3, 5, 4, 2, 7])
     assert not any(failures for failures, _ in results), results
     assert [channels for _, channels in results] == [3, 3, 3], results
 

@@ -88,8 +88,8 @@ def _relay(rank, world, timeouts):
     kw = dict(layout=Layout.CONTIGUOUS, group=group, transport="peer_memory", what=LAYER)
     all_scan(gamma, delta, None, **kw)
     dist.barrier(group=group)
-    if rank == 0:
-        time.sleep(timeouts[-1] + 5)
+    if rank == 0:  # stalls past rank 1's timeout; rank 2 must not wait out its own (longer) one
+        time.sleep(timeouts[1] + 8)
         return None
     os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
     start = time.monotonic()
