@@ -45,6 +45,9 @@ def planned_causal_conv1d(plan: CPPlan, x: Tensor, weight: Tensor, bias: Optiona
     if cu_seqlens is None:
         halos = _dense_plan(plan.layout, plan.world, plan.rank, T, width)
     else:
+        if B != 1:  # checked here: the convolution runs before the recurrence's own checks
+            raise ValueError(f"{plan.name}: short convolution: packed sequences (cu_seqlens) have batch size 1, "
+                             f"got B = {B}")
         packing = Packing.cached(cu_seqlens, plan.layout, plan.world, plan.rank, T, per_document, x.device)
         cached = _PACKED_HALOS.setdefault(packing, {})
         if width not in cached:
