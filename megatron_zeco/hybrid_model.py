@@ -1,4 +1,4 @@
-"""Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with this package's GLA layers.
+"""Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with this package's GLA or Gated DeltaNet layers.
 
 ``HybridModel`` builds its decoder from a ``HybridStack`` spec and ``--hybrid-layer-pattern``:
 one layer per symbol, ``|`` between pipeline segments. ``megatron_zeco.specs.hybrid_stack_spec``
@@ -8,7 +8,9 @@ fills the slots this package provides, under one context-parallel (CP) split:
 symbol  slot               layer
 ======  =================  ==================================================================
 ``G``   ``gdn_layer``      norm + the ZeCO GLA token mixer (Megatron's slot for the gated
-                           linear-recurrent family; its own is Gated DeltaNet)
+                           linear-recurrent family), or with ``hybrid_stack_spec(mixer="gdn")``
+                           Megatron's own Gated DeltaNet layer with ZeCO's CP
+                           (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`)
 ``*``   ``attention_layer`` norm + causal softmax self-attention: TransformerEngine's with its
                            own CP, or without TE this package's ``AllGatherDotProductAttention``
 ``-``   ``mlp_layer``      norm + MLP (Megatron's)
@@ -58,7 +60,7 @@ class GLAHybridStack(HybridStack):
         for symbol in dict.fromkeys(layer_type_list or ()):
             slot, name = SLOTS.get(symbol, (None, None))
             if slot is not None and getattr(submodules, slot) is IdentityOp:
-                provided = ", ".join(f"{s!r} ({n})" for s, (sl, n) in SLOTS.items()
+                provided = ", ".join(f"{s!r} ({_layer_name(submodules, sl, n)})" for s, (sl, n) in SLOTS.items()
                                      if getattr(submodules, sl) is not IdentityOp)
                 raise ValueError(f"--hybrid-layer-pattern: this stack spec has no {name} layer for {symbol!r}; "
                                  f"its symbols are {provided}")
@@ -74,6 +76,12 @@ class GLAHybridStack(HybridStack):
                                            hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
 
 
+def _layer_name(submodules, slot: str, name: str) -> str:
+    """What a slot's layer is, for messages: ``G`` is GLA or Gated DeltaNet by its token mixer."""
+    mixer = getattr(getattr(getattr(submodules, slot), "submodules", None), "self_attention", None)
+    return "Gated DeltaNet" if "DeltaNet" in getattr(getattr(mixer, "module", None), "__name__", "") else name
+
+
 def build_hybrid_model(config, hybrid_layer_pattern: str, vocab_size: int, max_sequence_length: int,
                        stack_spec: Optional[ModuleSpec] = None, pg_collection=None, vp_stage: Optional[int] = None,
                        **kwargs) -> HybridModel:
@@ -82,11 +90,12 @@ def build_hybrid_model(config, hybrid_layer_pattern: str, vocab_size: int, max_s
     Args:
         config: the model's TransformerConfig; ``num_layers`` must be the pattern's layer count
             (Megatron-LM sets it so from ``--hybrid-layer-pattern``).
-        hybrid_layer_pattern: ``G`` GLA, ``*`` softmax attention, ``-`` MLP, ``E`` MoE, ``|``
-            between pipeline segments (their number a multiple of the pipeline size); e.g. ``G-G*-``.
+        hybrid_layer_pattern: ``G`` GLA (or Gated DeltaNet, by the stack spec), ``*`` softmax attention,
+            ``-`` MLP, ``E`` MoE, ``|`` between pipeline segments (their number a multiple of the
+            pipeline size); e.g. ``G-G*-``.
         vocab_size, max_sequence_length: as HybridModel.
         stack_spec: a ``megatron_zeco.specs.hybrid_stack_spec(...)``; None for its defaults
-            (Megatron-Core linears, ZeCO, zigzag layout).
+            (GLA, Megatron-Core linears, ZeCO, zigzag layout).
         pg_collection: Megatron's process groups; None for ``parallel_state``'s.
         vp_stage: the virtual pipeline stage this model chunk is.
         **kwargs: HybridModel's other arguments (``position_embedding_type``, default ``none``;

@@ -238,14 +238,21 @@ class GatedLinearAttention(MegatronModule):
 
     def _packed(self, packed_seq_params):
         """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
-        if packed_seq_params is None and not self._validated and _megatron_lm_arg("reset_attention_mask"):
-            raise ValueError("GatedLinearAttention: --reset-attention-mask gives document boundaries only as a "
-                             "dense attention mask, which GLA cannot use; pass them as cu_seqlens with "
-                             "--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
+        if not self._validated:
+            check_document_boundaries(packed_seq_params, "GatedLinearAttention")
         return packed_arguments(packed_seq_params, self.cp_packed_split, "GatedLinearAttention")
 
 
 PACKED_SPLITS = ("auto", "document", "sequence")
+
+
+def check_document_boundaries(packed_seq_params, who: str) -> None:
+    """ValueError if Megatron-LM gives document boundaries only as a dense attention mask
+    (``--reset-attention-mask`` without packed sequences), which a recurrent token mixer cannot use."""
+    if packed_seq_params is None and _megatron_lm_arg("reset_attention_mask"):
+        raise ValueError(f"{who}: --reset-attention-mask gives document boundaries only as a dense attention mask, "
+                         f"which a recurrent token mixer cannot use; pass them as cu_seqlens with "
+                         f"--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
 
 
 def check_packed_split(split: str, who: str) -> None:
@@ -314,13 +321,19 @@ def _check_config(config, submodules, strategy, layout, num_blocks, packed_split
                          f"strategy (--spec megatron_zeco.specs gla_local_spec)")
     if D % num_blocks:
         raise ValueError(f"GatedLinearAttention: cp_num_blocks ({num_blocks}) must divide --kv-channels ({D})")
+    check_low_precision(config, submodules, ("in_proj", "gate_up", "out_proj"), "GatedLinearAttention", "gla_te_spec")
+
+
+def check_low_precision(config, submodules, linears, who: str, te_spec: str) -> None:
+    """ValueError if --fp8-format / --fp4-format is set but some of ``linears`` (names in ``submodules``)
+    are Megatron-Core's own, which run their GEMMs in the parameters' dtype whatever the flag says."""
     fmt, flag = (config.fp8, "--fp8-format") if config.fp8 else (config.fp4, "--fp4-format")
     megatron_linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
-    local = [n for n in ("in_proj", "gate_up", "out_proj") if _is_subclass(getattr(submodules, n), megatron_linears)]
+    local = [n for n in linears if _is_subclass(getattr(submodules, n), megatron_linears)]
     if fmt and local:
-        raise ValueError(f"GatedLinearAttention: {flag} {fmt} runs GEMMs in low precision only in TransformerEngine "
+        raise ValueError(f"{who}: {flag} {fmt} runs GEMMs in low precision only in TransformerEngine "
                          f"linears; {', '.join(local)} here are Megatron-Core's, which would ignore it. "
-                         f"Use --spec megatron_zeco.specs gla_te_spec, or drop {flag}")
+                         f"Use --spec megatron_zeco.specs {te_spec}, or drop {flag}")
 
 
 def _is_subclass(spec, classes) -> bool:

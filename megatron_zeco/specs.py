@@ -1,4 +1,5 @@
-"""Layer specs: Megatron's GPT layer with its self-attention replaced by the ZeCO GLA mixer.
+"""Layer specs: Megatron's GPT layer with its self-attention replaced by the ZeCO GLA mixer,
+and HybridModel stacks whose ``G`` layers are GLA or Megatron-Core's Gated DeltaNet under ZeCO.
 
 For ``pretrain_gpt.py --spec megatron_zeco.specs NAME`` (used as is, not called):
 
@@ -14,28 +15,41 @@ NAME                       layer
                            softmax layers all-gather K/V over CP
 ``hybrid_te_spec``         the same with TE: the softmax layers are
                            Megatron's TE attention with its own CP
+``gdn_local_spec``         Megatron-Core's Gated DeltaNet (megatron-core
+                           >= 0.19) with ZeCO CP in every layer, local
+``gdn_te_spec``            the same with TE
+``gdn_hybrid_local_spec``  ``hybrid_local_spec`` with Gated DeltaNet for GLA
 =========================  ================================================
 
 For ``pretrain_hybrid.py --spec megatron_zeco.specs NAME --hybrid-layer-pattern ...``
-(Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA, ``*`` softmax
-attention, ``-`` MLP, ``E`` MoE, ``|`` pipeline boundary; see megatron_zeco.hybrid_model):
+(Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA or Gated DeltaNet,
+``*`` softmax attention, ``-`` MLP, ``E`` MoE, ``|`` pipeline boundary; see
+megatron_zeco.hybrid_model):
 
-=================================  ==========================================
-NAME                               stack
-=================================  ==========================================
-``hybrid_stack_local_spec``        Megatron-Core linears and norms, ZeCO CP;
-                                   ``*`` all-gathers K/V over CP
-``hybrid_stack_local_<s>_spec``    the same, CP strategy ``<s>`` in lasp1,
-                                   lasp2, a2a
-``hybrid_stack_te_spec``           TE linears and norms, ZeCO CP; ``*`` is
-                                   TE's attention with its own CP
-=================================  ==========================================
+======================================  =====================================
+NAME                                    stack
+======================================  =====================================
+``hybrid_stack_local_spec``             ``G`` GLA; Megatron-Core linears and
+                                        norms, ZeCO CP; ``*`` all-gathers K/V
+                                        over CP
+``hybrid_stack_local_<s>_spec``         the same, CP strategy ``<s>`` in
+                                        lasp1, lasp2, a2a
+``hybrid_stack_te_spec``                TE linears and norms, ZeCO CP; ``*``
+                                        is TE's attention with its own CP
+``gdn_hybrid_stack_local_spec``         ``G`` Megatron-Core's Gated DeltaNet
+                                        with ZeCO CP (ZecoGatedDeltaNet);
+                                        otherwise ``hybrid_stack_local_spec``
+``gdn_hybrid_stack_local_<s>_spec``     the same, CP strategy ``<s>`` in
+                                        lasp2, a2a
+``gdn_hybrid_stack_te_spec``            ``G`` Gated DeltaNet, otherwise
+                                        ``hybrid_stack_te_spec``
+======================================  =====================================
 
-In your own model code, call :func:`gla_layer_spec`, :func:`hybrid_layer_spec` or
-:func:`hybrid_stack_spec` instead (and ``megatron_zeco.hybrid_model.build_hybrid_model``).
-Everything but the token mixer (norms, MLP, bias-dropout-add) is whatever Megatron's own
-GPT (or hybrid) spec of the installed version builds, so the specs follow Megatron-Core
-releases.
+In your own model code, call :func:`gla_layer_spec`, :func:`gdn_layer_spec`, :func:`hybrid_layer_spec` or
+:func:`hybrid_stack_spec` (``mixer="gdn"`` for Gated DeltaNet) instead, and
+``megatron_zeco.hybrid_model.build_hybrid_model``. Everything but the token mixer (norms, MLP,
+bias-dropout-add) is whatever Megatron's own GPT (or hybrid) spec of the installed version builds,
+so the specs follow Megatron-Core releases.
 """
 
 import functools
@@ -72,6 +86,18 @@ except ImportError:
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
 
 
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # a parent is a module, not a package (megatron-core 0.16's gated_delta_net.py)
+        return False
+
+
+# The GatedDeltaNet that ZecoGatedDeltaNet subclasses (megatron/core/ssm/gated_delta_net/, 0.19).
+HAVE_GDN_LAYER = _has_module("megatron.core.ssm.gated_delta_net.common")
+MIXERS = ("gla", "gdn")
+
+
 class _TransformerEngineMissing:
     """Stands in for TE modules when TransformerEngine is not installed: fails at model build."""
 
@@ -80,6 +106,16 @@ class _TransformerEngineMissing:
             "megatron_zeco: this layer spec uses TransformerEngine, which is not installed. "
             f"Install transformer-engine, or use --spec megatron_zeco.specs {local_spec} (or use_te=False)."
         )
+
+
+class _GatedDeltaNetMissing:
+    """Stands in for the Gated DeltaNet layer on megatron-core < 0.19: fails at model build."""
+
+    def __init__(self, *args, **kwargs):
+        raise ImportError("megatron_zeco: the Gated DeltaNet layer (ZecoGatedDeltaNet) subclasses megatron-core "
+                          "0.19's GatedDeltaNet (megatron.core.ssm.gated_delta_net, Python >= 3.12 wheels); this "
+                          "megatron-core has none. Upgrade megatron-core, or use the GLA specs (gla_local_spec, "
+                          "hybrid_stack_local_spec).")
 
 
 class _HybridModelMissing:
@@ -156,6 +192,55 @@ def gla_layer_spec(
                                             sharded_state_dict_keys_map=keys_map, **extra))
 
 
+def gdn_layer_spec(
+    use_te: bool = False,
+    cp_strategy: str = "zeco",
+    cp_layout: str = "zigzag",
+    cp_num_blocks: int = 1,
+    cp_packed_split: str = "auto",
+    normalization: Optional[str] = None,
+) -> ModuleSpec:
+    """TransformerLayer spec (``GPTModel``) with Megatron-Core's Gated DeltaNet as token mixer, its
+    context parallelism ZeCO's (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`; megatron-core >= 0.19).
+
+    Args:
+        use_te: TransformerEngine linears and norms (the input norm fused into ``in_proj``, as in
+            Megatron's spec) or Megatron-Core's (the input norm a module of its own, checkpointed
+            under the fused name).
+        cp_strategy: ``zeco``, ``lasp2`` or ``a2a`` (see ZecoGatedDeltaNet); used when
+            ``--context-parallel-size`` > 1.
+        cp_layout, cp_num_blocks, cp_packed_split: see ZecoGatedDeltaNet.
+        normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
+            ``--normalization`` by themselves.
+    """
+    if not HAVE_GDN_LAYER:
+        return ModuleSpec(module=_GatedDeltaNetMissing)
+    if use_te and not HAVE_TE:
+        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "gdn_local_spec"})
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+
+    from .gated_deltanet import ZecoGatedDeltaNet
+
+    params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
+                  cp_packed_split=cp_packed_split)
+    if use_te:  # Megatron's own submodules: the input norm fused into in_proj
+        from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
+
+        base = get_gpt_layer_with_transformer_engine_spec()
+        submodules = GatedDeltaNetSubmodules(in_proj=TELayerNormColumnParallelLinear, out_norm=TENorm,
+                                             out_proj=TERowParallelLinear)
+        layer = dict(input_layernorm=IdentityOp)
+    else:  # the input norm a module of its own, checkpointed under the fused norm's key (as Megatron's
+        # local GPT spec maps input_layernorm to linear_qkv's), so checkpoints load into either
+        base = get_gpt_layer_local_spec(normalization=normalization)
+        submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=base.submodules.input_layernorm,
+                                             out_proj=RowParallelLinear)
+        layer = dict(sharded_state_dict_keys_map={**base.submodules.sharded_state_dict_keys_map,
+                                                  "input_layernorm.": "self_attention.in_proj.layer_norm_"})
+    mixer = ModuleSpec(module=ZecoGatedDeltaNet, params=params, submodules=submodules)
+    return replace(base, submodules=replace(base.submodules, self_attention=mixer, **layer))
+
+
 def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag", cp_packed_split: str = "auto",
                        normalization: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT TransformerLayer spec (causal softmax self-attention) that runs under CP.
@@ -193,6 +278,7 @@ def hybrid_layer_spec(
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
+    mixer: str = "gla",
 ) -> ModuleSpec:
     """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
 
@@ -206,23 +292,30 @@ def hybrid_layer_spec(
             the GLA layers' (:func:`gla_layer_spec`).
         cp_packed_split: how packed batches are split over CP, for both layer kinds.
         normalization: as in :func:`gla_layer_spec`.
+        mixer: ``gla`` or ``gdn``: the ``G`` layers are GLA (:func:`gla_layer_spec`) or Megatron-Core's
+            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`: cp_strategy zeco, lasp2 or a2a; the
+            GLA-only knobs, cp_piece_split and the gate's, must keep their defaults).
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
     zigzag layout under CP; for packed batches under CP the per-document split) or none;
     GLA layers ignore them. Packed batches attend within each document.
     """
     check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
+    _check_mixer(mixer)
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
-    gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                         cp_piece_split=cp_piece_split, cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
-                         gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales,
-                         normalization=normalization)
+    mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
+                                cp_num_blocks=cp_num_blocks, cp_piece_split=cp_piece_split,
+                                cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
+                                gate_low_rank_dim=gate_low_rank_dim,
+                                gate_timescales=gate_timescales, normalization=normalization)
+    if mixer_layer.submodules is None:
+        return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
     return ModuleSpec(module=HybridTransformerLayer,
                       params={"pattern": pattern, "cp_layout": cp_layout, "cp_packed_split": cp_packed_split},
-                      submodules=HybridLayerSubmodules(gla=gla.submodules, attention=attention.submodules))
+                      submodules=HybridLayerSubmodules(gla=mixer_layer.submodules, attention=attention.submodules))
 
 
 def _mixer_only(submodules, keys_map: dict):
@@ -244,11 +337,13 @@ def hybrid_stack_spec(
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
+    mixer: str = "gla",
 ) -> ModuleSpec:
-    """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA layers.
+    """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA or
+    Gated DeltaNet layers.
 
-    The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer (Megatron's
-    ``gdn_layer`` slot), ``*`` causal softmax self-attention, ``-`` MLP, ``E`` MoE; each a norm,
+    The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer or Gated DeltaNet
+    (``mixer``; Megatron's ``gdn_layer`` slot), ``*`` causal softmax self-attention, ``-`` MLP, ``E`` MoE; each a norm,
     the module and the residual, as in Megatron's ``hybrid_stack_spec``. All layers share the CP
     split. See megatron_zeco.hybrid_model.
 
@@ -263,11 +358,17 @@ def hybrid_stack_spec(
         gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
             TE norms follow ``--normalization`` by themselves.
+        mixer: ``gla``, or ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
+            (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
+            (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`: cp_strategy zeco, lasp2 or
+            a2a; the GLA-only knobs, cp_overlap_scan, cp_transport, cp_piece_split and the gate's,
+            must keep their defaults).
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``: under
-    CP the zigzag layout, and for packed batches the per-document split) or none; GLA layers
-    ignore them.
+    CP the zigzag layout, and for packed batches the per-document split) or none; GLA and Gated
+    DeltaNet layers ignore them.
     """
+    _check_mixer(mixer)
     if not HAVE_HYBRID_MODEL:
         return ModuleSpec(module=_HybridModelMissing)
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -278,30 +379,36 @@ def hybrid_stack_spec(
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)  # checks TE against the layout
     if use_te and not HAVE_TE:
-        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "hybrid_stack_local_spec"})
-    gla = gla_layer_spec(use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                         cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                         cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim,
-                         gate_timescales=gate_timescales, normalization=normalization)
-    mixer = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
-    # The GLA mixer's gate reads the normed input too, so the norm is never fused into in_proj:
-    # the same parameters with and without TE.
-    gla_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": GLA, **mixer},
-                           submodules=_mixer_only(gla.submodules, {}))
+        local_spec = "gdn_hybrid_stack_local_spec" if mixer == "gdn" else "hybrid_stack_local_spec"
+        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": local_spec})
+    layer_params = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
+    mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
+                                cp_num_blocks=cp_num_blocks, cp_overlap_scan=cp_overlap_scan,
+                                cp_transport=cp_transport, cp_piece_split=cp_piece_split,
+                                cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim,
+                                gate_timescales=gate_timescales, normalization=normalization)
+    if mixer_layer.submodules is None:
+        return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
+    # The G layer without its MLP. Its input norm keeps the checkpoint key of the GPT layer it comes
+    # from: GLA's is a module of its own with and without TE (its gate reads the normed input too);
+    # Gated DeltaNet's is fused into in_proj with TE, and stored under the fused name without.
+    keys = {k: v for k, v in mixer_layer.submodules.sharded_state_dict_keys_map.items() if k == "input_layernorm."}
+    g_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": GLA, **layer_params},
+                         submodules=_mixer_only(mixer_layer.submodules, keys))
     if use_te:
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as megatron_stack
 
         theirs = megatron_stack.submodules
         attention_layer = replace(theirs.attention_layer, module=HybridMixerLayer,
-                                  params={**theirs.attention_layer.params, "kind": ATTENTION, **mixer})
+                                  params={**theirs.attention_layer.params, "kind": ATTENTION, **layer_params})
         slots = {name: getattr(theirs, name) for name in theirs.__dataclass_fields__}
         return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
-            **{**slots, "gdn_layer": gla_layer, "attention_layer": attention_layer, "final_norm": TENorm}))
+            **{**slots, "gdn_layer": g_layer, "attention_layer": attention_layer, "final_norm": TENorm}))
     # Megatron-Core's local layer: its norm, MLP, MoE; checkpoint keys mapped to the TE stack's
     # fused norms (linear_qkv's, linear_fc1's), as Megatron's local GPT spec does.
     local = get_gpt_layer_local_spec(normalization=normalization).submodules
     keys = local.sharded_state_dict_keys_map
-    attention_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": ATTENTION, **mixer},
+    attention_layer = ModuleSpec(module=HybridMixerLayer, params={"kind": ATTENTION, **layer_params},
                                  submodules=_mixer_only(attention.submodules, {
                                      k: v for k, v in keys.items() if k == "input_layernorm."}))
     mlp_keys = {k: v for k, v in keys.items() if k == "pre_mlp_layernorm."}
@@ -313,8 +420,32 @@ def hybrid_stack_spec(
     moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
     return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
-        gdn_layer=gla_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
+        gdn_layer=g_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
         final_norm=local.input_layernorm))
+
+
+# hybrid_layer_spec's and hybrid_stack_spec's knobs that only GLA layers have, with their defaults.
+GLA_ONLY = dict(cp_overlap_scan=None, cp_transport="auto", cp_piece_split=None, cp_node_size=None,
+                gate_low_rank_dim=16, gate_timescales=None)
+
+
+def _g_layer_spec(mixer: str, **knobs) -> ModuleSpec:
+    """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s
+    or :func:`gdn_layer_spec`'s. A GLA-only knob set for Gated DeltaNet is an error, not ignored."""
+    _check_mixer(mixer)
+    if mixer == "gla":
+        return gla_layer_spec(**knobs)
+    gla_only = {name: knobs.pop(name, default) for name, default in GLA_ONLY.items()}
+    changed = [name for name, value in gla_only.items() if value != GLA_ONLY[name]]
+    if changed:
+        raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} apply to GLA layers only (mixer='gla'); "
+                         f"leave them at their defaults for Gated DeltaNet (mixer='gdn')")
+    return gdn_layer_spec(**knobs)
+
+
+def _check_mixer(mixer: str) -> None:
+    if mixer not in MIXERS:
+        raise ValueError(f"megatron_zeco.specs: mixer {mixer!r} is not one of {', '.join(MIXERS)}")
 
 
 gla_local_spec = gla_layer_spec(use_te=False)
@@ -332,3 +463,10 @@ hybrid_stack_local_lasp1_spec = hybrid_stack_spec(use_te=False, cp_strategy="las
 hybrid_stack_local_lasp2_spec = hybrid_stack_spec(use_te=False, cp_strategy="lasp2")
 hybrid_stack_local_a2a_spec = hybrid_stack_spec(use_te=False, cp_strategy="a2a")
 hybrid_stack_te_spec = hybrid_stack_spec(use_te=True)
+gdn_local_spec = gdn_layer_spec(use_te=False)
+gdn_te_spec = gdn_layer_spec(use_te=True)
+gdn_hybrid_local_spec = hybrid_layer_spec(use_te=False, mixer="gdn")
+gdn_hybrid_stack_local_spec = hybrid_stack_spec(use_te=False, mixer="gdn")
+gdn_hybrid_stack_local_lasp2_spec = hybrid_stack_spec(use_te=False, mixer="gdn", cp_strategy="lasp2")
+gdn_hybrid_stack_local_a2a_spec = hybrid_stack_spec(use_te=False, mixer="gdn", cp_strategy="a2a")
+gdn_hybrid_stack_te_spec = hybrid_stack_spec(use_te=True, mixer="gdn")

@@ -235,3 +235,34 @@ def test_bad_input_fails_on_every_rank(pool):
             assert expected in messages[name] and messages[name].startswith("zeco_gated_delta_rule"), \
                 f"{name}: rank {rank}: {messages[name]}"
         assert results[0][name] == results[1][name], name  # the same message everywhere
+
+
+def _mixed_dtypes(group, seed):
+    """q, k, v, beta in bfloat16 with g in float32 (Megatron-Core's GatedDeltaNet passes them so) against
+    the same values all in float32: the same outputs (rounded to bfloat16) and gradients, dg in float32."""
+    world, rank = group.size(), group.rank()
+    x = delta_problem(seed, 1, world * 8, 2, K, V, initial_state=False)
+    errors = {}
+    for strategy, layout in (("zeco", Layout.ZIGZAG), ("lasp2", Layout.CONTIGUOUS), ("a2a", Layout.ZIGZAG)):
+        runs = []
+        for low in (torch.bfloat16, torch.float32):
+            # the same values (bfloat16's) either way; g float32 in both runs
+            local = {n: layout.shard(x[n], rank, world).to(torch.float32 if n == "g" else torch.bfloat16)
+                     .to(torch.float32 if n == "g" else low).requires_grad_() for n in NAMES}
+            o, _ = zeco_gated_delta_rule(*local.values(), group=group, strategy=strategy, layout=layout)
+            grads = torch.autograd.grad((o.float() * layout.shard(x["do"], rank, world).float()).sum(),
+                                        list(local.values()))
+            runs.append((o, grads))
+        (o_mixed, g_mixed), (o_fp32, g_fp32) = runs
+        if g_mixed[3].dtype != torch.float32 or o_mixed.dtype != torch.bfloat16:
+            errors[strategy] = f"dtypes o {o_mixed.dtype}, dg {g_mixed[3].dtype}"
+            continue
+        errors[strategy] = max([rel_err(o_mixed, o_fp32.to(torch.bfloat16))] +
+                               [rel_err(a, b.to(a.dtype)) for a, b in zip(g_mixed, g_fp32)])
+    return errors
+
+
+def test_float32_log_decays_beside_bfloat16_inputs(pool, seed):
+    for rank, errors in enumerate(pool.run(_mixed_dtypes, 2, seed)):
+        for strategy, err in errors.items():
+            assert isinstance(err, float) and err < 1e-2, f"rank {rank} {strategy}: {err}"

@@ -33,7 +33,8 @@ def head_all_to_all(inputs, h0, layout, group, output_final_state, packing, loca
     else:  # packed: tokens go back to their global positions (documents may be split one by one)
         positions = [packing.positions(r) for r in range(world)]
         whole = torch.cat(parts, dim=1)[:, torch.cat(positions).argsort()]
-    mine = [y if x.dim() == 4 else y.squeeze(-1) for x, y in zip(inputs, whole.split(widths, dim=-1))]
+    # one all-to-all in the widest dtype (the gated delta rule's g may be float32 beside bf16 inputs)
+    mine = [(y if x.dim() == 4 else y.squeeze(-1)).to(x.dtype) for x, y in zip(inputs, whole.split(widths, dim=-1))]
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
     o, final = local(*mine, h0, *(() if packing is None else (packing.documents, packing.documents_cpu)))
     if packing is None:

@@ -53,8 +53,11 @@ def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank, beta
     if v.shape[:3] != q.shape[:3]:
         problems.append(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape[:3])}, got {tuple(v.shape)}")
     dtypes = {n: t.dtype for n, t in tensors.items()}
-    if len(set(dtypes.values())) > 1:
-        problems.append(f"{', '.join(tensors)} must share one dtype, got {dtypes}")
+    # the gated delta rule's log decays may stay float32 beside lower-precision inputs, as fla takes them
+    shared = {n: d for n, d in dtypes.items() if not (delta_rule and n == "g" and d == torch.float32)}
+    if len(set(shared.values())) > 1:
+        problems.append(f"{', '.join(tensors)} must share one dtype{' (g may be float32)' if delta_rule else ''}, "
+                        f"got {dtypes}")
     devices = {n: t.device for n, t in tensors.items()}
     if initial_state is not None:
         devices["initial_state"] = initial_state.device

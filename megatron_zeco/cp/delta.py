@@ -65,7 +65,8 @@ def zeco_gated_delta_rule(
         v: ``[B, T, H, V]``.
         g: ``[B, T, H]`` log decay per head and token (``g <= 0``).
         beta: ``[B, T, H]`` write strength in ``[0, 1]``. q, k, v, g, beta share one floating dtype
-            (float64, float32, bfloat16, float16) and device.
+            (float64, float32, bfloat16, float16) and device; g may also be float32 beside another
+            dtype (fla's convention, and Megatron-Core's GatedDeltaNet's: log decays kept in float32).
         group: the context-parallel process group, or None for no context parallelism.
         strategy: ``"zeco"`` (All-Scan), ``"lasp2"`` (all-gather of every piece's ``[E | M]``),
             ``"a2a"`` (head all-to-all; H divisible by the group size) or ``"none"`` (one rank).

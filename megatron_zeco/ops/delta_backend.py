@@ -14,7 +14,7 @@ As ``backend.py`` for GLA:
 """
 
 import functools
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -111,3 +111,13 @@ def _fla_chunk_gated_delta_rule():
             "forms on the GPU."
         ) from e
     return fla_chunk_gated_delta_rule
+
+
+def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+    """Raise ``ImportError`` now if Gated DeltaNet on ``device`` in ``dtype`` needs flash-linear-attention
+    (its gated-delta-rule, causal-convolution and L2-norm kernels) and it cannot be imported: the
+    layer calls this at model build, not at the first step."""
+    if _use_kernels(device, dtype):
+        from .conv import _fla_causal_conv1d, _fla_l2norm
+
+        _fla_chunk_gated_delta_rule(), _fla_causal_conv1d(), _fla_l2norm()

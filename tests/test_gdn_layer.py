@@ -1,0 +1,608 @@
+"""Megatron-Core's Gated DeltaNet with ZeCO context parallelism (megatron_zeco.gated_deltanet) in HybridModel
+stacks and a GPTModel, on real gloo processes (megatron-core >= 0.19; skipped, with the reason, on 0.16).
+
+Under CP = 2, 3 and 4 (and TP 2 x CP 2) the loss and every parameter's gradient (summed over CP) equal
+one process's in float64 to 1e-10: both layouts, the zeco, lasp2 and a2a strategies, softmax-attention and
+MLP layers beside (RoPE too), packed batches under both splits (and on one process every document
+alone), CP = 4 over 2 value heads and TP 2 x CP 2 over 1 value head per TP rank, which Megatron's head
+all-to-all cannot split; at CP = 4 pieces are 2 tokens long, so a convolution's halo (3 tokens) comes
+from two ranks. The layer's parameters and sharded checkpoint keys are Megatron's own GatedDeltaNet's;
+bad configurations fail at build (or at the first forward, where only the data shows the problem)
+naming what to change.
+
+One launch of 4 processes runs everything on the CPU: Megatron's groups for CP = 1, 2, 4 and TP 2, and
+for CP = 3 ranks 0-2 with a CP group passed to the model explicitly (Megatron's process-group
+collection). The GPU tests at the end (fla's kernels under the layer, NCCL) skip without CUDA.
+"""
+
+import importlib.util
+import os
+import random
+import traceback
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from reference import rel_err
+from test_hybrid import _host_rope
+
+HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+pytestmark = pytest.mark.megatron
+needs_gdn = pytest.mark.skipif(not HAVE_HYBRID_MODEL, reason="the Gated DeltaNet layer subclasses megatron-core "
+                               "0.19's GatedDeltaNet (Python >= 3.12 wheels; .ci/run runs these tests in its "
+                               "megatron-core 0.19 pass)")
+
+WORLD = 4
+TOL = 1e-10  # float64
+MEGATRON_TOL = 1e-4  # against Megatron's own module, whose PyTorch gated delta rule runs in float32
+HIDDEN, HEADS, VOCAB, T, B = 32, 2, 32, 24, 2
+# Gated DeltaNet heads: 2 query/key heads, 6 value heads (grouped: each q/k head serves 3), dims 8,
+# a convolution of 4 taps; a2a splits the 6 value heads over CP = 2 and 3.
+LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=8, linear_value_head_dim=8,
+              linear_conv_kernel_dim=4)
+PACKED = {"document": [0, 12, 36, 48],  # documents cut by Megatron's THD split: lengths multiples of 2 x CP
+          "sequence": [0, 5, 30, 31, 48]}  # the whole packed sequence cut (--dataloader-inter-document-masking)
+
+
+def _case(name, pattern, **kw):
+    return {**dict(name=name, pattern=pattern, strategy="zeco", layout="zigzag", rope=False, packed=None, tp=1,
+                   gpt=False, linear=LINEAR, t=T, blocks=1, cps=(2, 3)), **kw}
+
+
+CASES = [
+    _case("G-G- zigzag", "G-G-"),
+    _case("G-G- contiguous", "G-G-", layout="contiguous"),
+    _case("G-G- zigzag, All-Scan in 2 blocks", "G-G-", blocks=2, cps=(3,)),
+    _case("G-G- lasp2 contiguous", "G-G-", strategy="lasp2", layout="contiguous"),
+    _case("G-G- a2a", "G-G-", strategy="a2a"),
+    _case("G*G- zigzag rope", "G*G-", rope=True),
+    _case("G*G- packed per document", "G*G-", packed="document"),
+    _case("G-G- packed whole sequence", "G-G-", packed="sequence"),
+    _case("GPTModel G* rope", "G*", rope=True, gpt=True, cps=(2,)),
+    # CP = 4 over 2 value heads (one q/k head); zigzag pieces of 2 tokens, shorter than the halo
+    _case("G-G- CP 4, 2 heads", "G-G-", linear=dict(LINEAR, linear_num_key_heads=1, linear_num_value_heads=2),
+          t=16, cps=(4,)),
+    # TP 2 x CP 2: one value head and one q/k head per TP rank
+    _case("G*G- TP 2, 1 head per TP rank", "G*G-", tp=2,
+          linear=dict(LINEAR, linear_num_key_heads=2, linear_num_value_heads=2), cps=(2,)),
+]
+RUNS = [(c, cp) for c in CASES for cp in c["cps"]]
+
+
+def _seed():
+    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"ZECO_SEED={value}")
+    return value
+
+
+def _config(case, cp, **extra):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(**{**dict(
+        num_layers=len(case["pattern"]), hidden_size=HIDDEN, num_attention_heads=HEADS, **case["linear"],
+        activation_func=F.silu, normalization="RMSNorm", use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, add_bias_linear=False, init_method_std=0.1, context_parallel_size=cp,
+        tensor_model_parallel_size=case["tp"], params_dtype=torch.float64), **extra})
+
+
+def _model(case, cp, pg_collection=None):
+    """This rank's model (float64), the same weights whatever the CP size."""
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.specs import hybrid_layer_spec, hybrid_stack_spec
+
+    knobs = dict(cp_strategy=case["strategy"], cp_layout=case["layout"], cp_num_blocks=case["blocks"],
+                 cp_packed_split=case["packed"] or "auto", mixer="gdn")
+    position = "rope" if case["rope"] else "none"
+    torch.manual_seed(0)
+    if case["gpt"]:
+        return GPTModel(_config(case, cp), hybrid_layer_spec(case["pattern"], **knobs), VOCAB, 64,
+                        position_embedding_type=position, pg_collection=pg_collection)
+    return build_hybrid_model(_config(case, cp), case["pattern"], VOCAB, 64, hybrid_stack_spec(**knobs),
+                              pg_collection=pg_collection, position_embedding_type=position)
+
+
+def _batch(case, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if case["packed"]:
+        cu = torch.tensor(PACKED[case["packed"]], dtype=torch.int32)
+        tokens, labels = (torch.randint(0, VOCAB, (1, int(cu[-1])), generator=gen) for _ in range(2))
+        return tokens, labels, cu
+    tokens, labels = (torch.randint(0, VOCAB, (B, case["t"]), generator=gen) for _ in range(2))
+    return tokens, labels, None
+
+
+def _run(case, cp, seed, pg_collection=None):
+    """Loss (mean over the batch's tokens) and every parameter's gradient summed over CP; at CP = 1 on
+    a packed batch also those of every document alone; and this rank's TP rank."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_zeco import Layout, packed_positions
+
+    model = _model(case, cp, pg_collection).double()  # Megatron's torch norms ignore params_dtype
+    tokens, labels, cu = _batch(case, seed)
+    cp_group = ps.get_context_parallel_group() if pg_collection is None else pg_collection.cp
+    params = None
+    if cu is not None:
+        mine = packed_positions(cu, case["layout"], cp, cp_group.rank(), case["packed"] == "document")
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=int(cu[-1]),
+                                 max_seqlen_kv=int(cu[-1]))
+    else:
+        mine = Layout(case["layout"]).shard(torch.arange(case["t"]), cp_group.rank(), cp, dim=0)
+    with _host_rope():
+        logits = model(tokens[:, mine], None, None, packed_seq_params=params, runtime_gather_output=True)
+        loss = _loss(logits, labels[:, mine]) / labels.numel()
+        loss.backward()
+    loss = loss.detach()
+    dist.all_reduce(loss, group=cp_group)
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.detach().clone()
+        dist.all_reduce(g, group=cp_group)
+        grads[name] = g
+    alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
+    return float(loss), grads, alone, ps.get_tensor_model_parallel_rank()
+
+
+def _loss(logits, labels):
+    """Summed cross-entropy in float64 over the whole vocabulary (logits gathered over TP; Megatron's own
+    loss runs in float32)."""
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+
+def _check(results, reference, where):
+    ref_loss, ref_grads = reference[:2]
+    for loss, grads in (r[:2] for r in results):
+        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where}: loss {loss} vs {ref_loss}"
+        assert set(grads) == set(ref_grads), f"{where}: parameters {set(grads) ^ set(ref_grads)}"
+        for name, g in grads.items():
+            err = rel_err(g, ref_grads[name])
+            assert err < TOL, f"{where}: gradient of {name} off by {err:.1e}"
+
+
+def _documents_alone(model, tokens, labels, cu):
+    """The packed batch's loss and gradients from every document run alone, unpacked (one process)."""
+    model.zero_grad()
+    loss = 0
+    with _host_rope():
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            loss = loss + _loss(model(tokens[:, a:b], None, None), labels[:, a:b])
+        loss = loss / int(cu[-1])
+        loss.backward()
+    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+# Megatron's groups the launch sets up in turn: (TP, CP), data parallel over the rest of the 4 ranks.
+PHASES = [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2)]
+
+
+def _worker(rank, world, seed):
+    """Per phase: its runs of RUNS and CP = 1 references, each computed once (the data-parallel replicas
+    share the cases out); in phase (1, 1) also CP = 3 on ranks 0-2; in phase (2, 1) the checkpoint
+    layout; in every phase the misconfigurations of its TP and CP sizes."""
+    import torch._dynamo
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    # Megatron's GatedDeltaNet torch.compile's its gate and norm helpers (jit_fuser): compiling for the
+    # CPU takes ~20 s per function and shape; eager runs the same operations.
+    torch._dynamo.config.disable = True
+    out = {"misuse": {}}
+    for tp, cp in PHASES:
+        ps.initialize_model_parallel(tp, 1, context_parallel_size=cp, create_gloo_process_groups=False)
+        try:
+            mine = [c for c in CASES if c["tp"] == tp and (cp == 1 or cp in c["cps"])]
+            replica, replicas = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+            for case in mine[replica::replicas]:
+                out[case["name"], cp] = _run(case, cp, seed)
+            if (tp, cp) == (1, 1):
+                # CP = 3 on ranks 0-2: Megatron's groups (TP = CP = 1) with a CP group of their own
+                three = dist.new_group([0, 1, 2])  # collective: every rank makes it
+                if rank < 3:
+                    pgs = ProcessGroupCollection.use_mpu_process_groups()
+                    pgs.cp = three
+                    for case in [c for c in CASES if 3 in c["cps"]]:
+                        out[case["name"], 3] = _run(case, 3, seed, pgs)
+            if (tp, cp) == (2, 1):
+                try:
+                    out["checkpoint"] = _checkpoint_layout()
+                except Exception:  # noqa: BLE001  (reported by its own test, not by every test of the launch)
+                    out["checkpoint"] = traceback.format_exc()
+            out["misuse"].update(_misuse(tp, cp))
+        finally:
+            ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    """One launch of 4 processes: {(case name, CP): [(loss, gradients, alone, TP rank) of each rank that ran it]},
+    and each rank's checkpoint layout and misconfiguration errors."""
+    launch = run_ranks(_worker, WORLD, _seed())
+    runs = {}
+    for rank_result in launch:
+        for key, value in rank_result.items():
+            if isinstance(key, tuple):
+                runs.setdefault(key, []).append(value)
+    return runs, launch
+
+
+@needs_gdn
+@pytest.mark.parametrize("case,cp", RUNS, ids=[f"{c['name']}-cp{cp}" for c, cp in RUNS])
+def test_cp_matches_one_process(results, case, cp):
+    """float64: the loss and every parameter's gradient (summed over CP) equal CP = 1's to 1e-10 (each
+    rank against CP = 1 on the same TP rank); packed: CP = 1 equals every document alone."""
+    runs, _ = results
+    references = {r[3]: r for r in runs[case["name"], 1]}
+    assert sorted(references) == list(range(case["tp"])), references.keys()
+    ranks = runs[case["name"], cp]
+    assert len(ranks) == cp * case["tp"], f"{len(ranks)} ranks ran it"  # one CP group per TP rank set
+    for rank, result in enumerate(ranks):
+        _check([result], references[result[3]], f"{case['name']} CP={cp} (rank {rank} of the group)")
+    if case["packed"]:
+        for reference in references.values():
+            _check([reference], reference[2], f"{case['name']} CP=1 against each document alone")
+
+
+# --- parameters and checkpoints: Megatron's own ------------------------------------------------------
+
+def _megatron_gdn_and_ours(tp):
+    """Megatron's GatedDeltaNet and ZecoGatedDeltaNet for one config (Megatron-Core linears and norm),
+    Megatron's in its deterministic mode: its forward in PyTorch (F.conv1d, torch_chunk_gated_delta_rule)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules, common
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_zeco.checkpoint import host_as_cuda
+    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
+
+    # 2 q/k heads and 4 value heads per TP rank: grouped heads as Megatron groups them
+    case = _case("checkpoint", "G", tp=tp, linear=dict(LINEAR, linear_num_key_heads=4, linear_num_value_heads=8))
+    config = _config(case, 1, perform_initialization=False, deterministic_mode=True)
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                         out_proj=RowParallelLinear)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    with mock.patch.object(common, "HAVE_FLA", True), host_as_cuda():  # its constructor needs neither
+        theirs = GatedDeltaNet(config, submodules, layer_number=1, pg_collection=pgs).double()
+    ours = ZecoGatedDeltaNet(config, submodules, layer_number=1, pg_collection=pgs).double()
+    return theirs, ours
+
+
+def _checkpoint_layout():
+    """state_dict and sharded_state_dict (keys, global and local shapes) of Megatron's GatedDeltaNet
+    and of ours at TP = 2; whether each loads the other's state_dict; the checkpoint keys of the
+    local stack's G layer; and the two modules' outputs and gradients on the same weights."""
+    theirs, ours = _megatron_gdn_and_ours(tp=2)
+    layout = {}
+    for name, module in (("theirs", theirs), ("ours", ours)):
+        sharded = _flat(module.sharded_state_dict(prefix="self_attention."))
+        layout[name] = ({k: None if v is None else tuple(v.shape) for k, v in module.state_dict().items()},
+                        {k: (tuple(v.global_shape), tuple(getattr(v, "local_shape", ()))) for k, v in sharded.items()})
+    ours.load_state_dict(theirs.state_dict())  # strict
+    theirs.load_state_dict(ours.state_dict())
+    layer = _model(_case("keys", "G-", tp=2), 1).decoder.layers[0]
+    layout["layer keys"] = sorted(_flat(layer.sharded_state_dict(prefix="")))
+    layout["against Megatron"] = _against_megatron(theirs, ours)
+    return layout
+
+
+def _against_megatron(theirs, ours):
+    """Relative errors of ours against Megatron's GatedDeltaNet (CP = 1, the same random weights and
+    input; fla's l2norm in Megatron's replaced by ours, the same formula): the output, the input's
+    gradient and each parameter's gradient."""
+    from megatron.core.ssm.gated_delta_net import common
+
+    from megatron_zeco.checkpoint import host_as_cuda
+    from megatron_zeco.ops.conv import l2norm
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    ours.load_state_dict(theirs.state_dict())
+    x, dy = (torch.randn(T, B, HIDDEN, generator=gen, dtype=torch.float64) for _ in range(2))
+    runs = []
+    for module in (theirs, ours):
+        leaf = x.clone().requires_grad_()
+        with mock.patch.object(common, "l2norm", l2norm), host_as_cuda():
+            y, _ = module(leaf, None)
+        params = dict(module.named_parameters())
+        runs.append((y, dict(zip(["input", *params], torch.autograd.grad((y * dy).sum(), [leaf, *params.values()])))))
+    (y_theirs, g_theirs), (y_ours, g_ours) = runs
+    return {"output": rel_err(y_ours, y_theirs), **{n: rel_err(g, g_theirs[n]) for n, g in g_ours.items()}}
+
+
+def _flat(sharded):
+    """Sharded tensors by key (in_proj and conv1d come as factories of named sections: their parts)."""
+    out = {}
+    for key, value in sharded.items():
+        if hasattr(value, "global_shape"):
+            out[value.key] = value  # the key it is stored under (a layer's keys map renames some)
+        else:  # ShardedTensorFactory: the sections it builds
+            built = value.build()
+            for part in (built.values() if isinstance(built, dict) else built):
+                out[part.key] = part
+    return out
+
+
+@needs_gdn
+def test_parameters_and_checkpoints_are_megatron_gated_deltanet(results):
+    """The same parameters, shapes and sharded checkpoint keys (global and local shapes) as Megatron's
+    GatedDeltaNet at TP = 2; each loads the other's state_dict; the local stack's G layer stores its
+    input norm under the key of the TE layer's fused norm (self_attention.in_proj.layer_norm_weight);
+    on the same weights the same output and gradients as Megatron's module (its PyTorch path)."""
+    for rank, result in enumerate(results[1]):
+        layout = result["checkpoint"]
+        assert isinstance(layout, dict), f"rank {rank}: {layout}"
+        assert layout["ours"] == layout["theirs"], f"rank {rank}"
+        sharded_keys = set(layout["theirs"][1])
+        assert "self_attention.in_proj.weight.query" in sharded_keys, sharded_keys  # Megatron's sectioned keys
+        layer_keys = set(layout["layer keys"])
+        assert layer_keys == sharded_keys | {"self_attention.in_proj.layer_norm_weight"}, layer_keys ^ sharded_keys
+        errors = layout["against Megatron"]
+        assert max(errors.values()) < MEGATRON_TOL, f"rank {rank}: {errors}"
+
+
+# --- misconfigurations: errors that name what to change ----------------------------------------------
+
+def _build(params=None, **config):
+    """The G mixer of gdn_hybrid_stack_local_spec (spec params overridden) on Megatron's groups."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+    from megatron_zeco.specs import gdn_hybrid_stack_local_spec
+
+    base = gdn_hybrid_stack_local_spec.submodules.gdn_layer.submodules.self_attention
+    spec = ModuleSpec(module=base.module, params={**base.params, **(params or {})}, submodules=base.submodules)
+    case = _case("misuse", "G", linear=dict(LINEAR, **{k: config.pop(k) for k in list(config) if k in LINEAR}))
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    return build_module(spec, config=_config(case, pgs.cp.size(), tensor_model_parallel_size=pgs.tp.size(), **config),
+                        layer_number=1, pg_collection=pgs)
+
+
+def _forward(s, b=1, packed=None, layer=None):
+    """A forward of ``layer`` (a new one if None) on s tokens of b sequences, or packed (offsets)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    params = None if packed is None else PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(packed),
+                                                         cu_seqlens_kv=torch.tensor(packed))
+    layer = layer or _build()
+    layer(torch.randn(s, b, HIDDEN, dtype=torch.float64), None, packed_seq_params=params)
+    return layer
+
+
+def _packed_rows_after_a_first_batch():
+    _forward(8, b=2, packed=[0, 8, 16], layer=_forward(8, b=2))  # the first call's checks passed
+
+
+def _forward_with_reset_attention_mask():
+    with mock.patch("megatron_zeco.layer._megatron_lm_arg", lambda name: name == "reset_attention_mask"):
+        _forward(8)
+
+
+# name: (TP, CP, what the user does, the error and what its message must name)
+MISUSE = {
+    "a2a with too few value heads": (1, 4, lambda: _build({"cp_strategy": "a2a"}), ValueError,
+                                     ["--context-parallel-size (4)", "--linear-num-value-heads",
+                                      "gdn_hybrid_stack_local_spec"]),
+    "heads not divisible by the TP group": (2, 1, lambda: _build(linear_num_key_heads=1, linear_num_value_heads=3),
+                                            ValueError, ["--linear-num-key-heads (1)", "--linear-num-value-heads (3)",
+                                                         "--tensor-model-parallel-size (2)"]),
+    "value heads not a multiple of key heads": (1, 1, lambda: _build(linear_num_value_heads=3), ValueError,
+                                                ["--linear-num-value-heads (3)", "--linear-num-key-heads (2)"]),
+    "blocks do not divide the value head dim": (1, 1, lambda: _build({"cp_num_blocks": 3}), ValueError,
+                                                ["cp_num_blocks (3)", "--linear-value-head-dim (8)"]),
+    "unknown strategy": (1, 1, lambda: _build({"cp_strategy": "lasp1"}), ValueError,
+                         ["cp_strategy 'lasp1' is not one of zeco, lasp2, a2a"]),
+    "unknown layout": (1, 1, lambda: _build({"cp_layout": "diagonal"}), ValueError,
+                       ["unknown context-parallel layout"]),
+    "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError,
+                             ["cp_packed_split 'docs'"]),
+    "activation other than SiLU": (1, 1, lambda: _build(activation_func=F.gelu), ValueError, ["gelu", "--swiglu"]),
+    "fp8 with Megatron-Core linears": (1, 1, lambda: _build(fp8="e4m3"), ValueError,
+                                       ["--fp8-format", "gdn_hybrid_stack_te_spec"]),
+    "sequence not divisible over CP": (1, 2, lambda: _forward(11), ValueError,
+                                       ["T = 11", "--seq-length", "2 x --context-parallel-size"]),
+    "packed batch of two rows": (1, 2, lambda: _forward(8, b=2, packed=[0, 8, 16]), ValueError, ["batch size 1"]),
+    "packed batch of two rows, not the first batch": (1, 2, _packed_rows_after_a_first_batch, ValueError,
+                                                      ["short convolution", "batch size 1"]),
+    "--reset-attention-mask without packed sequences": (1, 1, _forward_with_reset_attention_mask, ValueError,
+                                                        ["--reset-attention-mask", "cu_seqlens"]),
+}
+
+
+def _misuse(tp, cp):
+    """The MISUSE cases of this TP and CP size (on Megatron's groups): the error each raised (None if none)."""
+    errors = {}
+    for name, (case_tp, case_cp, misuse, *_) in MISUSE.items():
+        if (case_tp, case_cp) != (tp, cp):
+            continue
+        try:
+            misuse()
+            errors[name] = None
+        except Exception as e:  # noqa: BLE001  (the test checks which)
+            errors[name] = (type(e), str(e))
+    return errors
+
+
+@needs_gdn
+@pytest.mark.parametrize("name", list(MISUSE))
+def test_misconfiguration_fails_naming_what_to_change(results, name):
+    """At model build (at the first forward where only the data shows the problem) the same error on
+    every rank, naming the flag or spec to change."""
+    kind, names = MISUSE[name][3:]
+    errors = [rank_result["misuse"][name] for rank_result in results[1]]
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} accepted it"
+        assert error[0] is kind and all(n in error[1] for n in names), f"rank {rank}: {error}"
+    assert len(set(errors)) == 1, errors
+
+
+# --- the spec names, as pretrain_hybrid.py imports them (one process) --------------------------------
+
+GDN_STACKS = {"gdn_hybrid_stack_local_spec": "zeco", "gdn_hybrid_stack_local_lasp2_spec": "lasp2",
+              "gdn_hybrid_stack_local_a2a_spec": "a2a"}
+
+
+@needs_gdn
+def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
+    from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
+    from megatron.core.transformer.spec_utils import build_module, import_module
+
+    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
+    from megatron_zeco.hybrid_model import GLAHybridStack
+    from megatron_zeco.specs import HAVE_TE, hybrid_stack_spec
+
+    for name, strategy in GDN_STACKS.items():
+        spec = import_module(["megatron_zeco.specs", name])  # as pretrain_hybrid.py --spec does
+        assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
+        mixer = spec.submodules.gdn_layer.submodules.self_attention
+        assert mixer.module is ZecoGatedDeltaNet and mixer.params["cp_strategy"] == strategy
+    for name in ("gdn_local_spec", "gdn_hybrid_local_spec"):  # pretrain_gpt.py's
+        assert import_module(["megatron_zeco.specs", name]).module is not None
+    config = _config(_case("spec", "GM"), 1)
+    with pytest.raises(ValueError, match="no Mamba layer for 'M'; its symbols are 'G' .Gated DeltaNet., '\\*'"):
+        build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_local_spec"]), config,
+                     layer_type_list=["G", "M"])
+    if not HAVE_TE:
+        with pytest.raises(ImportError, match="gdn_hybrid_stack_local_spec"):
+            build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_te_spec"]), config)
+    with pytest.raises(ValueError, match="cp_transport apply to GLA layers only"):
+        hybrid_stack_spec(mixer="gdn", cp_transport="peer_memory")
+    with pytest.raises(ValueError, match="mixer 'mamba' is not one of gla, gdn"):
+        hybrid_stack_spec(mixer="mamba")
+
+
+@pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel and GatedDeltaNet")
+def test_gdn_specs_on_megatron_core_without_gated_deltanet_name_the_version():
+    """megatron-core 0.16: the names import; building one says which megatron-core to install."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import build_module, import_module
+
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               use_cpu_initialization=True)
+    with pytest.raises(ImportError, match="megatron-core >= 0.19"):
+        build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_local_spec"]), config)
+    for name in ("gdn_local_spec", "gdn_hybrid_local_spec"):
+        with pytest.raises(ImportError, match="megatron-core 0.19's GatedDeltaNet"):
+            build_module(import_module(["megatron_zeco.specs", name]), config)
+
+
+# --- on GPUs: fla's kernels under the layer (skipped without CUDA and fla) ---------------------------
+
+HAVE_FLA = importlib.util.find_spec("fla") is not None
+needs_gpu = pytest.mark.skipif(not (HAVE_HYBRID_MODEL and HAVE_FLA and torch.cuda.is_available()),
+                               reason="needs CUDA, flash-linear-attention (fla-core) and megatron-core >= 0.19")
+GPU_TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}  # fla's fp32 products run in TF32
+GPU_T, GPU_B = 512, 2
+
+
+def _gpu_modules(dtype, cp_size):
+    """Megatron's GatedDeltaNet (only at CP = 1: fla's kernels, its own forward) and ours, on the GPU in
+    ``dtype``, both with the same seeded weights; Megatron-Core linears, 4 q/k and 8 value heads of 64."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
+
+    linear = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64, linear_conv_kernel_dim=4)
+    config = _config(_case("gpu", "G", linear=linear), cp_size, params_dtype=dtype, use_cpu_initialization=False,
+                     perform_initialization=False, hidden_size=256, num_attention_heads=4)
+    submodules = GatedDeltaNetSubmodules(in_proj=ColumnParallelLinear, out_norm=WrappedTorchNorm,
+                                         out_proj=RowParallelLinear)
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    modules = [ZecoGatedDeltaNet(config, submodules, layer_number=1, pg_collection=pgs).cuda().to(dtype)]
+    if cp_size == 1:
+        modules.append(GatedDeltaNet(config, submodules, layer_number=1, pg_collection=pgs).cuda().to(dtype))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in modules[0].named_parameters():
+            value = torch.randn(p.shape, generator=gen) * (0.5 if name in ("A_log", "dt_bias") else 0.05)
+            for module in modules:
+                dict(module.named_parameters())[name].copy_(value)
+    return modules
+
+
+def _gpu_forward(module, x, dy):
+    """Output and gradients (input, then each parameter) of one module, on the host in float64."""
+    leaf = x.clone().requires_grad_()
+    y, _ = module(leaf, None)
+    params = dict(module.named_parameters())
+    grads = torch.autograd.grad((y.float() * dy).sum(), [leaf, *params.values()])
+    return {n: t.detach().double().cpu() for n, t in zip(["output", "input", *params], [y, *grads])}
+
+
+def _gpu_layer(rank, world, dtype, seed):
+    """CP = 1: ours against Megatron's module on the same weights. CP = world (if > 1): ours on this
+    rank's zigzag share against ours at CP = 1 (input gradients on this rank's tokens, parameter
+    gradients summed over CP). Relative errors; {"skip": why} where fla refuses its backward."""
+    try:
+        return _gpu_layer_errors(rank, world, dtype, seed)
+    except RuntimeError as e:
+        if "#640" in str(e):  # fla 0.6 on Hopper with Triton >= 3.4, < 3.7.1 (see tests/test_gpu_delta.py)
+            return {"skip": str(e)}
+        raise
+
+
+def _gpu_layer_errors(rank, world, dtype, seed):
+    from megatron.core import parallel_state as ps
+
+    from megatron_zeco import Layout
+
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(GPU_T, GPU_B, 256, generator=gen).to("cuda", dtype) for _ in range(2))
+    errors = {}
+    ps.initialize_model_parallel(1, 1)
+    try:
+        ours, theirs = _gpu_modules(dtype, 1)
+        want, got = _gpu_forward(theirs, x, dy), _gpu_forward(ours, x, dy)
+        errors["against Megatron"] = {n: rel_err(got[n], want[n]) for n in want}
+    finally:
+        ps.destroy_model_parallel()
+    if world > 1:
+        ps.initialize_model_parallel(1, 1, context_parallel_size=world)
+        try:
+            (ours,) = _gpu_modules(dtype, world)
+            mine = Layout.ZIGZAG.shard(torch.arange(GPU_T), rank, world, dim=0).cuda()
+            cp = _gpu_forward(ours, x[mine], dy[mine])
+            for name, g in cp.items():
+                if name not in ("output", "input"):
+                    g = g.cuda()
+                    dist.all_reduce(g, group=ps.get_context_parallel_group())
+                    cp[name] = g.cpu()
+            errors["CP"] = {n: rel_err(g, got[n][mine.cpu()] if n in ("output", "input") else got[n])
+                            for n, g in cp.items()}
+        finally:
+            ps.destroy_model_parallel()
+    return errors
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_gpu_matches_megatron_gated_deltanet(seed, dtype):
+    """fla's convolution, L2 norm and gated delta rule under the layer: the output and every gradient
+    of Megatron's own module (its fla path), on the same weights, within the dtype's tolerance."""
+    (errors,) = run_ranks(_gpu_layer, 1, dtype, seed, backend="nccl")
+    if "skip" in errors:
+        pytest.skip(f"fla refuses the gated delta rule's backward here: {errors['skip']}")
+    assert max(errors["against Megatron"].values()) < GPU_TOLERANCE[dtype], errors
+
+
+@needs_gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_cp_matches_one_gpu(seed):
+    """CP = 2 over NCCL (halo exchange and All-Scan, zigzag) against CP = 1, bf16."""
+    for rank, errors in enumerate(run_ranks(_gpu_layer, 2, torch.bfloat16, seed, backend="nccl")):
+        if "skip" in errors:
+            pytest.skip(f"fla refuses the gated delta rule's backward here: {errors['skip']}")
+        assert max(errors["CP"].values()) < GPU_TOLERANCE[torch.bfloat16], f"rank {rank}: {errors}"
