@@ -21,8 +21,9 @@ def _once(rank, world, strategy, layout, dtype):
     return [o.detach(), ht.detach(), *torch.autograd.grad(loss, leaves)]
 
 
-@pytest.mark.parametrize("strategy", ["zeco", "lasp2"])
-@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("strategy,layout", [("zeco", Layout.ZIGZAG), ("zeco", Layout.CONTIGUOUS),
+                                             ("lasp2", Layout.CONTIGUOUS)], ids=["zigzag-zeco", "contiguous-zeco",
+                                                                                 "contiguous-lasp2"])
 def test_two_launches_are_bit_identical(strategy, layout):
     first, second = (run_ranks(_once, 2, strategy, layout, torch.float32) for _ in range(2))
     for rank in range(2):
