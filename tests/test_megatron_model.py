@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool, host_as_cuda, run_ranks
+from distributed import host_as_cuda, run_ranks
 
 pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
 
@@ -78,28 +78,8 @@ def _vec_rel(grads, ref):
 
 
 @pytest.fixture(scope="module")
-def pools():
-    """One pool of processes per world size, kept for the module's cases (each case sets up and
-    tears down Megatron's model-parallel state in them: a process start per case saved)."""
-    made = {}
-
-    def pool(world):
-        if world not in made:
-            made[world] = RankPool(world)
-        return made[world]
-
-    yield pool
-    for p in made.values():
-        p.close()
-
-
-def _pooled_train_steps(group, overrides):
-    return _train_steps(dist.get_rank(), dist.get_world_size(), overrides)
-
-
-@pytest.fixture(scope="module")
-def reference(pools):
-    return pools(1).run(_pooled_train_steps, 1, {})[0]
+def reference():
+    return run_ranks(_train_steps, 1, {})[0]
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -115,8 +95,8 @@ def reference(pools):
     (4, dict(tp=2, cp=2)),
     (4, dict(dp=2, cp=2)),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))
-def test_training_steps_match_single_process(pools, reference, world, overrides):
-    _check_training_matches(pools(world).run(_pooled_train_steps, world, overrides), reference)
+def test_training_steps_match_single_process(reference, world, overrides):
+    _check_training_matches(run_ranks(_train_steps, world, overrides), reference)
 
 
 def _check_training_matches(results, reference):
