@@ -295,11 +295,9 @@ def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int,
     return [(n, tau) for n, tau in taus if n]
 
 
-def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
-    """One hierarchical All-Scan (``reverse``: the backward's, over the mirror walk). Over send/recv
-    each step is one message carrying every block (K does not apply) and costs each rank taking
-    part ``message``; over device transports the prefix maps inside nodes are pipelined in K
-    blocks (the first block's path, then K - 1 blocks at the pace of their transfer)."""
+def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: bool):
+    """The hierarchical scan's steps, the cost of one of its hops and the pipeline's drain per phase
+    (:func:`critical_path`'s inputs); over send/recv every message carries all blocks (K = 1)."""
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
     steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
@@ -309,21 +307,22 @@ def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse
         return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
 
     drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    return steps, cost, drain
+
+
+def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
+    """One hierarchical All-Scan (``reverse``: the backward's, over the mirror walk). Over send/recv
+    each step is one message carrying every block (K does not apply) and costs each rank taking
+    part ``message``; over device transports the prefix maps inside nodes are pipelined in K
+    blocks (the first block's path, then K - 1 blocks at the pace of their transfer)."""
+    steps, cost, drain = _hierarchical_costs(w, c, sw, K, reverse)
     return sw.scan_call + (critical_path(steps, w.P, cost, sw.message, drain) if steps else 0.0)
 
 
 def hierarchical_phases(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> dict:
     """Seconds of :func:`hierarchical_time` by the end of each phase (``A``, ``B``, ``C``; the call
     counted in ``A``): where the scan's time goes."""
-    if TRANSPORTS[sw.transport].block_messages:
-        K = 1
-    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
-
-    def cost(a, b, what, phase):
-        nbytes = w.map_bytes if what == "map" else w.state_bytes
-        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
-
-    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    steps, cost, drain = _hierarchical_costs(w, c, sw, K, reverse)
     ends, done = {}, 0.0
     for phase in "ABC":
         upto = tuple(s for s in steps if s[0][3] <= phase)
@@ -493,7 +492,8 @@ def load_rows(pattern: str) -> list[dict]:
 
     Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take
     them from the file's ``op`` rows; rows without ``dtype`` are bf16 (what ``benchmarks/bench_op.py``
-    measures); op rows without ``mode`` are ``eager`` (timed one call from an empty queue).
+    measures); op rows without ``mode`` are ``eager`` (timed one call from an empty queue). Rows of
+    another operator than GLA (``bench_op.py --op gdn``) are left out: the model is GLA's.
     """
     rows = []
     for path in sorted(glob.glob(pattern)):
@@ -504,6 +504,8 @@ def load_rows(pattern: str) -> list[dict]:
             raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
         shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
         for r in file_rows:
+            if r.get("op", "gla") != "gla":
+                continue
             if "heads" not in r and r["part"] == "kernel":
                 if len(shapes) != 1:
                     raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")

@@ -329,3 +329,15 @@ def test_command_line_help_documents_every_flag():
     with pytest.raises(SystemExit):
         with contextlib.redirect_stderr(io.StringIO()):
             cm.main(["--gpus", "0"])
+
+
+def test_rows_of_another_operator_stay_out_of_the_fit(tmp_path):
+    """bench_op.py --op gdn writes op rows beside GLA's: the GLA model must not calibrate on them."""
+    from megatron_zeco.cost_model import load_rows
+
+    row = {"part": "op", "mode": "steady", "tokens_per_gpu": 16384, "heads": 16, "dim": 128, "strategy": "fla",
+           "cp": 1, "layout": "contiguous", "ms": 2.6}
+    path = tmp_path / "op.json"
+    path.write_text(json.dumps({"meta": {"build": "peer memory"}, "rows": [row, dict(row, op="gdn", ms=9.9),
+                                                                            dict(row, op="gla", ms=2.7)]}))
+    assert [r["ms"] for r in load_rows(str(path))] == [2.6, 2.7]
