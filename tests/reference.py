@@ -5,6 +5,16 @@ import torch.nn.functional as F
 
 from megatron_zeco.ops import naive_recurrent_gated_delta_rule, naive_recurrent_gla
 
+def token_batch(seed, vocab, rows, length, offsets=None):
+    """Tokens and labels ``[rows, length]`` drawn from ``seed``, or (``offsets``: a packed batch's
+    document offsets) one packed sequence ``[1, offsets[-1]]``; and the offsets as int32 (or None)."""
+    gen = torch.Generator().manual_seed(seed)
+    cu = None if offsets is None else torch.tensor(offsets, dtype=torch.int32)
+    shape = (rows, length) if cu is None else (1, int(cu[-1]))
+    tokens, labels = (torch.randint(0, vocab, shape, generator=gen) for _ in range(2))
+    return tokens, labels, cu
+
+
 GATES = ("normal", "zero", "tiny", "strong", "underflow", "mixed")
 
 

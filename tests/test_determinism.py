@@ -38,6 +38,7 @@ def _deterministic_steps(rank, world):
 
 
 @pytest.mark.megatron
+@pytest.mark.variant  # the same training wiring as test_megatron_model's cases
 def test_megatron_training_is_bit_identical_across_launches():
     """GPTModel with the GLA spec at CP=2 (zeco, zigzag), TransformerConfig(deterministic_mode=True)
     and torch's deterministic algorithms (train.py --deterministic, as Megatron-LM's

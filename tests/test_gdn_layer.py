@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distributed import run_ranks
-from reference import rel_err
+from reference import rel_err, token_batch
 from test_hybrid import _host_rope
 
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -108,13 +108,7 @@ def _model(case, cp, pg_collection=None):
 
 
 def _batch(case, seed):
-    gen = torch.Generator().manual_seed(seed)
-    if case["packed"]:
-        cu = torch.tensor(PACKED[case["packed"]], dtype=torch.int32)
-        tokens, labels = (torch.randint(0, VOCAB, (1, int(cu[-1])), generator=gen) for _ in range(2))
-        return tokens, labels, cu
-    tokens, labels = (torch.randint(0, VOCAB, (B, case["t"]), generator=gen) for _ in range(2))
-    return tokens, labels, None
+    return token_batch(seed, VOCAB, B, case["t"], PACKED.get(case["packed"]))
 
 
 def _run(case, cp, seed, pg_collection=None):

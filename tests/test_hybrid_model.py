@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import host_as_cuda, run_ranks
-from reference import rel_err
+from reference import rel_err, token_batch
 from test_hybrid import _host_rope
 
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -55,13 +55,7 @@ def _seed():
 
 def _batch(case, seed):
     """Tokens and labels of the whole batch: [B, T], or one packed sequence [1, 48] and its offsets."""
-    gen = torch.Generator().manual_seed(seed)
-    if case["packed"]:
-        cu = torch.tensor(PACKED[case["packed"]], dtype=torch.int32)
-        tokens, labels = (torch.randint(0, VOCAB, (1, int(cu[-1])), generator=gen) for _ in range(2))
-        return tokens, labels, cu
-    tokens, labels = (torch.randint(0, VOCAB, (B, T), generator=gen) for _ in range(2))
-    return tokens, labels, None
+    return token_batch(seed, VOCAB, B, T, PACKED.get(case["packed"]))
 
 
 def _model(case):

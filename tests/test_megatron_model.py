@@ -87,13 +87,13 @@ def reference():
     (3, dict(cp=3)),
     (4, dict(cp=4)),
     (2, dict(cp=2, layout="contiguous")),
-    (4, dict(cp=4, layout="contiguous", num_blocks=4)),
-    (2, dict(cp=2, strategy="lasp1")),
-    (2, dict(cp=2, strategy="lasp2")),
-    (2, dict(cp=2, strategy="a2a")),
-    (2, dict(cp=2, piece_split=3)),
+    pytest.param(4, dict(cp=4, layout="contiguous", num_blocks=4), marks=pytest.mark.variant),
+    pytest.param(2, dict(cp=2, strategy="lasp1"), marks=pytest.mark.variant),
+    pytest.param(2, dict(cp=2, strategy="lasp2"), marks=pytest.mark.variant),
+    pytest.param(2, dict(cp=2, strategy="a2a"), marks=pytest.mark.variant),
+    pytest.param(2, dict(cp=2, piece_split=3), marks=pytest.mark.variant),
     (4, dict(tp=2, cp=2)),
-    (4, dict(dp=2, cp=2)),
+    pytest.param(4, dict(dp=2, cp=2), marks=pytest.mark.variant),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))
 def test_training_steps_match_single_process(reference, world, overrides):
     _check_training_matches(run_ranks(_train_steps, world, overrides), reference)
@@ -272,7 +272,8 @@ def saved_checkpoint(tmp_path_factory):
     return path, losses[0]
 
 
-@pytest.mark.parametrize("world,overrides", [(4, dict(tp=2, cp=2)), (4, dict(tp=1, cp=4)), (1, dict(tp=1, cp=1))],
+@pytest.mark.parametrize("world,overrides", [(4, dict(tp=2, cp=2)), (4, dict(tp=1, cp=4)),
+                                                  pytest.param(1, dict(tp=1, cp=1), marks=pytest.mark.variant)],
                          ids=["tp2-cp2", "tp1-cp4", "tp1-cp1"])
 def test_distributed_checkpoint_reloads_to_the_same_next_step_loss(saved_checkpoint, world, overrides):
     """Load into a differently seeded model, also under another TP x CP layout: same next loss."""
