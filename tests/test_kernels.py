@@ -177,6 +177,10 @@ kernels = {
         dict(x_init=addr, gamma=ptr, delta=ptr, s_in=ptr, gamma2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
              sent=addr, src=addr, dst=addr, G_STRIDE="i32", S_STRIDE="i32", NT="i32", **watched),
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True)),
+    scan_hop.all_scan_dense_hop_kernel: (
+        dict(x_init=addr, M=ptr, delta=ptr, s_in=ptr, M2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
+             sent=addr, src=addr, dst=addr, M_STRIDE="i32", S_STRIDE="i32", NT="i32", **watched),
+        dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, DOT=True)),
     scan_hop.all_scan_map_kernel: (
         dict(gamma_a=ptr, delta_a=ptr, gamma_b=ptr, delta_b=ptr, here=addr, sent=addr, dst=addr, G_STRIDE="i32",
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),

@@ -22,7 +22,8 @@ node, by one-sided stores into the peers' memory with device-side flags (``peer.
 Over peer memory a zigzag scan runs as two legs at once instead of one chain of 2P - 1
 pieces: states go up the ranks, maps (composed pieces) come down from the turn-around
 rank, and each rank applies the map it receives to its own state: the same volume, half
-the waits.
+the waits. Dense transitions take the chain over peer memory too (a dense map would carry
+K x K more per message).
 
 Both take the group explicitly and address peers through it (global ranks from
 ``dist.get_global_rank``), so any Megatron context-parallel group works.
@@ -40,7 +41,7 @@ from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
 from .peer import peer_all_scan, resolve_transport
-from .transition import Dense, transition_of
+from .transition import transition_of
 
 Tensor = torch.Tensor
 
@@ -160,7 +161,7 @@ def all_scan(
 
     Args:
         gamma: per local slot, the transition: the decay ``[..., K]``, or a dense ``M [..., K, K]``
-            (``transition.py``; send/recv only, blocks of columns).
+            (``transition.py``; blocks of columns; over the device transports always the chain).
         delta: per local slot, ``[..., K, V]``.
         init: state entering the first piece (last piece if ``reverse``) or None.
         transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
@@ -185,9 +186,6 @@ def all_scan(
     """
     kind = transition_of(gamma[0], delta[0])
     transport = resolve_transport(transport, group, delta[0])
-    if kind is Dense and transport != "send_recv":
-        raise ValueError(f"All-Scan of dense transitions (the gated delta rule) runs over transport 'send_recv'; "
-                         f"the peer-memory kernels combine diagonal ones only (got transport {transport!r})")
     if scan_shape(shape, layout, group, node_size, transport, delta[0], what) == "hierarchical":
         if aside is not None:
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")

@@ -39,6 +39,7 @@ from . import inject
 from .failures import naming_failures
 from .layout import Layout, Link
 from .nodes import host_nodes
+from .transition import Dense, transition_of
 
 Tensor = torch.Tensor
 TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
@@ -170,7 +171,9 @@ class _Channel:
     call then only launches kernels, so a scan can be captured in a CUDA graph once the channel
     exists).
 
-    Contiguous layout: the chain, one hop per rank. Zigzag over two or more ranks: two legs that
+    Contiguous layout, and dense transitions (``dense``: the gated delta rule) under either layout:
+    the chain, one hop per piece (two pieces of a rank in a row, at the zigzag turn-around, in one
+    launch). Zigzag over two or more ranks with diagonal transitions: two legs that
     need nothing from each other run at once. The outgoing leg passes states up the ranks as the
     chain does (rank r's piece a = r); the return leg passes maps down from the turn-around rank,
     each rank's ``C_r = M_b o C_(r+1) o M_a`` over the pieces between its two (its piece b's
@@ -179,7 +182,7 @@ class _Channel:
     2P - 1 pieces becomes two legs of P.
     """
 
-    def __init__(self, group, layout, N, K, V, dtype, tiles, device, nvshmem=False):
+    def __init__(self, group, layout, N, K, V, dtype, tiles, device, nvshmem=False, dense=False):
         self.data = _aligned(N * K * (V + 1) * dtype.itemsize)
         self.decays = N * K * V  # elements into a receive buffer: a map's decays
         self.flags = _aligned(N * tiles * _FLAG_BYTES)
@@ -222,7 +225,7 @@ class _Channel:
                         (a.src, a.dst)),
                 _Launch("close", [a, b], (here_b, region(b.src, reverse, b.src_slot)), True, (b.src, None))]
 
-        plan = two_legs if layout is Layout.ZIGZAG and world > 1 else chain
+        plan = two_legs if layout is Layout.ZIGZAG and world > 1 and not dense else chain
         self._plans = {reverse: plan(reverse) for reverse in (False, True)}
         self._buffers = buffers  # the plans hold raw addresses into them
 
@@ -350,11 +353,12 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     ``what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. ``nvshmem``: the
     same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or another)
     instead of stores into the peers' mapped memory."""
-    from ..kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
+    from ..kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
 
     like = delta[0]
     K, V = like.shape[-2:]
     N = like.numel() // (K * V)
+    dense = transition_of(gamma[0], like) is Dense
     # Channels hold a power of two of states: packed batches split per document pass one state
     # per document, a count that changes every step, and each new channel is a collective
     # allocation that is never freed (a peer may still be writing into it). A call uses the first N.
@@ -362,22 +366,25 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     # Blocks of more than 32 rows move as 32-row tiles, each with its own flag: more programs in flight
     # and a finer pipeline through the zigzag turn-around (what a per-document packed batch's one
     # state per document needs to keep the link busy; bench_op.py's scan part times it).
-    rows = K // num_blocks
+    # Dense transitions: blocks and tiles of columns instead (a row of M S reads every row of S).
+    rows = (V if dense else K) // num_blocks
     tiles = num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
-    key = (group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem)
+    key = (group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
     ch = _CHANNELS.get(key)
     if ch is None:
         with naming_failures(what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
-            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem)
+            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem,
+                                           dense)
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
     # (ScanGLA's slot views of its batches); otherwise through contiguous copies.
     gammas, deltas, s_ins = list(gamma), list(delta), inputs
-    strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
+    tail = 2 if dense else 1  # trailing dims of a transition: [K, K] or [K]
+    strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
     if None in strides:
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
-        strides = _dim0_stride(gammas, 1), _dim0_stride([*deltas, *s_ins], 2)
+        strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
     watch = _watch(like.device)
     timeout = watch.timeout(group)
     watch.check(group, timeout)  # a wait of an earlier scan gave up: fail before issuing more
@@ -419,10 +426,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                                ch.decays, *sizes, **remote)
             else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
                 slots = [link.slot for link in links]
-                all_scan_hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
-                             [s_ins[s] for s in slots], y, regions, *strides, *sizes,
-                             has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
-                             programs=programs, **remote)
+                hop = all_scan_dense_hop if dense else all_scan_hop
+                hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
+                    [s_ins[s] for s in slots], y, regions, *strides, *sizes,
+                    has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
+                    programs=programs, **remote)
                 y_a = y
             inject.delay(like.device)
         if not like.is_cuda:  # interpreted: the kernel has run

@@ -166,9 +166,6 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     if transport not in TRANSPORTS:
         problems.append(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
-    if beta is not None and transport == "peer_memory":
-        problems.append("transport 'peer_memory' moves the diagonal maps of GLA only; the gated delta rule's "
-                        "All-Scan runs over 'send_recv' (or 'auto')")
     if beta is not None and strategy == "lasp1":
         problems.append("strategy 'lasp1' is not offered for the gated delta rule; use zeco, lasp2 or a2a")
     # Per document, each document is cut into pieces, not each rank's tokens.

@@ -15,8 +15,10 @@ a2a        q, k, v, g, beta and o by all-to-all over heads       Megatron-Core's
 none       nothing (one rank)                                    the local operator
 =========  ===================================================  ===========================
 
-All-Scan's combine here is a K x K by K x V product per head and state block. Its transport is
-the group's point-to-point messages: the peer-memory hop kernels combine diagonal maps only.
+All-Scan's combine here is a K x K by K x V product per head and block of columns. It travels as
+the group's point-to-point messages by default, or, asked for, through peer memory or NVSHMEM:
+one Triton kernel per piece that waits for the previous rank's columns, multiplies and stores
+the result into the next rank's buffer (``kernels/scan_hop.py``, ``all_scan_dense_hop``).
 """
 
 from typing import Optional, Tuple, Union
@@ -80,8 +82,9 @@ def zeco_gated_delta_rule(
             (``[N+1]`` offsets over the whole packed sequence; B = 1; no initial or final state).
         num_blocks: ``zeco`` only: blocks of value columns (a divisor of V) the All-Scan pipelines;
             a row of ``M S`` reads every row of ``S``, so the state is cut by columns.
-        transport: ``zeco`` only: ``auto`` or ``send_recv`` (the group's point-to-point messages).
-            ``peer_memory`` is refused: its hop kernels combine diagonal maps only.
+        transport: ``zeco`` only: ``send_recv`` (the group's point-to-point messages; what ``auto``
+            picks), ``peer_memory`` (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``:
+            the dense hop kernel, exact on the CPU, not yet timed on GPUs, hence not the default.
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective).
         name: names the caller in communication errors.
@@ -105,8 +108,8 @@ def zeco_gated_delta_rule(
 
 def planned_gated_delta_rule(plan: CPPlan, q, k, v, g, beta, *, scale=None, initial_state=None,
                              output_final_state=False, cu_seqlens=None, per_document=False, checked=False):
-    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:func:`cp_plan`; a send/recv
-    transport); the same arguments and result."""
+    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:func:`cp_plan`); the same
+    arguments and result."""
     if not checked and (cu_seqlens is not None or per_document):
         problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, plan.strategy,
                                    plan.world)

@@ -79,7 +79,10 @@ def cp_plan(group, *, strategy: str = "zeco", layout: Union[str, Layout] = "cont
     if world == 1:
         return CPPlan(None, "none", layout, num_blocks, name=name)
     if strategy == "zeco":
-        transport = resolve_transport(transport, group, like)
+        try:
+            transport = resolve_transport(transport, group, like)
+        except ValueError as e:  # named as the caller's, like every other input error
+            raise ValueError(f"{name}: {e}") from None
     else:
         transport = "send_recv"
     if overlap is None:

@@ -37,6 +37,7 @@ then the call counters (read only by this rank).
 
 import time
 
+import torch
 import triton
 import triton.language as tl
 
@@ -333,6 +334,96 @@ def all_scan_close_kernel(
         tl.store(calls, seq)
 
 
+@triton.jit
+def _dense_product(M, m_base, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (row-major), ``x`` the
+    ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in IEEE float32, never TF32 (``DOT``),
+    or products summed elementwise (float64, and blocks under 16)."""
+    rows = r + tl.arange(0, BR)
+    kk = tl.arange(0, BK)
+    m = tl.load(M + m_base + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < K) & (kk[None, :] < K),
+                other=0.0)
+    if DOT:
+        y = tl.dot(m, x, input_precision="ieee")
+    else:
+        y = tl.sum(m[:, :, None] * x[None, :, :], axis=1)
+    return rows, y
+
+
+@triton.jit
+def all_scan_dense_hop_kernel(
+    x_init,  # address of the incoming state where no rank sends it (contiguous [N, K, V]), or 0
+    M, delta, s_in,  # the (first) piece's transition [.., K, K] and delta, and where its incoming state goes
+    M2, delta2, s_in2,  # TWO: the next piece, also on this rank (the zigzag turn-around)
+    y_out,  # local copy of the outgoing state (KEEP_Y; contiguous [N, K, V])
+    here, sent, src, dst,  # regions, as all_scan_hop_kernel's
+    src_pe, dst_pe,
+    M_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (M; delta and s_in)
+    INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    COLS: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
+    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr,
+    HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
+    TWO: tl.constexpr,
+    watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+):
+    """:func:`all_scan_hop_kernel` for dense transitions (the gated delta rule): ``S_out = M S_in +
+    delta``. A row of ``M S`` reads every row of ``S``, a column only its own, so tile ``(n, b)`` is
+    column tile ``b`` (``COLS`` columns, all K rows) of state ``n``. In the receive buffers a tile's
+    rows are stored together (``[K, COLS]`` at element ``(n K V + b K COLS)``), so that it moves as
+    one contiguous put over NVSHMEM. Same flags, acknowledgements and bounded waits."""
+    watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
+    dtype = delta.dtype.element_ty
+    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    kk = tl.arange(0, BK)
+    cc = tl.arange(0, BC)
+    if HAS_DST:
+        out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
+        i_o, i_h = i_n // INNER, i_n % INNER
+        m_base = i_o * M_STRIDE + i_h * K * K
+        s_base = i_o * S_STRIDE + i_h * K * V + i_b * COLS  # the tile's first column in the slots
+        in_tile = (kk[:, None] < K) & (cc[None, :] < COLS)
+        s_offs = s_base + kk[:, None] * V + cc[None, :]
+        tile_base = i_n * K * V + i_b * K * COLS  # in a receive buffer (the tile's rows together)
+        if HAS_SRC:  # the previous rank's tile has arrived in this region
+            _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+            x = tl.load(here.to(tl.pointer_type(dtype)) + tile_base + kk[:, None] * COLS + cc[None, :], mask=in_tile,
+                        other=0.0, cache_modifier=".cg")
+        elif HAS_INIT:
+            x = tl.load(x_init.to(tl.pointer_type(dtype)) + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :],
+                        mask=in_tile, other=0.0)
+        else:
+            x = tl.zeros([BK, BC], dtype)
+        if HAS_DST:  # the next rank has read what this rank sent it last time
+            _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+        tl.store(s_in + s_offs, x, mask=in_tile)
+        if TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
+            for r in range(0, K, BR):
+                rows, y = _dense_product(M, m_base, x, r, K, BR, BK, DOT)
+                mask = (rows[:, None] < K) & (cc[None, :] < COLS)
+                offs = s_base + rows[:, None] * V + cc[None, :]
+                tl.store(s_in2 + offs, y + tl.load(delta + offs, mask=mask, other=0.0), mask=mask)
+            tl.debug_barrier()
+            x = tl.load(s_in2 + s_offs, mask=in_tile, other=0.0)
+            M_last, delta_last = M2, delta2
+        else:
+            M_last, delta_last = M, delta
+        for r in range(0, K, BR):
+            rows, y = _dense_product(M_last, m_base, x, r, K, BR, BK, DOT)
+            mask = (rows[:, None] < K) & (cc[None, :] < COLS)
+            y += tl.load(delta_last + s_base + rows[:, None] * V + cc[None, :], mask=mask, other=0.0)
+            if HAS_DST:
+                tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
+            if KEEP_Y:
+                tl.store(y_out + i_n * K * V + i_b * COLS + rows[:, None] * V + cc[None, :], y, mask=mask)
+        if HAS_DST:
+            _send(dst, sent, tile, tile_base * ELEM, K * COLS * ELEM, seq, dst_pe, watch, DATA, FLAGS, NVSHMEM)
+        if HAS_SRC:
+            _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
+        tl.store(calls, seq)
+
+
 def _shape(delta, tiles, programs=None):
     """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles:
     one program per tile, or at most ``programs``, each then taking every ``programs``-th tile."""
@@ -386,6 +477,26 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
         KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), NVSHMEM=nvshmem, **shape,
     )
+
+
+def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
+                       flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None):
+    """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
+    ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
+    states; ``tiles`` column tiles per state (a divisor of V). Other arguments as :func:`all_scan_hop`."""
+    delta = deltas[-1]
+    K, V = delta.shape[-2:]
+    N = delta.numel() // (K * V)
+    cols = V // tiles
+    BC, BK = triton.next_power_of_2(cols), triton.next_power_of_2(K)
+    BR = min(BK, 32)
+    dot = delta.dtype == torch.float32 and min(BR, BK, BC) >= 16
+    _kernel(all_scan_dense_hop_kernel, nvshmem)[(min(N * tiles, programs or N * tiles),)](
+        x_init, Ms[0], deltas[0], s_ins[0], Ms[-1], deltas[-1], s_ins[-1], s_ins[-1] if y_out is None else y_out,
+        *regions, *pes, m_stride, s_stride, INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
+        COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=N * tiles, TILES=tiles,
+        HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
+        **_watched(watch, delta), NVSHMEM=nvshmem, num_warps=4)
 
 
 def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,
