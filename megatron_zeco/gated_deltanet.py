@@ -43,6 +43,7 @@ from .checkpoint import host_as_cuda
 from .comm import as_layout
 from .cp import cp_plan, planned_gated_delta_rule
 from .cp.checks import check_inputs
+from .comm.peer import TRANSPORTS
 from .cp.conv import planned_causal_conv1d
 from .layer import check_document_boundaries, check_low_precision, check_packed_split, packed_arguments
 from .ops.conv import l2norm
@@ -72,6 +73,9 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
             ``--linear-value-head-dim``).
         cp_packed_split: how packed (THD) batches are split over CP: ``document``, ``sequence`` or
             ``auto`` (see :class:`megatron_zeco.layer.GatedLinearAttention`).
+        cp_transport: ``zeco``: how All-Scan moves states: ``auto`` (= ``send_recv``, the CP group's
+            point-to-point messages), ``peer_memory`` (one node) or ``nvshmem``: the dense hop kernel
+            (``kernels/scan_hop.py``), exact on the CPU but not yet timed on GPUs, hence not the default.
         **kwargs: anything else TransformerLayer passes (``pp_layer_offset``, ...), unused.
     """
 
@@ -79,10 +83,11 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
                  bias: bool = False, conv_bias: bool = False, conv_init: Optional[float] = None,
                  use_qk_l2norm: bool = True, A_init_range: Tuple[float, float] = (1, 16), pg_collection=None, *,
                  name: Optional[str] = None, cp_comm_type: Optional[str] = None, cp_strategy: str = "zeco",
-                 cp_layout: str = "zigzag", cp_num_blocks: int = 1, cp_packed_split: str = "auto", **kwargs):
+                 cp_layout: str = "zigzag", cp_num_blocks: int = 1, cp_packed_split: str = "auto",
+                 cp_transport: str = "auto", **kwargs):
         if pg_collection is None:
             pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
-        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split,
+        _check_config(config, submodules, cp_strategy, cp_layout, cp_num_blocks, cp_packed_split, cp_transport,
                       pg_collection.tp.size(), pg_collection.cp.size())
         on_gpu = torch.cuda.is_available()
         if on_gpu:  # Megatron's module puts its own parameters on the GPU whatever the config says
@@ -94,6 +99,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         self.cp_group = pg_collection.cp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split = cp_packed_split
+        self.cp_transport = "send_recv" if cp_transport == "auto" else cp_transport
         self._plan = None  # the CP plan, built at the first forward (it needs the device; collective)
         self._validated = False
 
@@ -213,7 +219,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         v = beta.unsqueeze(-1).expand(b, s, H, self.value_head_dim)
         try:
             check_inputs(qk, qk, v, beta, None, group=group, strategy=strategy, layout=self.cp_layout,
-                         num_blocks=self.cp_num_blocks, output_final_state=False, transport="send_recv",
+                         num_blocks=self.cp_num_blocks, output_final_state=False, transport=self.cp_transport,
                          beta=beta, op=name, **packed)
         except ValueError as e:
             raise ValueError(
@@ -222,7 +228,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
                 "--context-parallel-size for the contiguous one)") from None
         self._validated = True
         self._plan = cp_plan(group, strategy=strategy, layout=self.cp_layout, num_blocks=self.cp_num_blocks,
-                             transport="send_recv", like=qkv, name=name)
+                             transport=self.cp_transport, like=qkv, name=name)
 
 
 @contextlib.contextmanager
@@ -249,10 +255,12 @@ def _patched(module, name, value):
         setattr(module, name, old)
 
 
-def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, tp, cp):
+def _check_config(config, submodules, strategy, layout, num_blocks, packed_split, transport, tp, cp):
     """Start-up errors that name the flag to change."""
     as_layout(layout)
     check_packed_split(packed_split, WHO)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"{WHO}: cp_transport {transport!r} is not one of {', '.join(TRANSPORTS)}")
     if strategy not in CP_STRATEGIES:
         raise ValueError(f"{WHO}: cp_strategy {strategy!r} is not one of {', '.join(CP_STRATEGIES)}")
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads

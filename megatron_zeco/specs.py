@@ -199,6 +199,7 @@ def gdn_layer_spec(
     cp_num_blocks: int = 1,
     cp_packed_split: str = "auto",
     normalization: Optional[str] = None,
+    cp_transport: str = "auto",
 ) -> ModuleSpec:
     """TransformerLayer spec (``GPTModel``) with Megatron-Core's Gated DeltaNet as token mixer, its
     context parallelism ZeCO's (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`; megatron-core >= 0.19).
@@ -209,7 +210,7 @@ def gdn_layer_spec(
             under the fused name).
         cp_strategy: ``zeco``, ``lasp2`` or ``a2a`` (see ZecoGatedDeltaNet); used when
             ``--context-parallel-size`` > 1.
-        cp_layout, cp_num_blocks, cp_packed_split: see ZecoGatedDeltaNet.
+        cp_layout, cp_num_blocks, cp_packed_split, cp_transport: see ZecoGatedDeltaNet.
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
             ``--normalization`` by themselves.
     """
@@ -222,7 +223,7 @@ def gdn_layer_spec(
     from .gated_deltanet import ZecoGatedDeltaNet
 
     params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                  cp_packed_split=cp_packed_split)
+                  cp_packed_split=cp_packed_split, cp_transport=cp_transport)
     if use_te:  # Megatron's own submodules: the input norm fused into in_proj
         from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
@@ -361,8 +362,8 @@ def hybrid_stack_spec(
         mixer: ``gla``, or ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
             (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
             (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`: cp_strategy zeco, lasp2 or
-            a2a; the GLA-only knobs, cp_overlap_scan, cp_transport, cp_piece_split and the gate's,
-            must keep their defaults).
+            a2a; cp_transport ``auto`` = ``send_recv`` for it; the GLA-only knobs, cp_overlap_scan,
+            cp_piece_split and the gate's, must keep their defaults).
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``: under
     CP the zigzag layout, and for packed batches the per-document split) or none; GLA and Gated
@@ -425,7 +426,7 @@ def hybrid_stack_spec(
 
 
 # hybrid_layer_spec's and hybrid_stack_spec's knobs that only GLA layers have, with their defaults.
-GLA_ONLY = dict(cp_overlap_scan=None, cp_transport="auto", cp_piece_split=None, cp_node_size=None,
+GLA_ONLY = dict(cp_overlap_scan=None, cp_piece_split=None, cp_node_size=None,
                 gate_low_rank_dim=16, gate_timescales=None)
 
 

@@ -50,13 +50,15 @@ PACKED = {"document": [0, 12, 36, 48],  # documents cut by Megatron's THD split:
 
 def _case(name, pattern, **kw):
     return {**dict(name=name, pattern=pattern, strategy="zeco", layout="zigzag", rope=False, packed=None, tp=1,
-                   gpt=False, linear=LINEAR, t=T, blocks=1, cps=(2, 3)), **kw}
+                   gpt=False, linear=LINEAR, t=T, blocks=1, cps=(2, 3), transport="auto"), **kw}
 
 
 CASES = [
     _case("G-G- zigzag", "G-G-"),
     _case("G-G- contiguous", "G-G-", layout="contiguous"),
     _case("G-G- zigzag, All-Scan in 2 blocks", "G-G-", blocks=2, cps=(3,)),
+    # the dense hop kernel (interpreted here) moving the states through peer memory
+    _case("G-G- zigzag, All-Scan through peer memory", "G-G-", transport="peer_memory", cps=(2,)),
     _case("G-G- lasp2 contiguous", "G-G-", strategy="lasp2", layout="contiguous"),
     _case("G-G- a2a", "G-G-", strategy="a2a"),
     _case("G*G- zigzag rope", "G*G-", rope=True),
@@ -103,7 +105,8 @@ def _model(case, cp, pg_collection=None):
     if case["gpt"]:
         return GPTModel(_config(case, cp), hybrid_layer_spec(case["pattern"], **knobs), VOCAB, 64,
                         position_embedding_type=position, pg_collection=pg_collection)
-    return build_hybrid_model(_config(case, cp), case["pattern"], VOCAB, 64, hybrid_stack_spec(**knobs),
+    return build_hybrid_model(_config(case, cp), case["pattern"], VOCAB, 64,
+                              hybrid_stack_spec(**knobs, cp_transport=case["transport"]),
                               pg_collection=pg_collection, position_embedding_type=position)
 
 
@@ -141,7 +144,8 @@ def _run(case, cp, seed, pg_collection=None):
         dist.all_reduce(g, group=cp_group)
         grads[name] = g
     alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
-    return float(loss), grads, alone, ps.get_tensor_model_parallel_rank()
+    transports = [m._plan.transport for m in model.modules() if hasattr(m, "cp_transport") and m._plan is not None]
+    return float(loss), grads, alone, ps.get_tensor_model_parallel_rank(), transports
 
 
 def _loss(logits, labels):
@@ -239,6 +243,8 @@ def test_cp_matches_one_process(results, case, cp):
     assert len(ranks) == cp * case["tp"], f"{len(ranks)} ranks ran it"  # one CP group per TP rank set
     for rank, result in enumerate(ranks):
         _check([result], references[result[3]], f"{case['name']} CP={cp} (rank {rank} of the group)")
+        want = "send_recv" if case["transport"] == "auto" or case["strategy"] != "zeco" else case["transport"]
+        assert result[4] and set(result[4]) == {want}, f"{case['name']} rank {rank}: scans over {result[4]}"
     if case["packed"]:
         for reference in references.values():
             _check([reference], reference[2], f"{case['name']} CP=1 against each document alone")
@@ -399,6 +405,8 @@ MISUSE = {
                        ["unknown context-parallel layout"]),
     "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError,
                              ["cp_packed_split 'docs'"]),
+    "unknown transport": (1, 1, lambda: _build({"cp_transport": "nvlink"}), ValueError,
+                          ["cp_transport 'nvlink' is not one of auto, send_recv, peer_memory"]),
     "activation other than SiLU": (1, 1, lambda: _build(activation_func=F.gelu), ValueError, ["gelu", "--swiglu"]),
     "fp8 with Megatron-Core linears": (1, 1, lambda: _build(fp8="e4m3"), ValueError,
                                        ["--fp8-format", "gdn_hybrid_stack_te_spec"]),
@@ -468,8 +476,8 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
     if not HAVE_TE:
         with pytest.raises(ImportError, match="gdn_hybrid_stack_local_spec"):
             build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_te_spec"]), config)
-    with pytest.raises(ValueError, match="cp_transport apply to GLA layers only"):
-        hybrid_stack_spec(mixer="gdn", cp_transport="peer_memory")
+    with pytest.raises(ValueError, match="cp_overlap_scan apply to GLA layers only"):
+        hybrid_stack_spec(mixer="gdn", cp_overlap_scan=True)
     with pytest.raises(ValueError, match="mixer 'mamba' is not one of gla, gdn"):
         hybrid_stack_spec(mixer="mamba")
 
