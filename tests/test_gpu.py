@@ -385,11 +385,12 @@ def _loopback(rank, world, seed, transport):
     between two ranks would (over peer memory: stores and a flag; over NVSHMEM, to this PE itself: the
     data and its flag in one put, the acknowledgement as a put's signal, the zigzag map's decays in a
     put ordered before the state's). Three calls in a row, each waiting for the acknowledgement of the
-    one before; what arrives is checked against the same arithmetic in PyTorch. Then a receive that
+    one before; what arrives is checked against the same arithmetic in PyTorch; then the gated delta
+    rule's dense hop (``M x + delta`` per column tile, tl.dot in IEEE float32). Then a receive that
     nothing sends must give up after its timeout (the GPU clock) and the host must raise
     ``ScanTimeoutError`` from the report the kernel wrote."""
     from megatron_zeco.comm.peer import _FLAG_BYTES, PeerBuffers, ScanTimeoutError, _aligned, _watch
-    from megatron_zeco.kernels.scan_hop import all_scan_close, all_scan_hop, all_scan_map
+    from megatron_zeco.kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
 
     group = dist.new_group([0])
     N, K, V, tiles = 4, 64, 32, 2
@@ -429,6 +430,20 @@ def _loopback(rank, world, seed, transport):
         for name, got, expected in (("hop", got_in, want), ("map + close", s_b, want_b),
                                     ("close's last state", last, want_last)):
             error = rel_err(got.cpu(), expected.cpu())
+            if not error < 1e-6:
+                failures.append(f"{transport} call {call}, {name}: {error:.1e}")
+        # the dense hop: the sender's state M x + delta arrives as the receiver's incoming state
+        M, M2 = (torch.randn(N, K, K, generator=gen).cuda() / K ** 0.5 for _ in range(2))
+        dense_in, dense_y = torch.full_like(x, float("nan")), torch.empty_like(x)
+        dense = {**{k: v for k, v in common.items() if k != "g_stride"}, "m_stride": K * K}
+        all_scan_dense_hop(x.data_ptr(), [M], [delta], [torch.empty_like(x)], dense_y, (a, a, 0, b), has_src=False,
+                           has_init=True, has_dst=True, pes=(-1, pe), **dense)
+        all_scan_dense_hop(0, [M2], [delta2], [dense_in], None, (b, b, a, 0), has_src=True, has_init=False,
+                           has_dst=False, pes=(pe, -1), **dense)
+        torch.cuda.synchronize()
+        want_dense = M.double() @ x.double() + delta.double()
+        for name, got in (("dense hop", dense_in), ("dense hop's own copy", dense_y)):
+            error = rel_err(got.cpu(), want_dense.cpu())
             if not error < 1e-6:
                 failures.append(f"{transport} call {call}, {name}: {error:.1e}")
     watch.check(group, 60.0)  # nothing gave up

@@ -11,6 +11,10 @@ while the next one is still arriving: the paper's pipelined chain, issued by one
 the chain visits two pieces of this rank in a row (the zigzag turn-around), one launch
 (``TWO``) combines both, so the tiles stay pipelined through the turn.
 
+Dense transitions (the gated delta rule, ``S_out = M S_in + delta``) take their own hop kernel,
+``all_scan_dense_hop_kernel``: tiles are column tiles there (a row of ``M S`` reads every row of
+``S``), multiplied by ``M`` on arrival; same flags, acknowledgements and bounded waits.
+
 A zigzag scan over peer memory has a second kind of message (``comm/peer.py``): its return
 leg passes maps, a state and a row of decays, composed on each rank
 (``all_scan_map_kernel``) and applied to the state leaving the rank's outgoing piece
