@@ -77,14 +77,16 @@ def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, p
                 assert "none came within" in message, message
 
 
-def _relay(rank, world, timeouts):
-    """Peer memory: rank 0 stalls in the second scan; the others wait with their own timeouts."""
+def _relay(rank, world, timeouts, transition):
+    """Peer memory: rank 0 stalls in the second scan; the others wait with their own timeouts. Diagonal
+    transitions (GLA's hop kernel) or dense ones (the gated delta rule's)."""
     import torch
 
     from megatron_zeco.comm import Layout, all_scan
 
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
-    gamma, delta = [torch.rand(1, 2, 4, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
+    shape = (1, 2, 4, 4) if transition == "dense" else (1, 2, 4)
+    gamma, delta = [torch.rand(*shape, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
     kw = dict(layout=Layout.CONTIGUOUS, group=group, transport="peer_memory", what=LAYER)
     all_scan(gamma, delta, None, **kw)
     dist.barrier(group=group)
@@ -100,11 +102,12 @@ def _relay(rank, world, timeouts):
     return "finished without an error", time.monotonic() - start
 
 
-def test_peer_memory_relays_a_give_up_down_the_chain():
+@pytest.mark.parametrize("transition", ["diagonal", "dense"])
+def test_peer_memory_relays_a_give_up_down_the_chain(transition):
     """Rank 1 gives up on the stalled rank 0 after 2 s; rank 2, allowed 40 s, gives up as soon as rank 1's
     poisoned flag arrives, naming rank 1 as the rank that gave up first."""
     timeouts = [None, 2.0, 40.0]
-    _, (first, t1), (second, t2) = run_ranks(_relay, 3, timeouts, timeout=120)
+    _, (first, t1), (second, t2) = run_ranks(_relay, 3, timeouts, transition, timeout=120)
     assert "from global rank 0" in first and "none came within 2 s" in first, first
     assert "from global rank 1" in second and "gave up first" in second, second
     assert t2 < timeouts[2] / 2, f"rank 2 waited {t2:.1f} s: {second}"
