@@ -27,7 +27,8 @@ PACKED = {"document": [0, 12, 36, 48],  # documents cut by Megatron's THD split:
 
 
 def _case(name, pattern, **kw):
-    return {**dict(name=name, pattern=pattern, strategy="zeco", layout="zigzag", rope=False, packed=None, pp=1), **kw}
+    return {**dict(name=name, pattern=pattern, strategy="zeco", layout="zigzag", rope=False, packed=None, pp=1,
+                   mixer="gla"), **kw}
 
 
 # Every case at CP = 2 and 3 unless it says otherwise.
@@ -43,8 +44,11 @@ CASES = [
     _case("G*G- packed whole sequence", "G*G-", packed="sequence"),
     _case("G-GE MoE", "G-GE", cps=(2,)),
 ]
-# Pipeline segments, PP = 2 (CP = 1): stage 0 builds 'G*', stage 1 'G-'.
-PP_CASE = _case("G*|G- PP=2", "G*|G-", pp=2)
+# Pipeline segments, PP = 2 (CP = 1): stage 0 builds 'G*', stage 1 'G-'; G = GLA or Gated DeltaNet.
+PP_CASES = [_case("G*|G- PP=2", "G*|G-", pp=2), _case("G*|G- Gated DeltaNet PP=2", "G*|G-", pp=2, mixer="gdn")]
+# Gated DeltaNet's heads and dims (megatron-core's config.linear_*); its convolution has 4 taps.
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+           linear_conv_kernel_dim=4)
 
 
 def _seed():
@@ -67,13 +71,15 @@ def _model(case):
 
     layers = len(case["pattern"].replace("|", ""))
     moe = dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True) if "E" in case["pattern"] else {}
+    if case["mixer"] == "gdn":  # its short convolution and output gate apply SiLU
+        moe.update(GDN, activation_func=torch.nn.functional.silu)
     config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                add_bias_linear=False, init_method_std=0.1, context_parallel_size=case["cp"],
                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float64,
                                params_dtype=torch.float64, **moe)
     spec = hybrid_stack_spec(cp_strategy=case["strategy"], cp_layout=case["layout"],
-                             cp_packed_split=case["packed"] or "auto")
+                             cp_packed_split=case["packed"] or "auto", mixer=case["mixer"])
     torch.manual_seed(0)
     model = build_hybrid_model(config, case["pattern"], VOCAB, 64, spec,
                                position_embedding_type="rope" if case["rope"] else "none")
@@ -89,7 +95,8 @@ def _global_name(name, offset):
 
 
 def _run(case, seed, full_state=None):
-    """Loss (mean cross-entropy over the whole batch) and every parameter's gradient, summed over CP."""
+    """Loss (mean cross-entropy over the whole batch) and every parameter's gradient, summed over CP; the
+    layers (number, class, kind); at CP = 1 on a packed batch every document alone; the G layers' mixers."""
     from megatron.core import parallel_state as ps
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -140,7 +147,8 @@ def _run(case, seed, full_state=None):
     layers = [(layer.layer_number, type(layer).__name__, getattr(layer, "kind", None))
               for layer in model.decoder.layers]
     alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
-    return float(loss), grads, layers, alone
+    mixers = [type(layer.self_attention).__name__ for layer in model.decoder.layers if getattr(layer, "kind", 0) == "G"]
+    return float(loss), grads, layers, alone, mixers
 
 
 def _documents_alone(model, tokens, labels, cu):
@@ -187,7 +195,7 @@ def _worker(rank, world, cases, seed, with_reference):
 def results():
     """One launch of 2 processes (CP = 1 references, CP = 2, PP = 2) and one of 3 (CP = 3)."""
     seed = _seed()
-    two = run_ranks(_worker, 2, CASES + [PP_CASE], seed, True)
+    two = run_ranks(_worker, 2, CASES + PP_CASES, seed, True)
     three = run_ranks(_worker, 3, [c for c in CASES if 3 in c.get("cps", (2, 3))], seed, False)
     return {2: two, 3: three}
 
@@ -215,14 +223,17 @@ def test_hybrid_model_under_cp_matches_one_process(results, case, cp):
 
 
 @needs_hybrid_model
-def test_pipeline_segments_match_whole_model(results):
+@pytest.mark.parametrize("case", PP_CASES, ids=[c["name"] for c in PP_CASES])
+def test_pipeline_segments_match_whole_model(results, case):
     """'G*|G-' on two pipeline stages, driven by hand (Megatron's schedules need CUDA): stage 0
     builds layers 1-2 (G, *), stage 1 layers 3-4 (G, -); together every parameter, and the loss and
-    gradients of the whole model."""
-    name = PP_CASE["name"]
+    gradients of the whole model. G: GLA, and Megatron's Gated DeltaNet (ZecoGatedDeltaNet)."""
+    name = case["name"]
     stages = [r[name, "pp"] for r in results[2]]
     assert [s[2] for s in stages] == [[(1, "HybridMixerLayer", "G"), (2, "HybridMixerLayer", "*")],
                                       [(3, "HybridMixerLayer", "G"), (4, "MLPLayer", None)]]
+    mixer = {"gla": "GatedLinearAttention", "gdn": "ZecoGatedDeltaNet"}[case["mixer"]]
+    assert [s[4] for s in stages] == [[mixer], [mixer]], [s[4] for s in stages]
     ref_loss, ref_grads = results[2][0][name, 1][:2]
     loss = stages[1][0]  # the last stage's
     assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{name}: loss {loss} vs {ref_loss}"
