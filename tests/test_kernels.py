@@ -172,25 +172,29 @@ ptr, addr = "*fp32", "i64"
 tiles = dict(INNER=4, K=64, V=64, ROWS=32, BR=32, BV=64, DATA=65536, FLAGS=64, TILES=2, INTERPRETED=False,
              NVSHMEM=False)
 watched = dict(watch=addr, report=addr, timeout_ns="i64", who="i32", src_pe="i32", dst_pe="i32")
-kernels = {
-    scan_hop.all_scan_hop_kernel: (
+dense = dict(x_init=addr, M=ptr, delta=ptr, s_in=ptr, M2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
+             sent=addr, src=addr, dst=addr, M_STRIDE="i32", S_STRIDE="i32", NT="i32", **watched)
+kernels = [
+    (scan_hop.all_scan_hop_kernel,
         dict(x_init=addr, gamma=ptr, delta=ptr, s_in=ptr, gamma2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
              sent=addr, src=addr, dst=addr, G_STRIDE="i32", S_STRIDE="i32", NT="i32", **watched),
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True)),
-    scan_hop.all_scan_dense_hop_kernel: (
-        dict(x_init=addr, M=ptr, delta=ptr, s_in=ptr, M2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
-             sent=addr, src=addr, dst=addr, M_STRIDE="i32", S_STRIDE="i32", NT="i32", **watched),
+    (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, DOT=True)),
-    scan_hop.all_scan_map_kernel: (
+    (scan_hop.all_scan_dense_hop_kernel, {**dense, **{name: "*fp64" for name in ("M", "delta", "s_in", "M2", "delta2",
+                                                                                   "s_in2", "y_out")}},
+        dict(HAS_SRC=True, HAS_INIT=False, HAS_DST=True, KEEP_Y=False, TWO=False, COLS=8, BC=8, BK=64, BR=8,
+             DOT=False)),  # float64, products summed elementwise
+    (scan_hop.all_scan_map_kernel,
         dict(gamma_a=ptr, delta_a=ptr, gamma_b=ptr, delta_b=ptr, here=addr, sent=addr, dst=addr, G_STRIDE="i32",
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),
         dict(HAS_SRC=True)),
-    scan_hop.all_scan_close_kernel: (
+    (scan_hop.all_scan_close_kernel,
         dict(y_a=ptr, s_in=ptr, gamma_b=ptr, delta_b=ptr, y_out=ptr, here=addr, src=addr, G_STRIDE="i32",
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),
         dict(LAST=True)),
-}
-for kernel, (signature, flags) in kernels.items():
+]
+for kernel, signature, flags in kernels:
     constexprs = {**tiles, **flags}
     constexprs = {name: value for name, value in constexprs.items() if name in kernel.arg_names}
     signature = {name: signature.get(name, "constexpr") for name in kernel.arg_names}
