@@ -97,7 +97,7 @@ def parse_args():
     p.add_argument("--out", default="op.json")
     args = p.parse_args()
     if args.strategies is None:
-        args.strategies = (["zeco", "zeco@send_recv", "lasp2", "a2a"] if args.op == "gdn" else
+        args.strategies = (["zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op == "gdn" else
                            ["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"])
     if args.op == "gdn" and set(args.parts) != {"op"}:
         p.error("--op gdn times part op only: add --parts op")
