@@ -77,7 +77,7 @@ def parse_args():
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--strategies", nargs="+", default=None,
                    help="strategy[+overlap][@transport][:piece_split]; default: zeco zeco:1 zeco@send_recv "
-                        "zeco+overlap lasp1 lasp2 a2a (--op gdn: zeco zeco@send_recv lasp2 a2a)")
+                        "zeco+overlap lasp1 lasp2 a2a (--op gdn: zeco zeco@peer_memory lasp2 a2a)")
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
                    help="op part: issue from Python (each iteration from an empty queue, or back to back), "
