@@ -41,9 +41,9 @@ from megatron.core.utils import deprecate_inference_params
 
 from .checkpoint import host_as_cuda
 from .comm import as_layout
+from .comm.peer import TRANSPORTS
 from .cp import cp_plan, planned_gated_delta_rule
 from .cp.checks import check_inputs
-from .comm.peer import TRANSPORTS
 from .cp.conv import planned_causal_conv1d
 from .layer import check_document_boundaries, check_low_precision, check_packed_split, packed_arguments
 from .ops.conv import l2norm
