@@ -280,6 +280,7 @@ def hybrid_layer_spec(
     gate_timescales=None,
     normalization: Optional[str] = None,
     mixer: str = "gla",
+    cp_transport: str = "auto",
 ) -> ModuleSpec:
     """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
 
@@ -289,13 +290,14 @@ def hybrid_layer_spec(
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
         cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
-        cp_strategy, cp_num_blocks, cp_piece_split, cp_node_size, gate_low_rank_dim, gate_timescales:
-            the GLA layers' (:func:`gla_layer_spec`).
+        cp_strategy, cp_num_blocks, cp_transport, cp_piece_split, cp_node_size, gate_low_rank_dim,
+            gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
         cp_packed_split: how packed batches are split over CP, for both layer kinds.
         normalization: as in :func:`gla_layer_spec`.
         mixer: ``gla`` or ``gdn``: the ``G`` layers are GLA (:func:`gla_layer_spec`) or Megatron-Core's
-            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`: cp_strategy zeco, lasp2 or a2a; the
-            GLA-only knobs, cp_piece_split and the gate's, must keep their defaults).
+            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`: cp_strategy zeco, lasp2 or a2a; cp_transport
+            ``auto`` = ``send_recv`` for it; the GLA-only knobs, cp_piece_split, cp_node_size and the
+            gate's, must keep their defaults).
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
     zigzag layout under CP; for packed batches under CP the per-document split) or none;
@@ -309,7 +311,7 @@ def hybrid_layer_spec(
         return attention  # fails at build, naming hybrid_local_spec
     mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
                                 cp_num_blocks=cp_num_blocks, cp_piece_split=cp_piece_split,
-                                cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
+                                cp_transport=cp_transport, cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
                                 gate_low_rank_dim=gate_low_rank_dim,
                                 gate_timescales=gate_timescales, normalization=normalization)
     if mixer_layer.submodules is None:
@@ -439,8 +441,9 @@ def _g_layer_spec(mixer: str, **knobs) -> ModuleSpec:
     gla_only = {name: knobs.pop(name, default) for name, default in GLA_ONLY.items()}
     changed = [name for name, value in gla_only.items() if value != GLA_ONLY[name]]
     if changed:
-        raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} apply to GLA layers only (mixer='gla'); "
-                         f"leave them at their defaults for Gated DeltaNet (mixer='gdn')")
+        raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} "
+                         f"to GLA layers only (mixer='gla'); for Gated DeltaNet (mixer='gdn') keep the defaults "
+                         f"({', '.join(f'{name}={GLA_ONLY[name]!r}' for name in changed)})")
     return gdn_layer_spec(**knobs)
 
 

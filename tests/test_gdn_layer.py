@@ -65,6 +65,7 @@ CASES = [
     _case("G*G- packed per document", "G*G-", packed="document"),
     _case("G-G- packed whole sequence", "G-G-", packed="sequence"),
     _case("GPTModel G* rope", "G*", rope=True, gpt=True, cps=(2,)),
+    _case("GPTModel G* through peer memory", "G*", gpt=True, transport="peer_memory", cps=(3,)),
     # CP = 4 over 2 value heads (one q/k head); zigzag pieces of 2 tokens, shorter than the halo
     _case("G-G- CP 4, 2 heads", "G-G-", linear=dict(LINEAR, linear_num_key_heads=1, linear_num_value_heads=2),
           t=16, cps=(4,)),
@@ -99,14 +100,13 @@ def _model(case, cp, pg_collection=None):
     from megatron_zeco.specs import hybrid_layer_spec, hybrid_stack_spec
 
     knobs = dict(cp_strategy=case["strategy"], cp_layout=case["layout"], cp_num_blocks=case["blocks"],
-                 cp_packed_split=case["packed"] or "auto", mixer="gdn")
+                 cp_packed_split=case["packed"] or "auto", cp_transport=case["transport"], mixer="gdn")
     position = "rope" if case["rope"] else "none"
     torch.manual_seed(0)
     if case["gpt"]:
         return GPTModel(_config(case, cp), hybrid_layer_spec(case["pattern"], **knobs), VOCAB, 64,
                         position_embedding_type=position, pg_collection=pg_collection)
-    return build_hybrid_model(_config(case, cp), case["pattern"], VOCAB, 64,
-                              hybrid_stack_spec(**knobs, cp_transport=case["transport"]),
+    return build_hybrid_model(_config(case, cp), case["pattern"], VOCAB, 64, hybrid_stack_spec(**knobs),
                               pg_collection=pg_collection, position_embedding_type=position)
 
 
@@ -476,7 +476,7 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
     if not HAVE_TE:
         with pytest.raises(ImportError, match="gdn_hybrid_stack_local_spec"):
             build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_te_spec"]), config)
-    with pytest.raises(ValueError, match="cp_overlap_scan apply to GLA layers only"):
+    with pytest.raises(ValueError, match="cp_overlap_scan applies to GLA layers only"):
         hybrid_stack_spec(mixer="gdn", cp_overlap_scan=True)
     with pytest.raises(ValueError, match="mixer 'mamba' is not one of gla, gdn"):
         hybrid_stack_spec(mixer="mamba")
