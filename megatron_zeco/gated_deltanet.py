@@ -45,6 +45,7 @@ from .comm.peer import TRANSPORTS
 from .cp import cp_plan, planned_gated_delta_rule
 from .cp.checks import check_inputs
 from .cp.conv import planned_causal_conv1d
+from .cp.delta import delta_rule_transport
 from .layer import check_document_boundaries, check_low_precision, check_packed_split, packed_arguments
 from .ops.conv import l2norm
 from .ops.delta_backend import require_gdn_backend
@@ -99,7 +100,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         self.cp_group = pg_collection.cp
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split = cp_packed_split
-        self.cp_transport = "send_recv" if cp_transport == "auto" else cp_transport
+        self.cp_transport = delta_rule_transport(cp_transport)
         self._plan = None  # the CP plan, built at the first forward (it needs the device; collective)
         self._validated = False
 

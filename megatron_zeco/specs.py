@@ -197,9 +197,9 @@ def gdn_layer_spec(
     cp_strategy: str = "zeco",
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
+    cp_transport: str = "auto",
     cp_packed_split: str = "auto",
     normalization: Optional[str] = None,
-    cp_transport: str = "auto",
 ) -> ModuleSpec:
     """TransformerLayer spec (``GPTModel``) with Megatron-Core's Gated DeltaNet as token mixer, its
     context parallelism ZeCO's (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`; megatron-core >= 0.19).
@@ -273,6 +273,7 @@ def hybrid_layer_spec(
     cp_strategy: str = "zeco",
     cp_layout: str = "zigzag",
     cp_num_blocks: int = 1,
+    cp_transport: str = "auto",
     cp_piece_split: Optional[int] = None,
     cp_packed_split: str = "auto",
     cp_node_size: Optional[int] = None,
@@ -280,7 +281,6 @@ def hybrid_layer_spec(
     gate_timescales=None,
     normalization: Optional[str] = None,
     mixer: str = "gla",
-    cp_transport: str = "auto",
 ) -> ModuleSpec:
     """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
 
@@ -310,8 +310,8 @@ def hybrid_layer_spec(
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
     mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
-                                cp_num_blocks=cp_num_blocks, cp_piece_split=cp_piece_split,
-                                cp_transport=cp_transport, cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
+                                cp_num_blocks=cp_num_blocks, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
+                                cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
                                 gate_low_rank_dim=gate_low_rank_dim,
                                 gate_timescales=gate_timescales, normalization=normalization)
     if mixer_layer.submodules is None:

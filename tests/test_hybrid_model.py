@@ -70,14 +70,14 @@ def _model(case):
     from megatron_zeco.specs import hybrid_stack_spec
 
     layers = len(case["pattern"].replace("|", ""))
-    moe = dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True) if "E" in case["pattern"] else {}
+    extra = dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True) if "E" in case["pattern"] else {}
     if case["mixer"] == "gdn":  # its short convolution and output gate apply SiLU
-        moe.update(GDN, activation_func=torch.nn.functional.silu)
+        extra.update(GDN, activation_func=torch.nn.functional.silu)
     config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
                                use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
                                add_bias_linear=False, init_method_std=0.1, context_parallel_size=case["cp"],
                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float64,
-                               params_dtype=torch.float64, **moe)
+                               params_dtype=torch.float64, **extra)
     spec = hybrid_stack_spec(cp_strategy=case["strategy"], cp_layout=case["layout"],
                              cp_packed_split=case["packed"] or "auto", mixer=case["mixer"])
     torch.manual_seed(0)

@@ -164,7 +164,7 @@ def _dense_scans(group, seed):
     """all_scan (the chain in blocks of columns over messages and over peer memory, and the
     hierarchical shape over nodes of two ranks) and gather_scan with dense transitions, against a
     sequential fold (the hierarchical shape also with GLA's diagonal ones). Peer memory also in
-    float32 with 32 x 32 states, where the hop kernel multiplies on tensor cores (tl.dot)."""
+    float32 with 32 x 32 states, where the hop kernel multiplies through tl.dot."""
     P, me = group.size(), group.rank()
     failures = []
     impls = ("chain", "chain peer_memory", "hierarchical", "gather", "hierarchical diagonal", "chain peer_memory dot")

@@ -37,6 +37,12 @@ STRATEGIES = ("zeco", "lasp2", "a2a", "none")
 OP = "zeco_gated_delta_rule"
 
 
+def delta_rule_transport(transport: str) -> str:
+    """The All-Scan transport the gated delta rule uses for ``transport``: ``auto`` is ``send_recv``
+    (the dense hop kernel of the device transports is not timed on GPUs yet, so not the default)."""
+    return "send_recv" if transport == "auto" else transport
+
+
 def zeco_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -100,7 +106,7 @@ def zeco_gated_delta_rule(
     if strategy not in STRATEGIES:
         raise ValueError(f"{name}: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
     plan = cp_plan(group, strategy=strategy, layout=layout, num_blocks=num_blocks,
-                   transport="send_recv" if transport == "auto" else transport, like=q, name=name)
+                   transport=delta_rule_transport(transport), like=q, name=name)
     return planned_gated_delta_rule(plan, q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                     per_document=per_document, checked=validate)
