@@ -7,8 +7,9 @@ Where things live:
   cp/      the context-parallel operators ``zeco_gla`` and ``zeco_gated_delta_rule`` and their strategies
 """
 
-from .comm import Layout
+from .comm import Layout, ScanTimeoutError, check_scans
 from .cp import STRATEGIES, packed_positions, zeco_gated_delta_rule, zeco_gla
 
-__all__ = ["zeco_gla", "zeco_gated_delta_rule", "packed_positions", "Layout", "STRATEGIES"]
+__all__ = ["zeco_gla", "zeco_gated_delta_rule", "packed_positions", "check_scans", "ScanTimeoutError", "Layout",
+           "STRATEGIES"]
 __version__ = "0.1.0"

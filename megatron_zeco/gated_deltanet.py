@@ -41,12 +41,13 @@ from megatron.core.utils import deprecate_inference_params
 
 from .checkpoint import host_as_cuda
 from .comm import as_layout
-from .comm.peer import TRANSPORTS
+from .comm.peer import TRANSPORTS, claim_transport
 from .cp import cp_plan, planned_gated_delta_rule
 from .cp.checks import check_inputs
 from .cp.conv import planned_causal_conv1d
 from .cp.delta import delta_rule_transport
-from .layer import check_document_boundaries, check_low_precision, check_packed_split, packed_arguments
+from .layer import (check_document_boundaries, check_low_precision, check_packed_split,
+                    check_scans_when_gradients_finish, packed_arguments)
 from .ops.conv import l2norm
 from .ops.delta_backend import require_gdn_backend
 
@@ -101,6 +102,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split = cp_packed_split
         self.cp_transport = delta_rule_transport(cp_transport)
+        claim_transport(self, self.cp_transport, f"{WHO} (layer {layer_number})")
         self._plan = None  # the CP plan, built at the first forward (it needs the device; collective)
         self._validated = False
 
@@ -230,6 +232,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         self._validated = True
         self._plan = cp_plan(group, strategy=strategy, layout=self.cp_layout, num_blocks=self.cp_num_blocks,
                              transport=self.cp_transport, like=qkv, name=name)
+        check_scans_when_gradients_finish(self.config)
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .comm import as_layout
-from .comm.peer import TRANSPORTS
+from .comm.peer import TRANSPORTS, ScanTimeoutError, check_scans, claim_transport
 from .cp import STRATEGIES, cp_plan, planned_gla
 from .cp.checks import check_inputs
 from .ops import require_backend
@@ -125,6 +125,7 @@ class GatedLinearAttention(MegatronModule):
         self.cp_strategy, self.cp_layout, self.cp_num_blocks = cp_strategy, cp_layout, cp_num_blocks
         self.cp_packed_split, self.cp_overlap_scan, self.cp_transport = cp_packed_split, cp_overlap_scan, cp_transport
         self.cp_piece_split, self.cp_node_size = cp_piece_split, cp_node_size
+        claim_transport(self, cp_transport, f"GatedLinearAttention (layer {layer_number})")
         self._plan = None  # the CP plan, built at the first forward (it needs the device; collective)
         self.gate_normalizer = gate_normalizer
         self._validated = False
@@ -208,6 +209,7 @@ class GatedLinearAttention(MegatronModule):
             self._plan = cp_plan(group, strategy=strategy, layout=self.cp_layout, num_blocks=self.cp_num_blocks,
                                  overlap=self.cp_overlap_scan, transport=self.cp_transport,
                                  node_size=self.cp_node_size, like=q, name=name)
+            check_scans_when_gradients_finish(self.config)
         o, _ = planned_gla(self._plan, q, k, v, g, piece_split=self._piece_split(packed), **packed)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
@@ -244,6 +246,44 @@ class GatedLinearAttention(MegatronModule):
 
 
 PACKED_SPLITS = ("auto", "document", "sequence")
+
+
+class _ScansChecked:
+    """Megatron's gradient finalisation (``config.finalize_model_grads_func``), then a check of this
+    process's scans: a scan that gave up (its results NaN) raises ``ScanTimeoutError`` naming the
+    layer and the peer, also where Megatron's own check for NaN gradients raises first."""
+
+    def __init__(self, finalize):
+        self.finalize = finalize
+
+    def __call__(self, *args, **kwargs):
+        try:
+            result = self.finalize(*args, **kwargs)
+        except ScanTimeoutError:
+            raise
+        except Exception as e:  # Megatron found NaN: name the scan that caused it, if one did
+            check_scans_after(e)
+            raise
+        check_scans()
+        return result
+
+
+def check_scans_after(error: BaseException) -> None:
+    """Raise ``ScanTimeoutError`` from ``error`` if a scan of this process gave up (its NaN explain it)."""
+    try:
+        check_scans()
+    except ScanTimeoutError as timeout:
+        raise timeout from error
+
+
+def check_scans_when_gradients_finish(config) -> None:
+    """Check this process's scans (:func:`megatron_zeco.check_scans`) where Megatron-LM's training loop
+    finishes each step's gradients: it sets ``config.finalize_model_grads_func`` (``pretrain_gpt.py``,
+    ``pretrain_hybrid.py``) before the first forward pass, which calls this. (Every optimizer step
+    checks them too: ``comm.peer.install_step_check``.)"""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is not None and not isinstance(finalize, _ScansChecked):
+        config.finalize_model_grads_func = _ScansChecked(finalize)
 
 
 def check_document_boundaries(packed_seq_params, who: str) -> None:

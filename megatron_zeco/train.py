@@ -33,7 +33,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from . import checkpoint
-from .comm import Layout, as_layout
+from .comm import Layout, ScanTimeoutError, as_layout, check_scans
+from .comm.peer import TRANSPORTS
 from .cp import STRATEGIES
 from .recall import RecallTask
 
@@ -51,8 +52,8 @@ def _flag(default, group: str, help: str, shown: Optional[str] = None, **argpars
     return field(default=default, metadata=dict(group=group, help=help, shown=shown, argparse=argparse_kwargs))
 
 
-PARALLEL, MODEL, TASK, OPTIM, CKPT, LOGGING = (
-    "parallelism", "model", "task", "optimisation", "checkpointing", "logging")
+PARALLEL, MODEL, TASK, OPTIM, CKPT, LOGGING, FAULTS = (
+    "parallelism", "model", "task", "optimisation", "checkpointing", "logging", "fault injection (testing)")
 
 
 @dataclass
@@ -71,6 +72,10 @@ class TrainConfig:
                         choices=[m.value for m in Layout])
     num_blocks: int = _flag(1, PARALLEL, "All-Scan pipeline blocks: the state is sent in this many blocks of "
                             "rows (a divisor of the head dim, --hidden / --heads)")
+    transport: str = _flag("auto", PARALLEL, "how All-Scan moves the states (--strategy zeco): send_recv (the CP "
+                           "group's messages: NCCL, gloo), peer_memory (stores into the peers' GPU memory, one node; "
+                           "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
+                           "between the GPUs of one node, else send_recv", choices=list(TRANSPORTS))
     piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
                                        "(zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
@@ -132,6 +137,12 @@ class TrainConfig:
     # -- logging
     log_interval: int = _flag(50, LOGGING, "print loss, accuracy, gradient norm, learning rate and tokens/s "
                               "every this many steps")
+    # -- fault injection (testing)
+    stall: Optional[str] = _flag(None, FAULTS, "global rank RANK sleeps SECONDS before the forward pass of step "
+                                 "STEP, as a peer that hangs and comes back would: with --transport peer_memory or "
+                                 "nvshmem the scans waiting on it give up after $MEGATRON_ZECO_SCAN_TIMEOUT s, and "
+                                 "the job stops before that step's optimizer step, naming the scan and the peer",
+                                 shown="none", metavar="RANK:STEP:SECONDS")
 
 
 _DEFAULTS = {f.name: f.default for f in fields(TrainConfig)}
@@ -210,7 +221,23 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
         raise ValueError(f"--batch {cfg.batch} must be divisible by --dp {cfg.dp}")
     if cfg.save_interval and not cfg.save:
         raise ValueError("--save-interval needs --save DIR")
+    stall_of(cfg)
     return notes
+
+
+def stall_of(cfg: TrainConfig):
+    """``--stall RANK:STEP:SECONDS`` as ``(rank, step, seconds)``, or None; ValueError if malformed."""
+    if cfg.stall is None:
+        return None
+    try:
+        rank, step, seconds = cfg.stall.split(":")
+        rank, step, seconds = int(rank), int(step), float(seconds)
+    except ValueError:
+        rank = None
+    if rank is None or rank < 0 or step < 1 or not seconds >= 0:
+        raise ValueError(f"--stall {cfg.stall!r} must be RANK:STEP:SECONDS (a global rank, a step from 1, "
+                         f"seconds), e.g. 1:3:10")
+    return rank, step, seconds
 
 
 def have_hybrid_model() -> bool:
@@ -344,7 +371,7 @@ def transformer_config(cfg: TrainConfig):
 def _gla_knobs(cfg: TrainConfig) -> dict:
     """The GLA layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
     return dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
-                cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
+                cp_transport=cfg.transport, cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
 
 
 def layer_spec(cfg: TrainConfig):
@@ -522,7 +549,8 @@ _JOB_FLAGS = {
     "hidden_size": "--hidden", "--num-layers": "--layers", "--kv-channels": "--hidden / --heads",
     "--num-experts": "--experts",
     "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
-    "cp_piece_split": "--piece-split", "--position-embedding-type": "--position-embedding",
+    "cp_piece_split": "--piece-split", "cp_transport": "--transport",
+    "--position-embedding-type": "--position-embedding",
     "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
 }
 
@@ -627,7 +655,10 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
     history, step, saved_at = [], first - 1, None
     start = window_start = time.time()
     window_steps, saving = 0, 0.0  # steps since the last log line; seconds spent saving checkpoints
+    stall = stall_of(cfg)
     for step in range(first, cfg.steps + 1):
+        if stall is not None and stall[:2] == (dist.get_rank(), step):
+            time.sleep(stall[2])
         with startup_errors() if step == first else nullcontext():  # the first forward checks the CP inputs
             batch = local_batch(cfg, global_batch(cfg, task, step))
             optimizer.zero_grad(set_to_none=True)
@@ -635,6 +666,11 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
         loss.backward()
         reduce_gradients(model)
         norm = grad_norm(model)
+        finite = bool(norm.isfinite())  # waits for the step's backward pass: every scan has ended by now
+        check_scans()  # a scan that gave up (its results NaN): ScanTimeoutError naming it, before the update
+        if not finite:
+            raise FloatingPointError(f"step {step}: the gradient norm is {float(norm)}; not applying it (lower "
+                                     f"--lr, or check the inputs)")
         if cfg.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(model.parameters(), cfg.clip_grad, norm)
         optimizer.step()
@@ -736,6 +772,9 @@ def main(argv=None):
         if _launch_rank() == 0:
             print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
         code = 2
+    except (ScanTimeoutError, FloatingPointError) as e:  # each rank says what it saw; no step was applied
+        print(f"{PROG}: error on global rank {_launch_rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        code = 1
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()

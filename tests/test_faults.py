@@ -1,27 +1,34 @@
-"""A CP peer that dies or stalls in the middle of a scan, forward or backward (real gloo processes).
+"""A CP peer that dies, stalls or comes back late in the middle of a scan (real gloo processes).
 
-Every other rank must fail within the process group's timeout with an error naming the layer,
-the operation and the peer; none may hang or return a result. Over peer memory (the Triton hop
-kernels, interpreted, over /dev/shm) the kernels' own waits are bounded by the group's timeout:
-the rank waiting on the faulty one gives up and names it, and the ranks after it in the chain give
-up at once, naming the rank that gave up first.
+Over the group's messages (zeco's ``send_recv``, lasp1, lasp2) every other rank fails within the
+process group's timeout with an error naming the layer, the operation and the peer; none may hang
+or return a result.
+
+Over peer memory (the Triton hop kernels, interpreted, over /dev/shm) the kernels' own waits are
+bounded: the rank waiting on the faulty one gives up and names it, and the ranks after it in the
+chain give up at once, naming the rank that gave up first. A scan that gives up does not raise in
+the call (on GPUs its kernels run after the host has moved on): it delivers NaN, so every output and
+gradient computed from it is NaN, and ``check_scans()`` -- run before every optimizer step --
+raises ``ScanTimeoutError``. No step may end with finite values computed from a state that did
+not arrive. A peer that is merely slow (under the bound) changes nothing, bit for bit.
 """
 
+import contextlib
 import datetime
 import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megatron_zeco import zeco_gla
-from reference import problem
+from megatron_zeco import ScanTimeoutError, check_scans, zeco_gla
+from reference import problem, reference, rel_err
 
 PG_TIMEOUT = 5.0
 LAYER = "GatedLinearAttention (layer 7)"
-OPERATION = {"zeco": "zeco All-Scan", "zeco@peer_memory": "zeco All-Scan", "lasp1": "lasp1 ring",
-             "lasp2": "lasp2 all-gather scan"}
+OPERATION = {"zeco": "zeco All-Scan", "lasp1": "lasp1 ring", "lasp2": "lasp2 all-gather scan"}
 
 
 def _faulty(rank, world, strategy, fault, phase):
@@ -37,11 +44,7 @@ def _faulty(rank, world, strategy, fault, phase):
             time.sleep(3 * PG_TIMEOUT)
         return None  # "die": return at once; the process group is torn down under the peers
 
-    strategy, _, transport = strategy.partition("@")
     kw = dict(group=group, strategy=strategy, layout="contiguous", validate=False, name=LAYER)
-    if transport:  # a first step together: the peer-memory buffers are set up (a collective) and used once
-        kw.update(transport=transport)
-        zeco_gla(*leaves, **kw)[0].sum().backward()
     if rank == bad and phase == "forward":
         return misbehave()
     start = time.monotonic()
@@ -55,7 +58,7 @@ def _faulty(rank, world, strategy, fault, phase):
     return "finished without an error", time.monotonic() - start
 
 
-@pytest.mark.parametrize("strategy", ["zeco", "zeco@peer_memory", "lasp1", "lasp2"])
+@pytest.mark.parametrize("strategy", ["zeco", "lasp1", "lasp2"])
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 @pytest.mark.parametrize("fault", ["die", "stall"])
 def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, phase):
@@ -69,17 +72,12 @@ def test_peer_fault_fails_every_other_rank_with_a_named_error(strategy, fault, p
         assert LAYER in message and OPERATION[strategy] in message and phase in message, message
         assert "global rank" in message, message
         assert elapsed < 3 * PG_TIMEOUT, f"rank {rank} took {elapsed:.1f} s: {message}"
-        if strategy.endswith("peer_memory"):  # the kernels' own bounded waits name the rank waited for
-            waited_on_bad = rank == (1 if phase == "forward" else world - 2)
-            assert f"from global rank {bad if waited_on_bad else rank + (-1 if phase == 'forward' else 1)}" \
-                in message, message
-            if waited_on_bad:
-                assert "none came within" in message, message
 
 
 def _relay(rank, world, timeouts, transition):
     """Peer memory: rank 0 stalls in the second scan; the others wait with their own timeouts. Diagonal
-    transitions (GLA's hop kernel) or dense ones (the gated delta rule's)."""
+    transitions (GLA's hop kernel) or dense ones (the gated delta rule's). Returns what the scan
+    delivered, the error ``check_scans`` raised and how long the scan took."""
     import torch
 
     from megatron_zeco.comm import Layout, all_scan
@@ -95,19 +93,211 @@ def _relay(rank, world, timeouts, transition):
         return None
     os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
     start = time.monotonic()
+    (s_in,), last = all_scan(gamma, delta, None, **kw)
+    elapsed = time.monotonic() - start
     try:
-        all_scan(gamma, delta, None, **kw)
-    except RuntimeError as e:
-        return str(e), time.monotonic() - start
-    return "finished without an error", time.monotonic() - start
+        check_scans()
+    except ScanTimeoutError as e:
+        return str(e), elapsed, s_in, last
+    return "finished without an error", elapsed, s_in, last
 
 
 @pytest.mark.parametrize("transition", ["diagonal", "dense"])
 def test_peer_memory_relays_a_give_up_down_the_chain(transition):
     """Rank 1 gives up on the stalled rank 0 after 2 s; rank 2, allowed 40 s, gives up as soon as rank 1's
-    poisoned flag arrives, naming rank 1 as the rank that gave up first."""
+    poisoned flag arrives, naming rank 1 as the rank that gave up first. Both deliver NaN states."""
     timeouts = [None, 2.0, 40.0]
-    _, (first, t1), (second, t2) = run_ranks(_relay, 3, timeouts, transition, timeout=120)
+    _, (first, t1, s1, _), (second, t2, s2, last) = run_ranks(_relay, 3, timeouts, transition, timeout=120)
     assert "from global rank 0" in first and "none came within 2 s" in first, first
     assert "from global rank 1" in second and "gave up first" in second, second
     assert t2 < timeouts[2] / 2, f"rank 2 waited {t2:.1f} s: {second}"
+    for name, state in (("rank 1's incoming state", s1), ("rank 2's incoming state", s2), ("the last state", last)):
+        assert state.isnan().all(), f"{name} is not NaN where its scan gave up: {state}"
+
+
+# --- a stalled step: NaN results and an error before the optimizer step ---------------------------
+
+STALL_BOUND = 2.0  # seconds a wait may last in the stalled steps ($MEGATRON_ZECO_SCAN_TIMEOUT)
+STALL = 3 * STALL_BOUND + 2  # how long the stalled rank stays away: its neighbours give up meanwhile
+
+
+def _stalled_steps(rank, world, phase, bad, seed):
+    """zeco_gla over peer memory, float64, one rank a piece, fresh inputs every step. Step 1 runs on every
+    rank together. In step 2 rank ``bad`` stalls before the scan of ``phase`` for ``STALL`` s, past its
+    neighbours' bound, then comes back and goes on; every rank keeps stepping (forward, backward, then
+    the step check ``check_scans``) until a step raises, at most step 3. Returns, per step, this rank's
+    outputs and gradients, the float64 loop's over the whole sequence, and the error (or None)."""
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=120))
+    T = 8
+    mine = slice(rank * T, (rank + 1) * T)
+    kw = dict(group=group, strategy="zeco", layout="contiguous", transport="peer_memory", validate=False,
+              name=LAYER)
+
+    def step(number, stall_before=None):
+        x = problem(seed + number, B=1, T=world * T, H=2, K=8, V=4, initial_state=False)
+        expected = {n: t[:, mine] for n, t in reference(x, output_final_state=False).items() if n != "ht"}
+        leaves = [x[n][:, mine].clone().requires_grad_() for n in ("q", "k", "v", "g")]
+        if stall_before == "forward":
+            time.sleep(STALL)
+        tensors, error = {}, None
+        try:
+            o, _ = zeco_gla(*leaves, **kw)
+            tensors["o"] = o.detach().clone()
+            if stall_before == "backward":
+                time.sleep(STALL)
+            (o * x["do"][:, mine]).sum().backward()
+            tensors.update({f"d{n}": leaf.grad for n, leaf in zip("qkvg", leaves)})
+            check_scans()
+        except ScanTimeoutError as e:
+            error = str(e)
+        return tensors, expected, error
+
+    steps = [step(1)]
+    assert steps[0][2] is None, steps[0][2]
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(STALL_BOUND)
+    dist.barrier(group=group)
+    for number in (2, 3):
+        steps.append(step(number, phase if rank == bad and number == 2 else None))
+        if steps[-1][2] is not None:
+            break
+    return steps
+
+
+def _first_failing_step(phase, bad, rank):
+    """The step at which ``rank`` must raise, where it depends on the stalled rank within step 2 (None:
+    it may finish step 2 with correct values and fail later). Forward: every rank waits on the stalled
+    one in step 2 (those after it in the forward scan, those before it in the backward scan). Backward
+    (the scan runs from the last rank to rank 0): the ranks before the stalled one in rank order wait
+    on it; those after it need nothing from it until step 3's forward scan."""
+    if rank == bad:
+        return None
+    return 2 if phase == "forward" or rank < bad else None
+
+
+# P = 2, 3, 4; the stalled rank first, in the middle of, or last in the scan's chain.
+STALLS = [(2, "forward", 0), (2, "backward", 1), (3, "forward", 1), (3, "backward", 1), (4, "forward", 3),
+          (4, "backward", 0)]
+
+
+@pytest.mark.parametrize("world, phase, bad", STALLS, ids=[f"P{w}-{p}-rank{b}" for w, p, b in STALLS])
+def test_a_scan_that_gives_up_poisons_its_step_and_the_step_check_raises(seed, world, phase, bad):
+    """Peer memory, a rank stalled past the bound in the forward or the backward scan of step 2 (and
+    back afterwards): no rank ends a step with finite values that differ from the reference; every
+    step that does not match it holds NaN and raises ScanTimeoutError (naming the layer and a peer)
+    before it ends; the ranks that wait on the stalled one within step 2 raise there; every rank,
+    the late one included, has raised by step 3."""
+    results = run_ranks(_stalled_steps, world, phase, bad, seed, timeout=240)
+    for rank, steps in enumerate(results):
+        for number, (tensors, expected, error) in enumerate(steps, start=1):
+            wrong = [name for name, t in tensors.items() if not rel_err(t, expected[name]) < 1e-10]
+            finite_and_wrong = [name for name in wrong if tensors[name].isfinite().all()]
+            assert not finite_and_wrong, (f"rank {rank}, step {number}: {finite_and_wrong} finite but not the "
+                                          f"float64 loop's ({error or 'no error'})")
+            if error is None:
+                assert not wrong, f"rank {rank}, step {number}: {wrong} hold NaN, yet the step check passed"
+            else:
+                assert LAYER in error and "global rank" in error and "call" in error, error
+                assert wrong or len(tensors) < 5, f"rank {rank}, step {number} raised with every result correct"
+        raised_at = len(steps) if steps[-1][2] is not None else None
+        assert raised_at is not None, f"rank {rank} finished steps 2 and 3 without an error"
+        expected_at = _first_failing_step(phase, bad, rank)
+        if expected_at is not None:
+            assert raised_at == expected_at, f"rank {rank} raised at step {raised_at}, not {expected_at}"
+
+
+def _slow_peer(rank, world, seed):
+    """Peer memory, a bound of 60 s: rank 1 is late (up to 1 s) before and after each of its scan kernels
+    for two steps. Returns every step's output and gradients."""
+    import torch
+
+    from megatron_zeco.comm.inject import scan_delays
+
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "60"
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=120))
+    T = 8
+    x = problem(seed, B=1, T=world * T, H=2, K=8, V=4, initial_state=False)
+    leaves = [x[n][:, rank * T:(rank + 1) * T].clone().requires_grad_() for n in ("q", "k", "v", "g")]
+    kw = dict(group=group, strategy="zeco", layout="zigzag", transport="peer_memory", validate=False, name=LAYER)
+    steps = []
+    for late in (False, True, True):
+        with scan_delays(1.0, seed=seed) if late and rank == 1 else contextlib.nullcontext():
+            o, _ = zeco_gla(*leaves, **kw)
+            (o * x["do"][:, rank * T:(rank + 1) * T]).sum().backward()
+        check_scans()
+        steps.append([o.detach()] + [leaf.grad.clone() for leaf in leaves])
+        for leaf in leaves:
+            leaf.grad = None
+    return steps
+
+
+def test_a_slow_peer_under_the_bound_changes_nothing(seed):
+    """A rank late by up to a second at each scan kernel, under a 60 s bound: the same results, bit for bit,
+    as the step where nobody was late, and no error."""
+    for rank, steps in enumerate(run_ranks(_slow_peer, 3, seed, timeout=240)):
+        for number, step in enumerate(steps[1:], start=2):
+            assert all(torch.equal(a, b) for a, b in zip(step, steps[0])), f"rank {rank}, step {number} differs"
+
+
+def _megatron_step_checks(rank, world):
+    """A GLA GPTModel (megatron-core, this package's spec) over peer memory at CP = 2, float64. Megatron-LM's
+    training loop sets ``config.finalize_model_grads_func`` before the first step; here a stand-in for
+    Megatron's gradient finalisation that refuses NaN gradients, as its ``--check-for-nan-in-loss-and-grad``
+    does. Step 1 together; in step 2 rank 1 stalls past the 2 s bound before the backward pass, so the
+    step's last scan, the first (only) layer's backward, gives up on rank 0: no later scan of the step
+    notices, as in a model of any depth. Returns, per step, what the finalisation and an optimizer step
+    raised, and whether the parameters changed."""
+    from megatron.core import parallel_state
+
+    from megatron_zeco import train as T
+
+    cfg = T.TrainConfig(layers=1, hidden=16, heads=2, seq_len=16, batch=2, task="mock", dtype="float64",
+                        transport="peer_memory", log_interval=10**6)
+    device = T.init_distributed(cfg)
+    task = T.make_task(cfg)
+    model = T.build_model(cfg, task.vocab_size, device)
+    config = model.config
+
+    def megatron_finalize(models, num_tokens=None):
+        if any(p.grad.isnan().any() for m in models for p in m.parameters() if p.grad is not None):
+            raise RuntimeError("found NaN in local grad norm")
+        return "finalized"
+
+    config.finalize_model_grads_func = megatron_finalize  # as megatron.training.training.train does
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = []
+    for step in (1, 2):
+        if step == 2:
+            os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "2"
+        before = [p.detach().clone() for p in model.parameters()]
+        loss, _ = T.loss_and_accuracy(model, T.local_batch(cfg, T.global_batch(cfg, task, step)), device)
+        if step == 2 and rank == 1:
+            time.sleep(STALL)
+        loss.backward()
+        raised = {}
+        for name, call in (("finalize", lambda: config.finalize_model_grads_func([model])),
+                           ("optimizer", optimizer.step)):
+            try:
+                call()
+                raised[name] = None
+            except Exception as e:  # noqa: BLE001  (the test checks which)
+                raised[name] = (type(e).__name__, str(e), type(e.__cause__).__name__)
+        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        out.append((raised, changed))
+        optimizer.zero_grad()
+    parallel_state.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.megatron
+def test_megatron_gradient_finalisation_and_optimizer_step_raise_after_a_give_up():
+    """Step 1 finalises and updates normally. In step 2 rank 0's last scan gave up: the finalisation
+    names it (ScanTimeoutError from Megatron's NaN error) and the optimizer step raises it before any
+    parameter changes. Rank 1, late, got everything it waited for: its step is exact and goes on."""
+    (first0, changed0), (second0, changed0_2) = run_ranks(_megatron_step_checks, 2, timeout=240)[0]
+    assert first0 == {"finalize": None, "optimizer": None} and changed0, first0
+    kind, message, cause = second0["finalize"]
+    assert kind == "ScanTimeoutError" and cause == "RuntimeError" and "All-Scan (backward)" in message, second0
+    assert "from global rank 1" in message, message
+    kind, message, _ = second0["optimizer"]
+    assert kind == "ScanTimeoutError" and "All-Scan (backward)" in message, second0
+    assert not changed0_2, "rank 0: parameters changed in the step whose scan gave up"

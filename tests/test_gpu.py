@@ -446,17 +446,20 @@ def _loopback(rank, world, seed, transport):
             error = rel_err(got.cpu(), want_dense.cpu())
             if not error < 1e-6:
                 failures.append(f"{transport} call {call}, {name}: {error:.1e}")
-    watch.check(group, 60.0)  # nothing gave up
+    watch.check()  # nothing gave up
     # a receive nobody sends: gives up after 1 s of GPU time
     stuck = watch.arguments(watch.launch_id(("stuck", transport), lambda: ("a receive nobody sends", (0, 0))), 1.0)
     x = torch.randn(N, K, V, device="cuda")
     start = time.monotonic()
-    all_scan_hop(0, [torch.rand(N, K, device="cuda")], [x], [torch.empty_like(x)], None, (b, b, a, 0), has_src=True,
+    delivered = torch.empty_like(x)
+    all_scan_hop(0, [torch.rand(N, K, device="cuda")], [x], [delivered], None, (b, b, a, 0), has_src=True,
                  has_init=False, has_dst=False, pes=(pe, -1), **{**common, "watch": stuck})
     torch.cuda.synchronize()
     waited = time.monotonic() - start
+    if not delivered.isnan().all():
+        failures.append(f"{transport}: a receive that gave up delivered finite values")
     try:
-        watch.check(group, 1.0)
+        watch.check()
         failures.append(f"{transport}: a receive nobody sends returned after {waited:.1f} s without a report")
     except ScanTimeoutError as e:
         if not (0.9 < waited < 30 and "a receive nobody sends" in str(e) and "none came within 1 s" in str(e)):
@@ -473,3 +476,63 @@ def test_scan_kernels_loop_back_on_one_gpu(seed, transport):
             pytest.skip("no NVSHMEM in this torch build")
     failures = run_ranks(_loopback, 1, seed, transport, backend="nccl", timeout=RANK_TIMEOUT)[0]
     assert not failures, failures
+
+
+def _stalled_peer(rank, world, transport, phase, seed):
+    """zeco_gla over ``transport`` on two GPUs, bf16: step 1 together; in step 2 rank ``1 - waiter`` stalls
+    for 6 s (a GPU-side sleep queued before its scan, then the host) before the scan of ``phase``, past
+    the 2 s bound of the rank waiting on it (``waiter``: rank 1 in the forward scan, rank 0 in the
+    backward). Returns this rank's step-2 results (whether any is NaN, whether all are finite) and what
+    the step check raised."""
+    from megatron_zeco import ScanTimeoutError, check_scans
+
+    group = dist.new_group([0, 1])
+    T = 512
+    x = problem(seed, B=1, T=world * T, H=4, K=64, V=64, initial_state=False)
+    mine = slice(rank * T, (rank + 1) * T)
+    kw = dict(group=group, strategy="zeco", layout="contiguous", transport=transport, validate=False,
+              name="GatedLinearAttention (layer 3)")
+    stalled = 0 if phase == "forward" else 1  # the rank the other waits on in that scan
+
+    def step(stall):
+        leaves = [x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in ("q", "k", "v", "g")]
+        if stall and phase == "forward":
+            time.sleep(6)
+        o, _ = zeco_gla(*leaves, **kw)
+        if stall and phase == "backward":
+            time.sleep(6)
+        results, error = [o.detach()], None
+        try:  # the backward's own scan raises if the host already sees the forward's give-up
+            (o.float() * x["do"][:, mine].cuda()).sum().backward()
+            results += [leaf.grad for leaf in leaves]
+            torch.cuda.synchronize()
+            check_scans()
+        except ScanTimeoutError as e:
+            error = str(e)
+        return [bool(t.isnan().any()) for t in results], [bool(t.isfinite().all()) for t in results], error
+
+    first = step(False)
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "2"
+    dist.barrier(group=group)
+    return first, step(rank == stalled)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+@pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
+def test_a_stalled_peer_leaves_nan_and_the_step_check_raises_on_two_gpus(seed, transport, phase):
+    """Step 1 exact and finite on both ranks. In step 2 the rank that waited on the stalled one past the
+    bound holds NaN results from that call and the step check raises ScanTimeoutError naming the
+    layer and the peer; no rank holds finite results without having received what it waited for."""
+    if transport == "nvshmem":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            pytest.skip("no NVSHMEM in this torch build")
+    results = run_ranks(_stalled_peer, 2, transport, phase, seed, backend="nccl", timeout=RANK_TIMEOUT)
+    waiter = 1 if phase == "forward" else 0
+    for rank, ((_, finite, error), _) in enumerate(results):
+        assert all(finite) and error is None, (rank, finite, error)
+    nan, _, error = results[waiter][1]
+    assert any(nan), f"rank {waiter}: step 2's results are finite although its scan gave up"
+    assert error is not None and "GatedLinearAttention (layer 3)" in error and "global rank" in error, error

@@ -135,6 +135,11 @@ def _fla_missing_with_torch_backend():
         del os.environ[BACKEND_ENV]
 
 
+def _mixed_device_transports():
+    kept = _build({"cp_transport": "peer_memory"})  # noqa: F841  (alive while the second is built)
+    _build({"cp_transport": "nvshmem"})
+
+
 # name: (TP, CP, what the user does, the error and what its message must name)
 MISUSE = {
     "a2a with too few heads": (1, 2, lambda: _build({"cp_strategy": "a2a"}, num_attention_heads=3, hidden_size=30,
@@ -149,6 +154,9 @@ MISUSE = {
     "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError, ["cp_packed_split 'docs'"]),
     "unknown transport": (1, 1, lambda: _build({"cp_transport": "nvlink"}), ValueError,
                           ["cp_transport 'nvlink' is not one of auto, send_recv, peer_memory"]),
+    "device transports mixed in one process": (1, 1, _mixed_device_transports, ValueError,
+                                               ["cp_transport 'nvshmem'", "GatedLinearAttention (layer 1) in this "
+                                                "process scans over 'peer_memory'", "one device transport"]),
     "sub-pieces not positive": (1, 1, lambda: _build({"cp_piece_split": 0}), ValueError,
                                 ["cp_piece_split 0 must be a positive integer"]),
     "fp8 with Megatron-Core linears": (1, 1, lambda: _build(fp8="e4m3"), ValueError, ["--fp8-format", "gla_te_spec"]),

@@ -31,10 +31,10 @@ def test_help_describes_every_flag_with_its_default():
     actions = {a.dest: a for a in parser._actions if a.dest != "help"}
     assert set(actions) == {f.name for f in fields(T.TrainConfig)}
     groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
-    for title in ("parallelism", "model", "task", "optimisation", "checkpointing", "logging"):
+    titles = ("parallelism", "model", "task", "optimisation", "checkpointing", "logging", "fault injection (testing)")
+    for title in titles:
         assert groups[title], title
-    assert set().union(*(groups[t] for t in ("parallelism", "model", "task", "optimisation", "checkpointing",
-                                             "logging"))) == set(actions)
+    assert set().union(*(groups[t] for t in titles)) == set(actions)
     for dest, action in actions.items():
         text = action.help % dict(default=action.default)
         description, _, default = text.rpartition(" (default: ")
@@ -368,3 +368,34 @@ def test_hybrid_model_resumes_the_same_losses_and_refuses_the_other_model(hybrid
     for out in hybrid_runs:
         assert out["first"] == out["cp2"][:3] and out["resumed"] == out["cp2"][3:], out
         assert "was saved with --model hybrid (given gpt)" in out["gpt error"], out["gpt error"]
+
+
+# --- a stalled rank --------------------------------------------------------------------------------
+
+def _stalled_job(rank, world, root):
+    """The job over peer memory with ``--stall 1:3:8`` (rank 1 away for 8 s before step 3's forward pass)
+    and a 2 s bound on the scans' waits, saving after every step: its exit status, what it printed to
+    stderr, and the checkpoints left."""
+    from megatron_zeco import train as T
+
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "2"
+    save = os.path.join(root, "ckpt")
+    err, code = io.StringIO(), 0
+    with contextlib.redirect_stderr(err):
+        try:
+            T.main(["--layers", "1", "--hidden", "16", "--heads", "2", "--seq-len", "24", "--batch", "2",
+                    "--steps", "4", "--transport", "peer_memory", "--save", save, "--save-interval", "1",
+                    "--stall", "1:3:8"])
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue(), sorted(os.listdir(save))
+
+
+def test_a_rank_stalled_mid_run_stops_the_job_before_the_step_is_applied(tmp_path):
+    """Every rank, the stalled one when it comes back included, stops at step 3 with ScanTimeoutError
+    naming a layer's scan and the peer, exit status 1; steps 1 and 2 were saved, step 3 was not."""
+    for rank, (code, text, saved) in enumerate(run_ranks(_stalled_job, 3, str(tmp_path), timeout=600)):
+        assert code == 1, (rank, code, text)
+        assert f"error on global rank {rank}: ScanTimeoutError" in text and "All-Scan" in text, (rank, text)
+        assert "Traceback" not in text, (rank, text)
+        assert "iter_0000002" in saved and "iter_0000003" not in saved, (rank, saved)

@@ -2,5 +2,6 @@
 
 from .all_scan import all_scan, chain_scan, gather_scan
 from .layout import Layout, as_layout
+from .peer import ScanTimeoutError, check_scans
 
-__all__ = ["Layout", "as_layout", "all_scan", "chain_scan", "gather_scan"]
+__all__ = ["Layout", "as_layout", "all_scan", "chain_scan", "gather_scan", "check_scans", "ScanTimeoutError"]

@@ -21,8 +21,11 @@ Transports (``all_scan(transport=...)``, ``zeco_gla(transport=...)``):
 A rank that never arrives (it died, or stalled) is reported, not spun on: every wait of the scan
 kernels is bounded by the group's timeout (or ``$MEGATRON_ZECO_SCAN_TIMEOUT`` seconds), measured
 on the GPU's clock. The rank that gives up marks the flags it raises from then on, so the ranks
-after it give up at once, and each rank raises :class:`ScanTimeoutError` at its next scan, naming
-the layer, the direction, the piece and the peer it waited for (:class:`Watch`).
+after it give up at once, and delivers NaN instead of the state it did not get, so that every
+output and gradient computed from it is NaN. Each rank raises :class:`ScanTimeoutError`, naming
+the layer, the direction, the piece, the peer it waited for and the call (:class:`Watch`), at its
+next scan and at :func:`check_scans`, which runs before every optimizer step
+(:func:`install_step_check`).
 """
 
 import contextlib
@@ -30,6 +33,7 @@ import os
 import tempfile
 import uuid
 import warnings
+import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -50,13 +54,66 @@ _TILE_ROWS = 32
 # until the whole state has gone, and the local work would run after it instead of beside it.
 _ASIDE_PROGRAMS = 16
 _FLAG_BYTES = 8  # flags, acknowledgements and call counters: 64-bit words (NVSHMEM's signal width)
+_ALLOCATED = False  # whether this process has allocated torch symmetric memory (fixing its backend)
+
+
+DEVICE_TRANSPORTS = ("peer_memory", "nvshmem")
+# Layers built in this process that scan over a device transport: layer -> (transport, its name).
+# Torch symmetric memory takes one backend per process (CUDA's for peer memory, NVSHMEM), fixed by
+# its first allocation, so one process cannot scan over both.
+_CLAIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def claim_transport(owner, transport: str, name: str) -> None:
+    """Record that ``owner`` (a layer, named ``name``) scans over ``transport``: at model build, so that a
+    model whose layers ask for both device transports fails there, naming them, instead of at its
+    first step. ValueError if a layer of this process that is still alive asks for the other one,
+    or this process's symmetric memory already runs the other backend."""
+    if transport not in DEVICE_TRANSPORTS:
+        return
+    for other, (theirs, who) in list(_CLAIMS.items()):
+        if theirs != transport and other is not owner:
+            raise ValueError(f"{name}: cp_transport {transport!r}, but {who} in this process scans over {theirs!r}: "
+                             f"a process runs one device transport (torch symmetric memory takes one backend per "
+                             f"process). Give every layer the same cp_transport (or 'auto', which follows the "
+                             f"other layers), or set ${TRANSPORT_ENV}")
+    used = _symmetric_backend()
+    if used is not None and (used == "NVSHMEM") != (transport == "nvshmem"):
+        raise ValueError(f"{name}: cp_transport {transport!r}, but this process already allocates symmetric memory "
+                         f"with the {used!r} backend; use one transport per process (${TRANSPORT_ENV})")
+    _CLAIMS[owner] = (transport, name)
+
+
+def _symmetric_backend() -> Optional[str]:
+    """The backend this process's torch symmetric memory is fixed to, or None while it allocated none."""
+    if not torch.cuda.is_initialized():
+        return None
+    import torch.distributed._symmetric_memory as symm_mem
+
+    try:
+        return symm_mem.get_backend(torch.device("cuda")) if _ALLOCATED else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _process_transport() -> Optional[str]:
+    """The device transport this process's layers, or its symmetric memory, have chosen (None: none yet)."""
+    claimed = {transport for transport, _ in _CLAIMS.values()}
+    if len(claimed) == 1:
+        return claimed.pop()
+    used = _symmetric_backend()
+    return None if used is None else ("nvshmem" if used == "NVSHMEM" else "peer_memory")
 
 
 def resolve_transport(transport: str, group, like: Tensor) -> str:
-    """``send_recv``, ``peer_memory`` or ``nvshmem`` for a scan over ``group`` of states like ``like``."""
+    """``send_recv``, ``peer_memory`` or ``nvshmem`` for a scan over ``group`` of states like ``like``.
+    ``auto`` on one node takes the process's device transport (NVSHMEM where its layers asked for it,
+    else peer memory). A device transport installs the step check (:func:`install_step_check`)."""
     if transport == "auto":
         transport = os.environ.get(TRANSPORT_ENV) or ("peer_memory" if like.is_cuda and _one_host(group)
                                                       else "send_recv")
+        if transport == "peer_memory" and _process_transport() == "nvshmem":
+            transport = "nvshmem"
     if transport not in TRANSPORTS[1:]:
         raise ValueError(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
                          f" (argument transport, layer cp_transport, or ${TRANSPORT_ENV})")
@@ -76,6 +133,8 @@ def resolve_transport(transport: str, group, like: Tensor) -> str:
         if not symm_mem.is_nvshmem_available():
             raise ValueError("All-Scan transport 'nvshmem': this torch build or machine has no NVSHMEM "
                              "(pip install nvidia-nvshmem-cu12 or -cu13 to match CUDA); use transport='send_recv'")
+    if transport in DEVICE_TRANSPORTS:
+        install_step_check()
     return transport
 
 
@@ -103,6 +162,7 @@ class PeerBuffers:
 
 
 def _symmetric(group, nbytes: int, device: torch.device, nvshmem: bool):
+    global _ALLOCATED
     import torch.distributed._symmetric_memory as symm_mem
 
     backend = symm_mem.get_backend(device)
@@ -116,6 +176,7 @@ def _symmetric(group, nbytes: int, device: torch.device, nvshmem: bool):
     with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
         warnings.simplefilter("ignore", FutureWarning)
         symm_mem.enable_symm_mem_for_group(group.group_name)
+    _ALLOCATED = True
     local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
     handle = symm_mem.rendezvous(local, group.group_name) if group.size() > 1 else None  # one rank: no peers
     local.zero_()
@@ -269,23 +330,26 @@ class Watch:
     The scan kernels spin on flags that peers raise; a wait gives up after the scan's timeout (GPU
     clock), records which launch waited for what in ``report`` (host memory the device writes: the
     host reads it at any time without synchronising) and raises ``word`` (device memory), after which
-    every other wait of the process gives up at once and every flag it raises is marked poisoned, so
-    that its own peers give up at once too. The host checks ``report`` at the start of every scan
-    (:meth:`check`; on the CPU, whose interpreted kernels run synchronously, also after each) and
-    raises :class:`ScanTimeoutError` naming the layer, the direction, the piece and the peer. After
-    that the process's scans stay failed: every later call raises the same error.
+    every other wait of the process gives up at once, every flag it raises is marked poisoned, so
+    that its own peers give up at once too, and every state its kernels deliver is NaN. The host
+    raises :class:`ScanTimeoutError` naming the layer, the direction, the piece, the peer and the
+    call (:meth:`check`) at the start of every later scan and wherever :func:`check_scans` is
+    called (before each optimizer step: :func:`install_step_check`). After that the process's scans
+    stay failed: every later check raises the same error.
     """
 
     def __init__(self, device: torch.device):
         self.word = torch.zeros(1, dtype=torch.int32, device=device)
         self.report = torch.zeros(8, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._launches: Dict[tuple, int] = {}
-        self._named: List[str] = []  # per launch id: what waited, and for which peers
-        self._peers: List[Tuple[Optional[int], Optional[int]]] = []
+        self._named: List[str] = []  # per launch id: what waited
+        self._peers: List[Tuple[Optional[int], Optional[int]]] = []  # ... for which global ranks
+        self._limits: Dict[int, float] = {}  # ... and for how long (seconds)
         self._timeout: Dict[object, float] = {}
 
     def launch_id(self, key: tuple, describe: Callable[[], Tuple[str, Tuple[Optional[int], Optional[int]]]]) -> int:
-        """A stable id for one launch of one scan (``key``), so a graph replay reports like the capture."""
+        """A stable id for one launch of one scan (``key``), so a graph replay reports like the capture.
+        ``describe()``: the launch's name and the global ranks it may wait for (data, acknowledgement)."""
         if key not in self._launches:
             name, peers = describe()
             self._launches[key] = len(self._named)
@@ -313,25 +377,31 @@ class Watch:
         return self._timeout[group]
 
     def arguments(self, who: int, timeout: float) -> Tuple[int, int, int, int]:
-        """What the kernels take (``kernels.scan_hop._watched``)."""
+        """What the kernels take (``kernels.scan_hop._watched``) for launch ``who`` waiting ``timeout`` s."""
+        self._limits[who] = timeout
         return self.word.data_ptr(), self.report.data_ptr(), int(timeout * 1e9), who
 
-    def check(self, group, timeout: float) -> None:
+    @property
+    def failed(self) -> bool:
+        """Whether a wait of this process has given up (as far as the device has reported it)."""
+        return int(self.report[0]) != 0
+
+    def check(self) -> None:
         """Raise :class:`ScanTimeoutError` if a wait of this process has given up."""
-        if int(self.report[0]) == 0:
+        if not self.failed:
             return
         who, what, relayed, tile, wanted, seen = (int(x) for x in self.report[1:7])
         from ..kernels.scan_hop import POISON_BIT
 
-        name, peers = self._named[who], self._peers[who]
-        peer = dist.get_global_rank(group, peers[what - 1])
+        name, peer = self._named[who], self._peers[who][what - 1]
         thing = "the state it passes on" if what == 1 else "the acknowledgement of what it was sent last"
         why = (f"global rank {peer} gave up first (a rank before it died or stalled)" if relayed else
-               f"none came within {timeout:g} s (${TIMEOUT_ENV} or the process group's timeout): "
-               f"the peer died, stalled, or diverged")
+               f"none came within {self._limits.get(who, float('nan')):g} s (${TIMEOUT_ENV} or the process "
+               f"group's timeout): the peer died, stalled, or diverged")
         raise ScanTimeoutError(
             f"{name}: global rank {dist.get_rank()} gave up waiting for {thing} from global rank {peer} "
-            f"(tile {tile}, call {wanted}, flag {seen & ~POISON_BIT}): {why}")
+            f"(call {wanted}, tile {tile}, flag {seen & ~POISON_BIT}): {why}. What that scan and every later one "
+            f"delivered on this rank is NaN")
 
 
 _WATCHES: Dict[torch.device, Watch] = {}
@@ -341,6 +411,44 @@ def _watch(device: torch.device) -> Watch:
     if device not in _WATCHES:
         _WATCHES[device] = Watch(device)
     return _WATCHES[device]
+
+
+def check_scans() -> None:
+    """Raise :class:`ScanTimeoutError` if an All-Scan of this process over a device transport
+    (``peer_memory``, ``nvshmem``) has given up waiting for a peer.
+
+    A scan that gives up does not raise inside the call (on GPUs its kernels run after the host has
+    moved on): it delivers NaN, so everything computed from it is NaN, and records why. Call this
+    once per training step after the backward pass and before the optimizer applies the gradients
+    (Megatron's training loop and ``megatron_zeco.train`` do: :func:`install_step_check`). It reads
+    host memory the GPU writes, without synchronising; what it sees is complete once the device has
+    finished the step's backward pass (as it has when the optimizer has computed the gradient
+    norm). Costs nothing when no scan has run over a device transport."""
+    for watch in _WATCHES.values():
+        watch.check()
+
+
+def _check_before_step(optimizer, args, kwargs) -> None:
+    check_scans()
+
+
+_STEP_CHECK = None
+
+
+def install_step_check() -> None:
+    """Check the scans (:func:`check_scans`) before every ``torch.optim.Optimizer`` step of this process.
+
+    Megatron's optimizers (``megatron.core.optimizer``: its mixed-precision and distributed
+    optimizers, torch's, Apex's or TransformerEngine's Adam inside) call the inner torch optimizer's
+    ``step`` after they have reduced the gradients and computed their norm, which synchronises with
+    the device: by then every scan of the step has finished or given up, and a scan that gave up
+    raises :class:`ScanTimeoutError` before any parameter changes. Installed once per process, by
+    the first plan over a device transport."""
+    global _STEP_CHECK
+    if _STEP_CHECK is None:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _STEP_CHECK = register_optimizer_step_pre_hook(_check_before_step)
 
 
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
@@ -387,7 +495,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
     watch = _watch(like.device)
     timeout = watch.timeout(group)
-    watch.check(group, timeout)  # a wait of an earlier scan gave up: fail before issuing more
+    watch.check()  # a wait of an earlier scan gave up: fail before issuing more
     # The initial state as the kernel reads it: made on the current stream before ``aside`` waits for
     # it (a copy made later would race with the kernel reading it there).
     x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
@@ -413,7 +521,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         beside = main is not None and i < wait_at
         programs = _ASIDE_PROGRAMS if beside else None
         bounded = watch.arguments(watch.launch_id((id(ch), reverse, i, what), lambda: _describe(
-            what, reverse, launch, layout, group.size(), nvshmem)), timeout)
+            what, reverse, launch, layout, group, nvshmem)), timeout)
         remote = dict(watch=bounded, pes=ch.pes(launch), nvshmem=nvshmem)
         with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
             inject.delay(like.device)  # test hook: no-op unless a stress test sets delays
@@ -433,8 +541,6 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                     programs=programs, **remote)
                 y_a = y
             inject.delay(like.device)
-        if not like.is_cuda:  # interpreted: the kernel has run
-            watch.check(group, timeout)
         last = y if final.last else last
     if wait_at == len(plan):
         if while_waiting is not None:
@@ -447,10 +553,12 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     return inputs, last
 
 
-def _describe(what: str, reverse: bool, launch: _Launch, layout, world: int, nvshmem: bool):
-    """How a launch is named when one of its waits gives up: the scan, the direction and the pieces."""
+def _describe(what: str, reverse: bool, launch: _Launch, layout, group, nvshmem: bool):
+    """How a launch is named when one of its waits gives up: the scan, the direction and the pieces;
+    and the global ranks it waits for."""
     direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
     pieces = " and ".join(str(link.piece) for link in launch.links)
     over = "NVSHMEM" if nvshmem else "peer memory"
-    return (f"{what} [{direction}over {over}, {layout.value} layout on {world} ranks, piece(s) {pieces}]",
-            launch.peers)
+    peers = tuple(None if r is None else dist.get_global_rank(group, r) for r in launch.peers)
+    return (f"{what} [{direction}over {over}, {layout.value} layout on {group.size()} ranks, piece(s) {pieces}]",
+            peers)

@@ -30,6 +30,9 @@ that tile, so a launch has no per-call argument and can be captured in a CUDA gr
 replayed (every rank of a chain counts the calls in one direction alike). Every wait is bounded
 (``_wait_at_least``): past the timeout it gives up, says why in a host report and marks what the
 process publishes from then on, so its peers give up at once too (``comm/peer.py``, ``Watch``).
+From then on every state (or map) the process's kernels deliver, here and to its peers, is NaN
+(``_poison``): what a scan that gave up hands back carries NaN into every output and gradient
+computed from it, never finite values from a state that did not arrive.
 
 Shapes: ``gamma [B, ..., K]``; ``delta``, ``S_in`` ``[B, ..., K, V]``, float32 or float64, each
 entry of dim 0 contiguous (dim 0 may be strided: a local slot's view of a batch of pieces);
@@ -118,6 +121,19 @@ def _flag_value(seq, watch):
     if tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0:
         value = value | POISONED
     return value
+
+
+@triton.jit
+def _given_up(watch):
+    """Whether a wait of this process has given up (now or in an earlier scan)."""
+    return tl.atomic_add(watch, 0, sem="relaxed", scope="gpu") != 0
+
+
+@triton.jit
+def _poison(x, failed):
+    """``x``, or NaN everywhere once the process has given up (``failed``): a state that did not arrive
+    must not pass for one that did."""
+    return tl.where(failed, float("nan"), x)
 
 
 @triton.jit
@@ -234,6 +250,7 @@ def all_scan_hop_kernel(
             x_in = x_init.to(tl.pointer_type(dtype))
         if HAS_DST:  # the next rank has read what this rank sent it last time
             _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+        failed = _given_up(watch)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
@@ -241,6 +258,7 @@ def all_scan_hop_kernel(
                 x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
             else:
                 x = tl.zeros([BR, BV], dtype)
+            x = _poison(x, failed)
             decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
             y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
             tl.store(s_in + s_offs, x, mask=mask)
@@ -282,6 +300,7 @@ def all_scan_map_kernel(
         if HAS_SRC:  # the next rank's map has arrived (all_scan_close_kernel reads it again and acks it)
             _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
         _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+        failed = _given_up(watch)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
@@ -292,9 +311,9 @@ def all_scan_map_kernel(
                 e = g_c[:, None] * e + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
                 g = g_c * g
             g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
-            e = g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0)
+            e = _poison(g_b[:, None] * e + tl.load(delta_b + s_offs, mask=mask, other=0.0), failed)
             tl.store(out + offs, e, mask=mask)
-            tl.store(out + G_OFF + i_n * K + rows, g_b * g, mask=in_block)
+            tl.store(out + G_OFF + i_n * K + rows, _poison(g_b * g, failed), mask=in_block)
         if NVSHMEM:  # the decays first, in their own put, ordered before the state's (which carries the flag)
             decays = (G_OFF + i_n * K + i_b * ROWS) * ELEM
             tl.debug_barrier()
@@ -324,12 +343,14 @@ def all_scan_close_kernel(
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+        failed = _given_up(watch)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
                                                                ROWS, BR, BV)
             g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
             x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
                 + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
+            x = _poison(x, failed)
             tl.store(s_in + s_offs, x, mask=mask)
             if LAST:
                 g_b = tl.load(gamma_b + g_offs, mask=in_block, other=0.0)
@@ -401,6 +422,7 @@ def all_scan_dense_hop_kernel(
             x = tl.zeros([BK, BC], dtype)
         if HAS_DST:  # the next rank has read what this rank sent it last time
             _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+        x = _poison(x, _given_up(watch))
         tl.store(s_in + s_offs, x, mask=in_tile)
         if TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
             for r in range(0, K, BR):
