@@ -66,8 +66,8 @@ from megatron_zeco.comm.peer import PeerBuffers
 
 TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
 from megatron_zeco.cp.packed import Packing
-from megatron_zeco.kernels.chunk_state import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
-from megatron_zeco.ops import chunk_gla
+from megatron_zeco.gla.kernels import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
+from megatron_zeco.gla import chunk_gla
 
 
 def parse_args():

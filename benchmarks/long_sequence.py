@@ -20,7 +20,7 @@ import torch.distributed as dist
 from bench_op import inputs, log, timed, write
 from megatron_zeco import zeco_gla
 from megatron_zeco.comm import as_layout
-from megatron_zeco.ops import chunk_gla
+from megatron_zeco.gla import chunk_gla
 
 NAMES = ("o", "dq", "dk", "dv", "dg")
 

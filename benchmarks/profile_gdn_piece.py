@@ -431,8 +431,8 @@ def default_ops():
     """The functions timed: fla's op, ZeCO's piece on fla's kernels, and the local op a2a calls."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from megatron_zeco.ops.delta_backend import gdn_local
-    from megatron_zeco.ops.fla_delta_piece import FlaDeltaPiece
+    from megatron_zeco.gated_delta_rule.local import gdn_local
+    from megatron_zeco.gated_delta_rule.fla_piece import FlaDeltaPiece
 
     return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece, gdn_local=gdn_local)
 
@@ -477,7 +477,7 @@ def main(argv=None):
                     continue
                 finally:
                     torch.cuda.empty_cache()
-                rows.append({"tokens": T, "case": name, "direction": direction, **row})
+                rows.append({"part": "profile", "op": "gdn", "tokens": T, "case": name, "direction": direction, **row})
                 print_case(rows[-1], args.top)
                 write(args, rows, {"failed": failed, "autotuned": autotuned()})
             torch.cuda.empty_cache()

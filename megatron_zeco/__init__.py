@@ -1,15 +1,20 @@
-"""megatron_zeco: ZeCO context parallelism for gated linear attention in Megatron-Core.
+"""megatron_zeco: ZeCO context parallelism for linear attention in Megatron-Core.
 
-Where things live:
-  ops/     GLA and the gated delta rule on one device: float64-ready reference loops (naive.py),
-           chunked PyTorch (chunk.py, delta_chunk.py)
-  comm/    sequence layouts over a CP group and the state scans (All-Scan, all-gather)
-  cp/      the context-parallel operators ``zeco_gla`` and ``zeco_gated_delta_rule`` and their strategies
+Where things live (``docs/design.md`` has the map):
+  gla/, gated_delta_rule/   one folder per operator: its reference loop, chunked PyTorch form,
+                            local op on fla's kernels, the context-parallel function, its Megatron layer
+  cp/                       what every operator shares under context parallelism: the knobs
+                            (``CPConfig``), plans, strategies, input checks, packed documents
+  comm/                     sequence layouts over a CP group and the state scans (All-Scan, all-gather)
+  kernels/, common/         shared Triton kernels (the All-Scan hop), shared local pieces
+  mcore/, specs.py          Megatron-Core glue and the layer specs for pretrain_gpt.py / pretrain_hybrid.py
 """
 
 from .comm import Layout, ScanTimeoutError, check_scans
-from .cp import STRATEGIES, packed_positions, zeco_gated_delta_rule, zeco_gla
+from .cp import STRATEGIES, CPConfig, packed_positions
+from .gated_delta_rule.op import zeco_gated_delta_rule
+from .gla.op import zeco_gla
 
-__all__ = ["zeco_gla", "zeco_gated_delta_rule", "packed_positions", "check_scans", "ScanTimeoutError", "Layout",
-           "STRATEGIES"]
+__all__ = ["zeco_gla", "zeco_gated_delta_rule", "CPConfig", "packed_positions", "check_scans", "ScanTimeoutError",
+           "Layout", "STRATEGIES"]
 __version__ = "0.1.0"

@@ -16,11 +16,13 @@ other. ``ROOT/latest_checkpointed_iteration.txt`` names the newest checkpoint, a
 
 import copy
 import os
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .mcore.host import host_as_cuda
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -125,15 +127,3 @@ def load(path: str, model, optimizer, device: torch.device) -> dict:
 
 def _on_host(device: torch.device):
     return host_as_cuda() if device.type == "cpu" else nullcontext()
-
-
-def host_as_cuda():
-    """megatron-core's dist-checkpointing (and its sequence-parallel collectives) assume CUDA:
-    buffers on ``torch.cuda.current_device()``, host copies followed by ``torch.cuda.synchronize()``.
-    On a CPU-only run, let the host stand in for the device; everything else runs unchanged."""
-    from unittest import mock
-
-    stack = ExitStack()
-    stack.enter_context(mock.patch("torch.cuda.current_device", return_value="cpu"))
-    stack.enter_context(mock.patch("torch.cuda.synchronize", return_value=None))
-    return stack

@@ -24,7 +24,7 @@ NAME                       layer
 For ``pretrain_hybrid.py --spec megatron_zeco.specs NAME --hybrid-layer-pattern ...``
 (Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA or Gated DeltaNet,
 ``*`` softmax attention, ``-`` MLP, ``E`` MoE, ``|`` pipeline boundary; see
-megatron_zeco.hybrid_model):
+megatron_zeco.mcore.hybrid_stack):
 
 ======================================  =====================================
 NAME                                    stack
@@ -47,7 +47,7 @@ NAME                                    stack
 
 In your own model code, call :func:`gla_layer_spec`, :func:`gdn_layer_spec`, :func:`hybrid_layer_spec` or
 :func:`hybrid_stack_spec` (``mixer="gdn"`` for Gated DeltaNet) instead, and
-``megatron_zeco.hybrid_model.build_hybrid_model``. Everything but the token mixer (norms, MLP,
+``megatron_zeco.mcore.hybrid_stack.build_hybrid_model``. Everything but the token mixer (norms, MLP,
 bias-dropout-add) is whatever Megatron's own GPT (or hybrid) spec of the installed version builds,
 so the specs follow Megatron-Core releases.
 """
@@ -65,10 +65,11 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .attention import AllGatherDotProductAttention
 from .comm import Layout, as_layout
-from .hybrid import ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer, check_pattern
-from .layer import GatedLinearAttention, GatedLinearAttentionSubmodules
+from .cp.config import CPConfig, config_of, split_keywords
+from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
+from .mcore.attention import AllGatherDotProductAttention
+from .mcore.gpt_hybrid import ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer, check_pattern
 
 try:
     from megatron.core.extensions.transformer_engine import (
@@ -129,46 +130,33 @@ class _HybridModelMissing:
 
 def gla_layer_spec(
     use_te: bool = False,
-    cp_strategy: str = "zeco",
-    cp_layout: str = "zigzag",
-    cp_num_blocks: int = 1,
-    cp_overlap_scan: Optional[bool] = None,
-    cp_transport: str = "auto",
-    cp_piece_split: Optional[int] = None,
-    cp_packed_split: str = "auto",
-    cp_node_size: Optional[int] = None,
+    cp_config: Optional[CPConfig] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
+    **cp_knobs,
 ) -> ModuleSpec:
     """TransformerLayer spec with the GLA token mixer.
 
     Args:
         use_te: TransformerEngine linears and norms (needs TE) or Megatron-Core's.
-        cp_strategy: ``zeco`` (All-Scan), ``lasp2``, ``lasp1`` or ``a2a``; used when
-            ``--context-parallel-size`` > 1.
-        cp_layout: ``zigzag`` (Megatron's ``get_batch_on_this_cp_rank`` split) or
-            ``contiguous`` (rank r holds the r-th block of tokens).
-        cp_num_blocks: blocks the state is pipelined in by All-Scan.
-        cp_overlap_scan: a side CUDA stream for (part of) the scan (see GatedLinearAttention).
-        cp_transport: how All-Scan moves states (``auto``, ``peer_memory``, ``nvshmem``, ``send_recv``;
-            see GatedLinearAttention).
-        cp_piece_split: batched sub-pieces per piece (see GatedLinearAttention).
-        cp_packed_split: how packed (THD) batches are split over CP: ``document``
-            (Megatron's THD split), ``sequence`` (``--dataloader-inter-document-masking``)
-            or ``auto`` (from Megatron-LM's arguments; see GatedLinearAttention).
-        cp_node_size: ranks of the CP group per node, for the All-Scan's shape across nodes
-            (None: from the hosts, or ``$MEGATRON_ZECO_NODE_SIZE``; see GatedLinearAttention).
+        cp_config: the layers' context parallelism (:class:`~megatron_zeco.cp.CPConfig`, operator ``gla``;
+            used when ``--context-parallel-size`` > 1), or None to make it from ``cp_knobs``.
         gate_low_rank_dim: rank of GLA's forget-gate projection.
         gate_timescales: ``(shortest, longest)`` initial memory of the gate channels in
             tokens, or None for fla's zero gate bias (see GatedLinearAttention).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
             TE norms follow ``--normalization`` by themselves.
+        **cp_knobs: the CP knobs as keywords, when no ``cp_config`` is given: ``cp_strategy``
+            (``zeco`` All-Scan, ``lasp2``, ``lasp1`` or ``a2a``), ``cp_layout`` (``zigzag``, Megatron's
+            ``get_batch_on_this_cp_rank`` split, or ``contiguous``), ``cp_num_blocks``,
+            ``cp_overlap_scan``, ``cp_transport`` (``auto``, ``peer_memory``, ``nvshmem``,
+            ``send_recv``), ``cp_piece_split``, ``cp_packed_split`` (``document``: Megatron's THD
+            split; ``sequence``: ``--dataloader-inter-document-masking``; ``auto``: from Megatron-LM's
+            arguments), ``cp_node_size`` (see :class:`~megatron_zeco.gla.layer.GatedLinearAttention`).
     """
-    params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                  cp_overlap_scan=cp_overlap_scan, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                  cp_packed_split=cp_packed_split, cp_node_size=cp_node_size, gate_low_rank_dim=gate_low_rank_dim,
-                  gate_timescales=gate_timescales)
+    params = dict(cp_config=_cp_config("gla", cp_config, cp_knobs, "gla_layer_spec"),
+                  gate_low_rank_dim=gate_low_rank_dim, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing)
     if use_te:
@@ -194,26 +182,28 @@ def gla_layer_spec(
 
 def gdn_layer_spec(
     use_te: bool = False,
-    cp_strategy: str = "zeco",
-    cp_layout: str = "zigzag",
-    cp_num_blocks: int = 1,
-    cp_transport: str = "auto",
-    cp_packed_split: str = "auto",
+    cp_config: Optional[CPConfig] = None,
     normalization: Optional[str] = None,
+    **cp_knobs,
 ) -> ModuleSpec:
     """TransformerLayer spec (``GPTModel``) with Megatron-Core's Gated DeltaNet as token mixer, its
-    context parallelism ZeCO's (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`; megatron-core >= 0.19).
+    context parallelism ZeCO's (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`;
+    megatron-core >= 0.19).
 
     Args:
         use_te: TransformerEngine linears and norms (the input norm fused into ``in_proj``, as in
             Megatron's spec) or Megatron-Core's (the input norm a module of its own, checkpointed
             under the fused name).
-        cp_strategy: ``zeco``, ``lasp2`` or ``a2a`` (see ZecoGatedDeltaNet); used when
-            ``--context-parallel-size`` > 1.
-        cp_layout, cp_num_blocks, cp_packed_split, cp_transport: see ZecoGatedDeltaNet.
+        cp_config: the layers' context parallelism (:class:`~megatron_zeco.cp.CPConfig`, operator
+            ``gated_delta_rule``; used when ``--context-parallel-size`` > 1), or None to make it from
+            ``cp_knobs``.
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
             ``--normalization`` by themselves.
+        **cp_knobs: the CP knobs as keywords (``cp_strategy``: ``zeco``, ``lasp2`` or ``a2a``;
+            ``cp_layout``, ``cp_num_blocks``, ``cp_transport``, ``cp_overlap_scan``,
+            ``cp_packed_split``; see ZecoGatedDeltaNet).
     """
+    config = _cp_config("gated_delta_rule", cp_config, cp_knobs, "gdn_layer_spec")
     if not HAVE_GDN_LAYER:
         return ModuleSpec(module=_GatedDeltaNetMissing)
     if use_te and not HAVE_TE:
@@ -222,8 +212,7 @@ def gdn_layer_spec(
 
     from .gated_deltanet import ZecoGatedDeltaNet
 
-    params = dict(cp_strategy=cp_strategy, cp_layout=cp_layout, cp_num_blocks=cp_num_blocks,
-                  cp_packed_split=cp_packed_split, cp_transport=cp_transport)
+    params = dict(cp_config=config)
     if use_te:  # Megatron's own submodules: the input norm fused into in_proj
         from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
@@ -248,7 +237,7 @@ def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag", cp_packe
 
     With TE it is Megatron's own TE spec: TEDotProductAttention does context parallelism
     itself (``--cp-comm-type``), on Megatron's zigzag split only. Without TE, Megatron's local
-    spec with :class:`~megatron_zeco.attention.AllGatherDotProductAttention` as core attention
+    spec with :class:`~megatron_zeco.mcore.attention.AllGatherDotProductAttention` as core attention
     (Megatron's DotProductAttention refuses CP), for either layout and, for packed batches,
     either packed split (``cp_packed_split``, as the GLA layers').
     """
@@ -270,34 +259,27 @@ def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag", cp_packe
 def hybrid_layer_spec(
     pattern: str = "GGG*",
     use_te: bool = False,
-    cp_strategy: str = "zeco",
-    cp_layout: str = "zigzag",
-    cp_num_blocks: int = 1,
-    cp_transport: str = "auto",
-    cp_piece_split: Optional[int] = None,
-    cp_packed_split: str = "auto",
-    cp_node_size: Optional[int] = None,
+    mixer: str = "gla",
+    cp_config: Optional[CPConfig] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
-    mixer: str = "gla",
+    **cp_knobs,
 ) -> ModuleSpec:
     """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
 
     Args:
         pattern: ``G`` (GLA) and ``*`` (softmax attention), repeated over the layers: layer n
             (1-based, over all pipeline stages) is ``pattern[(n - 1) % len(pattern)]``, so
-            ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.hybrid).
+            ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.mcore.gpt_hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
-        cp_layout: the CP layout of both layer kinds; TE's attention takes ``zigzag`` only.
-        cp_strategy, cp_num_blocks, cp_transport, cp_piece_split, cp_node_size, gate_low_rank_dim,
-            gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
-        cp_packed_split: how packed batches are split over CP, for both layer kinds.
-        normalization: as in :func:`gla_layer_spec`.
         mixer: ``gla`` or ``gdn``: the ``G`` layers are GLA (:func:`gla_layer_spec`) or Megatron-Core's
-            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`: cp_strategy zeco, lasp2 or a2a; cp_transport
-            ``auto`` = ``send_recv`` for it; the GLA-only knobs, cp_piece_split, cp_node_size and the
-            gate's, must keep their defaults).
+            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`; the gate knobs must keep their defaults).
+        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
+            :func:`gdn_layer_spec` take it); its layout and packed split are the softmax layers' too
+            (TE's attention takes ``zigzag`` only).
+        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
+        normalization: as in :func:`gla_layer_spec`.
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
     zigzag layout under CP; for packed batches under CP the per-document split) or none;
@@ -305,14 +287,13 @@ def hybrid_layer_spec(
     """
     check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
     _check_mixer(mixer)
+    config = _cp_config(_OPERATORS[mixer], cp_config, cp_knobs, "hybrid_layer_spec")
+    cp_layout, cp_packed_split = config.layout.value, config.packed_split
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
-    mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
-                                cp_num_blocks=cp_num_blocks, cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                                cp_packed_split=cp_packed_split, cp_node_size=cp_node_size,
-                                gate_low_rank_dim=gate_low_rank_dim,
+    mixer_layer = _g_layer_spec(mixer, config, use_te=use_te, gate_low_rank_dim=gate_low_rank_dim,
                                 gate_timescales=gate_timescales, normalization=normalization)
     if mixer_layer.submodules is None:
         return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
@@ -330,17 +311,12 @@ def _mixer_only(submodules, keys_map: dict):
 
 def hybrid_stack_spec(
     use_te: bool = False,
-    cp_strategy: str = "zeco",
-    cp_layout: str = "zigzag",
-    cp_num_blocks: int = 1,
-    cp_overlap_scan: Optional[bool] = None,
-    cp_transport: str = "auto",
-    cp_piece_split: Optional[int] = None,
-    cp_packed_split: str = "auto",
+    mixer: str = "gla",
+    cp_config: Optional[CPConfig] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
     normalization: Optional[str] = None,
-    mixer: str = "gla",
+    **cp_knobs,
 ) -> ModuleSpec:
     """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA or
     Gated DeltaNet layers.
@@ -348,47 +324,44 @@ def hybrid_stack_spec(
     The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer or Gated DeltaNet
     (``mixer``; Megatron's ``gdn_layer`` slot), ``*`` causal softmax self-attention, ``-`` MLP, ``E`` MoE; each a norm,
     the module and the residual, as in Megatron's ``hybrid_stack_spec``. All layers share the CP
-    split. See megatron_zeco.hybrid_model.
+    split. See megatron_zeco.mcore.hybrid_stack.
 
     Args:
         use_te: TransformerEngine linears and norms, ``*`` TE's attention with its own CP, and
             Megatron's own other slots (``M``, ``D``, ``+``); or Megatron-Core's linears and norms,
-            ``*`` :class:`~megatron_zeco.attention.AllGatherDotProductAttention` (any device).
-        cp_layout: the CP layout of every layer; TE's attention takes ``zigzag`` (Megatron's
-            ``get_batch_on_this_cp_rank`` split) only.
-        cp_packed_split: how packed batches are split over CP, for GLA and softmax layers.
-        cp_strategy, cp_num_blocks, cp_overlap_scan, cp_transport, cp_piece_split,
+            ``*`` :class:`~megatron_zeco.mcore.attention.AllGatherDotProductAttention` (any device).
+        mixer: ``gla``, or ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
+            (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
+            (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`; the gate knobs must keep
+            their defaults).
+        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
+            :func:`gdn_layer_spec` take it); its layout and packed split are every layer's (TE's
+            attention takes ``zigzag``, Megatron's ``get_batch_on_this_cp_rank`` split, only).
         gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
             TE norms follow ``--normalization`` by themselves.
-        mixer: ``gla``, or ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
-            (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
-            (:class:`~megatron_zeco.gated_deltanet.ZecoGatedDeltaNet`: cp_strategy zeco, lasp2 or
-            a2a; cp_transport ``auto`` = ``send_recv`` for it; the GLA-only knobs, cp_overlap_scan,
-            cp_piece_split and the gate's, must keep their defaults).
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``: under
     CP the zigzag layout, and for packed batches the per-document split) or none; GLA and Gated
     DeltaNet layers ignore them.
     """
     _check_mixer(mixer)
+    config = _cp_config(_OPERATORS[mixer], cp_config, cp_knobs, "hybrid_stack_spec")
     if not HAVE_HYBRID_MODEL:
         return ModuleSpec(module=_HybridModelMissing)
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
-    from .hybrid_model import GLAHybridStack, GLAHybridStackSubmodules
+    from .mcore.hybrid_stack import GLAHybridStack, GLAHybridStackSubmodules
 
+    cp_layout, cp_packed_split = config.layout.value, config.packed_split
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)  # checks TE against the layout
     if use_te and not HAVE_TE:
         local_spec = "gdn_hybrid_stack_local_spec" if mixer == "gdn" else "hybrid_stack_local_spec"
         return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": local_spec})
     layer_params = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
-    mixer_layer = _g_layer_spec(mixer, use_te=use_te, cp_strategy=cp_strategy, cp_layout=cp_layout,
-                                cp_num_blocks=cp_num_blocks, cp_overlap_scan=cp_overlap_scan,
-                                cp_transport=cp_transport, cp_piece_split=cp_piece_split,
-                                cp_packed_split=cp_packed_split, gate_low_rank_dim=gate_low_rank_dim,
+    mixer_layer = _g_layer_spec(mixer, config, use_te=use_te, gate_low_rank_dim=gate_low_rank_dim,
                                 gate_timescales=gate_timescales, normalization=normalization)
     if mixer_layer.submodules is None:
         return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
@@ -427,24 +400,31 @@ def hybrid_stack_spec(
         final_norm=local.input_layernorm))
 
 
-# hybrid_layer_spec's and hybrid_stack_spec's knobs that only GLA layers have, with their defaults.
-GLA_ONLY = dict(cp_overlap_scan=None, cp_piece_split=None, cp_node_size=None,
-                gate_low_rank_dim=16, gate_timescales=None)
+# The operator of each mixer (its CPConfig's rules), and the knobs only GLA layers have, with their defaults.
+_OPERATORS = {"gla": "gla", "gdn": "gated_delta_rule"}
+GLA_ONLY = dict(gate_low_rank_dim=16, gate_timescales=None)
 
 
-def _g_layer_spec(mixer: str, **knobs) -> ModuleSpec:
+def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str) -> CPConfig:
+    """The CPConfig a spec function gives its layers: ``config``, or one from its ``cp_*`` keywords."""
+    cp_knobs, rest = split_keywords(knobs)
+    if rest:
+        raise TypeError(f"{who}() got unexpected keyword arguments {', '.join(map(repr, rest))}")
+    return config_of(operator, config, cp_knobs, f"megatron_zeco.specs.{who}")
+
+
+def _g_layer_spec(mixer: str, config: CPConfig, **knobs) -> ModuleSpec:
     """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s
     or :func:`gdn_layer_spec`'s. A GLA-only knob set for Gated DeltaNet is an error, not ignored."""
-    _check_mixer(mixer)
     if mixer == "gla":
-        return gla_layer_spec(**knobs)
+        return gla_layer_spec(cp_config=config, **knobs)
     gla_only = {name: knobs.pop(name, default) for name, default in GLA_ONLY.items()}
     changed = [name for name, value in gla_only.items() if value != GLA_ONLY[name]]
     if changed:
         raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} "
                          f"to GLA layers only (mixer='gla'); for Gated DeltaNet (mixer='gdn') keep the defaults "
                          f"({', '.join(f'{name}={GLA_ONLY[name]!r}' for name in changed)})")
-    return gdn_layer_spec(**knobs)
+    return gdn_layer_spec(cp_config=config, **knobs)
 
 
 def _check_mixer(mixer: str) -> None:

@@ -17,6 +17,7 @@ sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP
 import argparse
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import math
 import os
@@ -34,8 +35,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
-from .comm.peer import TRANSPORTS
-from .cp import STRATEGIES
+from .cp.config import RULES, CPConfig
 from .recall import RecallTask
 
 PROG = "megatron_zeco.train"
@@ -46,10 +46,12 @@ GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pa
 HYBRID_SYMBOLS = {"G": "GLA", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
 
 
-def _flag(default, group: str, help: str, shown: Optional[str] = None, **argparse_kwargs):
-    """A TrainConfig field and its command-line flag: its group in --help, what it does, and its
-    default as --help shows it (``shown``; else the value itself)."""
-    return field(default=default, metadata=dict(group=group, help=help, shown=shown, argparse=argparse_kwargs))
+def _flag(default, group: str, help: str, shown: Optional[str] = None, aliases=(), **argparse_kwargs):
+    """A TrainConfig field and its command-line flag: its group in --help, what it does, its default
+    as --help shows it (``shown``; else the value itself), and other spellings of the flag (``aliases``:
+    Megatron-LM's, where it has one)."""
+    return field(default=default, metadata=dict(group=group, help=help, shown=shown, aliases=aliases,
+                                                argparse=argparse_kwargs))
 
 
 PARALLEL, MODEL, TASK, OPTIM, CKPT, LOGGING, FAULTS = (
@@ -66,16 +68,16 @@ class TrainConfig:
     dp: int = _flag(1, PARALLEL, "data-parallel size: each step's sequences split over this many model replicas")
     strategy: str = _flag("zeco", PARALLEL, "how the recurrent state crosses the CP ranks: zeco (All-Scan, one "
                           "state per rank), lasp2 (all-gather of the states), lasp1 (ring), a2a (all-to-all of "
-                          "heads)", choices=[s for s in STRATEGIES if s != "none"])
+                          "heads)", metavar="{" + ",".join(RULES["gla"].strategies) + "}")
     layout: str = _flag("zigzag", PARALLEL, "how a sequence is cut over the CP ranks: zigzag (Megatron's "
                         "load-balanced split into 2 x CP pieces) or contiguous (CP pieces)",
-                        choices=[m.value for m in Layout])
+                        metavar="{" + ",".join(m.value for m in Layout) + "}")
     num_blocks: int = _flag(1, PARALLEL, "All-Scan pipeline blocks: the state is sent in this many blocks of "
                             "rows (a divisor of the head dim, --hidden / --heads)")
     transport: str = _flag("auto", PARALLEL, "how All-Scan moves the states (--strategy zeco): send_recv (the CP "
                            "group's messages: NCCL, gloo), peer_memory (stores into the peers' GPU memory, one node; "
                            "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
-                           "between the GPUs of one node, else send_recv", choices=list(TRANSPORTS))
+                           "between the GPUs of one node, else send_recv", metavar="{auto,send_recv,peer_memory,nvshmem}")
     piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
                                        "(zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
@@ -118,7 +120,8 @@ class TrainConfig:
     seed: int = _flag(1234, TASK, "initial weights and data: step s trains on a batch drawn from a generator "
                       "seeded with --seed and s")
     # -- optimisation
-    steps: int = _flag(500, OPTIM, "training steps (the learning-rate schedule spans them)")
+    steps: int = _flag(500, OPTIM, "training steps (the learning-rate schedule spans them); --train-iters, as "
+                       "Megatron-LM spells it, is the same flag", aliases=("--train-iters",))
     lr: float = _flag(3e-3, OPTIM, "peak learning rate of AdamW: linear warm-up over 5%% of the steps, then "
                       "cosine decay to a tenth")
     clip_grad: float = _flag(1.0, OPTIM, "clip the global gradient norm to this (0: no clipping)")
@@ -171,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
             kwargs["action"] = "store_true"
         else:
             kwargs["type"] = kind
-        group.add_argument("--" + f.name.replace("_", "-"), **kwargs)
+        group.add_argument("--" + f.name.replace("_", "-"), *meta["aliases"], **kwargs)
     return parser
 
 
@@ -187,6 +190,7 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     """Fill in what depends on the number of processes (``cp``, ``seq_len``) and check the flags
     against each other; ValueError naming the flag to change. Returns lines for the log."""
     notes = resolve_model(cfg)
+    cp_config(cfg)  # the CP knobs' own checks, as every entry point runs them
     for name in ("tp", "dp", "layers", "hidden", "heads", "batch", "steps", "log_interval", "pairs", "keys",
                  "values", "filler"):
         if getattr(cfg, name) < 1:
@@ -368,10 +372,15 @@ def transformer_config(cfg: TrainConfig):
     )
 
 
+def cp_config(cfg: TrainConfig) -> CPConfig:
+    """The GLA layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
+    return CPConfig(operator="gla", strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks,
+                    transport=cfg.transport, piece_split=cfg.piece_split)
+
+
 def _gla_knobs(cfg: TrainConfig) -> dict:
     """The GLA layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
-    return dict(cp_strategy=cfg.strategy, cp_layout=cfg.layout, cp_num_blocks=cfg.num_blocks,
-                cp_transport=cfg.transport, cp_piece_split=cfg.piece_split, gate_timescales=(1.0, 4.0 * cfg.seq_len))
+    return dict(cp_config=cp_config(cfg), gate_timescales=(1.0, 4.0 * cfg.seq_len))
 
 
 def layer_spec(cfg: TrainConfig):
@@ -395,7 +404,7 @@ def gpt_model(cfg: TrainConfig, config, vocab_size: int):
 def hybrid_model(cfg: TrainConfig, config, vocab_size: int):
     """megatron-core's HybridModel (>= 0.19) of ``--hybrid-layer-pattern`` over this package's
     hybrid stack spec (Megatron-Core linears and norms; the GLA layers as ``--pattern``'s)."""
-    from .hybrid_model import build_hybrid_model
+    from .models import build_hybrid_model
     from .specs import hybrid_stack_spec
 
     return build_hybrid_model(config, cfg.hybrid_layer_pattern, vocab_size, cfg.seq_len,
@@ -549,7 +558,7 @@ _JOB_FLAGS = {
     "hidden_size": "--hidden", "--num-layers": "--layers", "--kv-channels": "--hidden / --heads",
     "--num-experts": "--experts",
     "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
-    "cp_piece_split": "--piece-split", "cp_transport": "--transport",
+    "cp_piece_split": "--piece-split", "cp_transport": "--transport", "cp_overlap_scan": "(no flag)",
     "--position-embedding-type": "--position-embedding",
     "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
 }
@@ -760,6 +769,16 @@ def quiet_third_party_warnings(on_cpu: bool):
         logging.getLogger(name).addFilter(_DropMessage(start))
 
 
+def _tell_the_launcher(message: str) -> None:
+    """Under torchrun, hand ``message`` to its failure report (the error file it names in
+    ``$TORCHELASTIC_ERROR_FILE``), so that the report it prints last ends with the message, not with a
+    pointer to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": message, "timestamp": int(time.time())}, f)
+
+
 def main(argv=None):
     """The command: one message from rank 0 and exit status 2 for a misconfiguration."""
     owns_group = not dist.is_initialized()
@@ -769,8 +788,10 @@ def main(argv=None):
         quiet_third_party_warnings(on_cpu=not uses_cuda(cfg))
         train(cfg)
     except ConfigError as e:
+        message = f"{PROG}: error: {e}"
         if _launch_rank() == 0:
-            print(f"{PROG}: error: {e}", file=sys.stderr, flush=True)
+            print(message, file=sys.stderr, flush=True)
+        _tell_the_launcher(message)
         code = 2
     except (ScanTimeoutError, FloatingPointError) as e:  # each rank says what it saw; no step was applied
         print(f"{PROG}: error on global rank {_launch_rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

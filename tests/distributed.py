@@ -194,6 +194,6 @@ def host_as_cuda():
     """megatron-core 0.16's dist-checkpointing and sequence-parallel collectives assume CUDA
     (buffers on torch.cuda.current_device(), host copies followed by torch.cuda.synchronize()).
     On a CPU-only machine, let the host stand in for the device (the main job's own stand-in)."""
-    from megatron_zeco.checkpoint import host_as_cuda as host
+    from megatron_zeco.mcore.host import host_as_cuda as host
 
     return host()

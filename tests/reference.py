@@ -3,7 +3,8 @@
 import torch
 import torch.nn.functional as F
 
-from megatron_zeco.ops import naive_recurrent_gated_delta_rule, naive_recurrent_gla
+from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
+from megatron_zeco.gla import naive_recurrent_gla
 
 def token_batch(seed, vocab, rows, length, offsets=None):
     """Tokens and labels ``[rows, length]`` drawn from ``seed``, or (``offsets``: a packed batch's

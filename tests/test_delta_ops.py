@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from megatron_zeco.ops import chunk_gated_delta_rule, gdn_local, gdn_piece
+from megatron_zeco.gated_delta_rule import chunk_gated_delta_rule, gdn_local, gdn_piece
 from reference import GATES, delta_problem, reference, rel_err
 
 TOL = 1e-10

@@ -96,7 +96,7 @@ def _model(case, cp, pg_collection=None):
     """This rank's model (float64), the same weights whatever the CP size."""
     from megatron.core.models.gpt import GPTModel
 
-    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.specs import hybrid_layer_spec, hybrid_stack_spec
 
     knobs = dict(cp_strategy=case["strategy"], cp_layout=case["layout"], cp_num_blocks=case["blocks"],
@@ -260,8 +260,8 @@ def _megatron_gdn_and_ours(tp):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_zeco.checkpoint import host_as_cuda
-    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
+    from megatron_zeco.mcore.host import host_as_cuda
+    from megatron_zeco.gated_delta_rule.layer import ZecoGatedDeltaNet
 
     # 2 q/k heads and 4 value heads per TP rank: grouped heads as Megatron groups them
     case = _case("checkpoint", "G", tp=tp, linear=dict(LINEAR, linear_num_key_heads=4, linear_num_value_heads=8))
@@ -299,8 +299,8 @@ def _against_megatron(theirs, ours):
     gradient and each parameter's gradient."""
     from megatron.core.ssm.gated_delta_net import common
 
-    from megatron_zeco.checkpoint import host_as_cuda
-    from megatron_zeco.ops.conv import l2norm
+    from megatron_zeco.mcore.host import host_as_cuda
+    from megatron_zeco.common.conv import l2norm
 
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -383,7 +383,7 @@ def _packed_rows_after_a_first_batch():
 
 
 def _forward_with_reset_attention_mask():
-    with mock.patch("megatron_zeco.layer._megatron_lm_arg", lambda name: name == "reset_attention_mask"):
+    with mock.patch("megatron_zeco.mcore.common._megatron_lm_arg", lambda name: name == "reset_attention_mask"):
         _forward(8)
 
 
@@ -458,8 +458,8 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
-    from megatron_zeco.hybrid_model import GLAHybridStack
+    from megatron_zeco.gated_delta_rule.layer import ZecoGatedDeltaNet
+    from megatron_zeco.mcore.hybrid_stack import GLAHybridStack
     from megatron_zeco.specs import HAVE_TE, hybrid_stack_spec
 
     for name, strategy in GDN_STACKS.items():
@@ -514,7 +514,7 @@ def _gpu_modules(dtype, cp_size):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from megatron_zeco.gated_deltanet import ZecoGatedDeltaNet
+    from megatron_zeco.gated_delta_rule.layer import ZecoGatedDeltaNet
 
     linear = dict(linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
                   linear_value_head_dim=64, linear_conv_kernel_dim=4)

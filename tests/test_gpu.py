@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
 from megatron_zeco.comm import all_scan
-from megatron_zeco.ops import gla_piece
+from megatron_zeco.gla import gla_piece
 from reference import problem, reference, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megatron_zeco import Layout, packed_positions, zeco_gated_delta_rule
-from megatron_zeco.ops import gdn_piece
+from megatron_zeco.gated_delta_rule import gdn_piece
 from reference import delta_problem, reference, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

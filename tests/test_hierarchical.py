@@ -351,20 +351,20 @@ def test_layer_cp_node_size_reaches_the_hierarchical_scan(seed):
 
 
 def test_layer_refuses_a_bad_cp_node_size():
-    from megatron_zeco.layer import _check_config
+    from megatron_zeco.cp import CPConfig
 
     for bad in (0, -2, 1.5, True, "8"):
         with pytest.raises(ValueError, match=f"cp_node_size {bad!r} must be a positive integer"):
-            _check_config(None, None, "zeco", "zigzag", 1, "auto", "auto", None, 1, 1, bad)
+            CPConfig(node_size=bad)
 
 
 def test_specs_pass_cp_node_size_to_the_layer():
     from megatron_zeco.specs import gla_layer_spec, hybrid_layer_spec
 
-    assert gla_layer_spec(cp_node_size=8).submodules.self_attention.params["cp_node_size"] == 8
-    assert gla_layer_spec().submodules.self_attention.params["cp_node_size"] is None
+    assert gla_layer_spec(cp_node_size=8).submodules.self_attention.params["cp_config"].node_size == 8
+    assert gla_layer_spec().submodules.self_attention.params["cp_config"].node_size is None
     hybrid = hybrid_layer_spec(cp_node_size=4)
-    assert hybrid.submodules.gla.self_attention.params["cp_node_size"] == 4
+    assert hybrid.submodules.gla.self_attention.params["cp_config"].node_size == 4
 
 
 # ---------------------------------------------------------------------------------------------- latency

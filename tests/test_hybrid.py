@@ -41,7 +41,7 @@ def _attention_worker(rank, world, seed):
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_zeco import Layout
-    from megatron_zeco.attention import AllGatherDotProductAttention
+    from megatron_zeco.mcore.attention import AllGatherDotProductAttention
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
@@ -80,7 +80,7 @@ def test_attention_refuses_what_it_does_not_compute():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_zeco.attention import AllGatherDotProductAttention
+    from megatron_zeco.mcore.attention import AllGatherDotProductAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     with pytest.raises(ValueError, match="--attention-dropout 0"):  # Megatron's default is 0.1
@@ -282,7 +282,7 @@ def test_named_specs_and_their_errors():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    from megatron_zeco.hybrid import HybridTransformerLayer
+    from megatron_zeco.mcore.gpt_hybrid import HybridTransformerLayer
     from megatron_zeco.specs import HAVE_TE, hybrid_layer_spec
 
     spec = import_module(["megatron_zeco.specs", "hybrid_local_spec"])  # as pretrain_gpt.py --spec does

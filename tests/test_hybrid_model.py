@@ -66,7 +66,7 @@ def _model(case):
     """This rank's HybridModel chunk (float64), with the same weights whatever the CP size."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.specs import hybrid_stack_spec
 
     layers = len(case["pattern"].replace("|", ""))
@@ -256,7 +256,7 @@ def _structure_worker(rank, world, seed):
     from megatron.core import parallel_state as ps
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.models import build_hybrid_model
 
     ps.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=2)
     config = TransformerConfig(num_layers=8, hidden_size=HIDDEN, num_attention_heads=HEADS,
@@ -293,7 +293,7 @@ def _gpt_as_hybrid(seed):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_zeco.hybrid_model import build_hybrid_model
+    from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.specs import hybrid_layer_spec
 
     def config(layers):
@@ -352,8 +352,9 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    from megatron_zeco.hybrid_model import GLAHybridStack, build_hybrid_model
-    from megatron_zeco.layer import GatedLinearAttention
+    from megatron_zeco.mcore.hybrid_stack import GLAHybridStack
+    from megatron_zeco.models import build_hybrid_model
+    from megatron_zeco.gla.layer import GatedLinearAttention
     from megatron_zeco.specs import HAVE_TE
 
     for name, strategy in [("hybrid_stack_local_spec", "zeco"), ("hybrid_stack_local_lasp1_spec", "lasp1"),

@@ -5,7 +5,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from megatron_zeco.kernels.chunk_state import (  # noqa: E402
+from megatron_zeco.gla.kernels import (  # noqa: E402
     chunk_decays,
     chunk_dqkg_with_state,
     chunk_dv_with_state,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_zeco.ops import chunk_gla, gla_bwd, gla_fwd, gla_piece
+from megatron_zeco.gla import chunk_gla, gla_bwd, gla_fwd, gla_piece
 from reference import GATES, problem, reference, rel_err
 
 TOL = 1e-10

@@ -254,7 +254,7 @@ def test_layer_packed_split_follows_megatron_lm_arguments(monkeypatch):
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_zeco.layer import GatedLinearAttention
+    from megatron_zeco.gla.layer import GatedLinearAttention
 
     cu = torch.tensor([0, 4, 8])
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from distributed import RankPool
 from megatron_zeco import Layout, zeco_gla
-from megatron_zeco.ops import state_dtype
+from megatron_zeco.common.chunked import state_dtype
 from reference import GATES, problem, reference
 
 SEED = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))

@@ -31,7 +31,7 @@ def test_spec_imports_as_pretrain_gpt_does(name):
             return
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_zeco.layer import GatedLinearAttention
+    from megatron_zeco.gla.layer import GatedLinearAttention
 
     assert spec.module is TransformerLayer
     mixer = spec.submodules.self_attention
@@ -71,7 +71,7 @@ def _layer_interface(rank, world):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logging.getLogger("megatron_zeco.layer").addHandler(handler)
+    logging.getLogger("megatron_zeco.gla.layer").addHandler(handler)
     rotary = torch.randn(12, 1, 1, 8)
     with_rotary = layer(x, attention_mask=None, rotary_pos_emb=rotary)[0]
     layer(x, attention_mask=None, rotary_pos_emb=rotary)

@@ -12,76 +12,79 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from ..comm import Layout, as_layout
-from ..comm.peer import TRANSPORT_ENV, TRANSPORTS
+from ..comm import Layout
+from ..comm.peer import TRANSPORT_ENV
 
-STRATEGIES = ("zeco", "lasp1", "lasp2", "a2a", "none")
-# What the local GLA runs (fla's kernels on CUDA, chunk.py elsewhere and for float64). float8 and
-# complex dtypes are not: the op has no fp8 path (with --fp8-format only the layer's linears use it).
+# What the local ops run (fla's kernels on CUDA, the PyTorch forms elsewhere and for float64). float8
+# and complex dtypes are not: the ops have no fp8 path (with --fp8-format only the layers' linears use it).
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_NAMES = "float64, float32, bfloat16 or float16"
+_DIMS = {"BTHK": "[B, T, H, K]", "BTHV": "[B, T, H, V]", "BTH": "[B, T, H]"}
 
 
-def _local_problems(q, k, v, g, initial_state, num_blocks, pieces_per_rank, beta=None) -> List[str]:
-    """This rank's problems with its tensors; ``beta`` given: the gated delta rule's inputs
-    (``g`` and ``beta`` ``[B, T, H]``, the state pipelined in blocks of columns)."""
-    delta_rule = beta is not None
-    tensors = {"q": q, "k": k, "v": v, "g": g, **({"beta": beta} if delta_rule else {})}
-    problems = [f"{n} must be a torch.Tensor, got {type(t).__name__}"
-                for n, t in tensors.items() if not isinstance(t, torch.Tensor)]
+def _tensor_problems(op, tensors) -> List[str]:
+    """This rank's problems with the per-token tensors of ``op`` (shapes, dtypes, devices)."""
+    named = dict(zip((n for n, _ in op.inputs), tensors))
+    problems = [f"{n} must be a torch.Tensor, got {type(t).__name__}" for n, t in named.items()
+                if not isinstance(t, torch.Tensor)]
     if problems:
         return problems
-    for name, t in tensors.items():
-        if delta_rule and name in ("g", "beta"):
-            if t.dim() != 3:
-                problems.append(f"{name} must have 3 dims [B, T, H], got shape {tuple(t.shape)}")
-        elif t.dim() != 4:
-            problems.append(f"{name} must have 4 dims [B, T, H, D], got shape {tuple(t.shape)}")
+    for (n, dims), t in zip(op.inputs, tensors):
+        if t.dim() != len(dims):
+            problems.append(f"{n} must have {len(dims)} dims {_DIMS[dims]}, got shape {tuple(t.shape)}")
         if t.dtype not in DTYPES:
-            problems.append(f"{name} must be {_DTYPE_NAMES}, got {t.dtype}")
+            problems.append(f"{n} must be {_DTYPE_NAMES}, got {t.dtype}")
     if problems:
         return problems
-    if delta_rule:
-        if k.shape != q.shape:
-            problems.append(f"q and k must have one shape [B, T, H, K], got {tuple(q.shape)}, {tuple(k.shape)}")
-        if g.shape != q.shape[:3] or beta.shape != q.shape[:3]:
-            problems.append(f"g and beta must be [B, T, H] with B, T, H of q {tuple(q.shape[:3])}, got "
-                            f"{tuple(g.shape)}, {tuple(beta.shape)}")
-    elif k.shape != q.shape or g.shape != q.shape:
-        problems.append(f"q, k and g must have one shape [B, T, H, K], got "
-                        f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+    q, v = named["q"], named["v"]
+    B, T, H, K = q.shape
+    expected = {"BTHK": (B, T, H, K), "BTHV": (B, T, H, v.shape[-1]), "BTH": (B, T, H)}
+    keys = [n for n, dims in op.inputs if dims == "BTHK"]
+    if any(named[n].shape != q.shape for n in keys):
+        problems.append(f"{', '.join(keys)} must have one shape [B, T, H, K], got "
+                        f"{', '.join(str(tuple(named[n].shape)) for n in keys)}")
     if v.shape[:3] != q.shape[:3]:
         problems.append(f"v must be [B, T, H, V] with B, T, H of q {tuple(q.shape[:3])}, got {tuple(v.shape)}")
-    dtypes = {n: t.dtype for n, t in tensors.items()}
-    # the gated delta rule's log decays may stay float32 beside lower-precision inputs, as fla takes them
-    shared = {n: d for n, d in dtypes.items() if not (delta_rule and n == "g" and d == torch.float32)}
+    scalars = [n for n, dims in op.inputs if dims == "BTH"]
+    if any(named[n].shape != expected["BTH"] for n in scalars):
+        problems.append(f"{' and '.join(scalars)} must be [B, T, H] with B, T, H of q {tuple(q.shape[:3])}, got "
+                        f"{', '.join(str(tuple(named[n].shape)) for n in scalars)}")
+    dtypes = {n: t.dtype for n, t in named.items()}
+    shared = {n: d for n, d in dtypes.items() if not (n in op.float32 and d == torch.float32)}
     if len(set(shared.values())) > 1:
-        problems.append(f"{', '.join(tensors)} must share one dtype{' (g may be float32)' if delta_rule else ''}, "
-                        f"got {dtypes}")
-    devices = {n: t.device for n, t in tensors.items()}
-    if initial_state is not None:
-        devices["initial_state"] = initial_state.device
+        loose = f" ({' and '.join(op.float32)} may be float32)" if op.float32 else ""
+        problems.append(f"{', '.join(named)} must share one dtype{loose}, got {dtypes}")
+    return problems
+
+
+def _local_problems(op, config, args, group_size) -> List[str]:
+    """This rank's problems with its inputs and with the knobs that depend on their shapes."""
+    problems = _tensor_problems(op, args.tensors)
+    if problems:
+        return problems
+    q, v = args.tensors[0], args.tensors[2]
+    devices = {n: t.device for (n, _), t in zip(op.inputs, args.tensors)}
+    h0 = args.initial_state
+    if h0 is not None:
+        devices["initial_state"] = h0.device
         B, _, H, K = q.shape
         expected = (B, H, K, v.shape[-1])
-        if tuple(initial_state.shape) != expected:
-            problems.append(f"initial_state must be [B, H, K, V] = {expected}, got {tuple(initial_state.shape)}")
-        if initial_state.dtype not in DTYPES:
-            problems.append(f"initial_state must be {_DTYPE_NAMES}, got {initial_state.dtype}")
+        if tuple(h0.shape) != expected:
+            problems.append(f"initial_state must be [B, H, K, V] = {expected}, got {tuple(h0.shape)}")
+        if h0.dtype not in DTYPES:
+            problems.append(f"initial_state must be {_DTYPE_NAMES}, got {h0.dtype}")
     if len(set(devices.values())) > 1:
         problems.append(f"inputs must be on one device, got {{{', '.join(f'{n}: {d}' for n, d in devices.items())}}}")
-    T, K = q.shape[1], q.shape[-1]
+    T = q.shape[1]
+    # Per document, each document is cut into pieces, not each rank's tokens.
+    pieces = 1 if (args.per_document or config is None) else len(config.layout.pieces(0, group_size))
     if T == 0:
         problems.append("the local sequence is empty (T = 0)")
-    elif T % pieces_per_rank:
-        problems.append(f"the zigzag layout splits each rank's T = {T} tokens into {pieces_per_rank} "
-                        f"equal pieces; T must be divisible by {pieces_per_rank}")
-    if delta_rule:
-        V = v.shape[-1]
-        if not isinstance(num_blocks, int) or num_blocks < 1 or V % num_blocks:
-            problems.append(f"num_blocks = {num_blocks!r} must be a positive divisor of the value dim V = {V} "
-                            "(the gated delta rule's state is pipelined in blocks of columns)")
-    elif not isinstance(num_blocks, int) or num_blocks < 1 or K % num_blocks:
-        problems.append(f"num_blocks = {num_blocks!r} must be a positive divisor of the key dim K = {K}")
+    elif T % pieces:
+        problems.append(f"the zigzag layout splits each rank's T = {T} tokens into {pieces} "
+                        f"equal pieces; T must be divisible by {pieces}")
+    if config is not None:
+        problems += config.dims_problems(q.shape[-1], v.shape[-1])
     return problems
 
 
@@ -151,39 +154,45 @@ def _describe(x: Optional[torch.Tensor]):
     return None if not isinstance(x, torch.Tensor) else (tuple(x.shape), str(x.dtype), x.device.type)
 
 
-def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_blocks, output_final_state,
-                 cu_seqlens=None, per_document=False, transport="auto", piece_split=None, beta=None, op="zeco_gla"):
-    """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs are unusable.
-    ``beta`` given: the gated delta rule's inputs (``op`` names the operator in the message)."""
+def local_call_problems(plan, args, piece_split: int) -> List[str]:
+    """The cheap, rank-local checks of a call under a plan whose inputs were not validated across ranks
+    (a layer after its first step): the packed-sequence arguments and the sub-pieces."""
+    if args.cu_seqlens is None and not args.per_document and piece_split == 1:
+        return []
+    q = args.tensors[0]
+    problems = packed_problems(q, args.cu_seqlens, args.per_document, args.initial_state, args.output_final_state,
+                               plan.config.strategy, plan.world)
+    return problems + split_problems(q, piece_split, args.cu_seqlens, plan.pieces_per_rank)
+
+
+def check_inputs(op, config, config_problems: List[str], args, group, name: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` if any rank's inputs or knobs are unusable.
+
+    ``config``: the call's :class:`~megatron_zeco.cp.config.CPConfig`, or None where making it failed
+    (``config_problems`` say why); ``args``: its :class:`~megatron_zeco.cp.operator.Arguments`; ``name``
+    names the operator (or layer) in the message."""
     world = 1 if group is None else dist.get_world_size(group)
-    problems = []
-    try:
-        layout = as_layout(layout)
-    except ValueError as e:
-        problems.append(str(e))
-        layout = Layout.CONTIGUOUS
-    if strategy not in STRATEGIES:
-        problems.append(f"unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    if transport not in TRANSPORTS:
-        problems.append(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}")
-    if beta is not None and strategy == "lasp1":
-        problems.append("strategy 'lasp1' is not offered for the gated delta rule; use zeco, lasp2 or a2a")
-    # Per document, each document is cut into pieces, not each rank's tokens.
-    problems += _local_problems(q, k, v, g, initial_state, num_blocks,
-                                1 if per_document else len(layout.pieces(0, world)), beta)
-    problems += split_problems(q, piece_split, cu_seqlens, len(layout.pieces(0, world)))
-    packed = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world)
+    layout = Layout.CONTIGUOUS if config is None else config.layout
+    strategy = None if config is None else config.strategy
+    q = args.tensors[0]
+    problems = list(config_problems) + _local_problems(op, config, args, world)
+    pieces = len(layout.pieces(0, world))
+    piece_split = None if config is None else config.piece_split
+    problems += split_problems(q, piece_split, args.cu_seqlens, pieces)
+    packed = packed_problems(q, args.cu_seqlens, args.per_document, args.initial_state, args.output_final_state,
+                             strategy, world)
     cu = None
-    if cu_seqlens is not None and not packed:
-        cu = [int(c) for c in cu_seqlens.tolist()]
+    if args.cu_seqlens is not None and not packed:
+        cu = [int(c) for c in args.cu_seqlens.tolist()]
         if not problems:
-            packed = cu_seqlens_problems(cu, world * q.shape[1], document_pieces(layout, world, per_document))
+            packed = cu_seqlens_problems(cu, world * q.shape[1], document_pieces(layout, world, args.per_document))
+    knobs = None if config is None else {f: getattr(config, f) for f in ("strategy", "layout", "num_blocks",
+                                                                          "transport", "piece_split", "node_size")}
     row = {
-        "problems": problems + packed, "cu_seqlens": cu, "per_document": bool(per_document),
-        "q": _describe(q), "v": _describe(v), "initial_state": _describe(initial_state),
-        "strategy": strategy, "layout": layout.value, "num_blocks": num_blocks, "piece_split": piece_split,
-        "output_final_state": bool(output_final_state),
-        "transport": (transport, os.environ.get(TRANSPORT_ENV)),
+        "problems": problems + packed, "cu_seqlens": cu, "per_document": bool(args.per_document),
+        "q": _describe(q), "v": _describe(args.tensors[2]), "initial_state": _describe(args.initial_state),
+        "knobs": knobs, "output_final_state": bool(args.output_final_state),
+        "transport env": os.environ.get(TRANSPORT_ENV),
     }
     if group is None:
         rows = [row]
@@ -195,14 +204,13 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
     for key, what in (("q", "q's shape, dtype and device (so local lengths)"),
                       ("v", "v's shape, dtype and device"),
                       ("initial_state", "initial_state (given or not, shape, dtype)"),
-                      ("strategy", "strategy"), ("layout", "layout"), ("num_blocks", "num_blocks"),
-                      ("piece_split", "piece_split"),
+                      ("knobs", "the context-parallel knobs (strategy, layout, num_blocks, transport, piece_split, "
+                                "node_size)"),
                       ("output_final_state", "output_final_state"), ("cu_seqlens", "cu_seqlens"),
-                      ("per_document", "per_document"),
-                      ("transport", f"transport (argument, ${TRANSPORT_ENV})")):
+                      ("per_document", "per_document"), ("transport env", f"${TRANSPORT_ENV}")):
         values = [each[key] for each in rows]
         if any(val != values[0] for val in values):
-            listing = "; ".join(f"rank {r}: {_short(val) if isinstance(val, list) else val}"
+            listing = "; ".join(f"rank {r}: {_short(val) if isinstance(val, list) else _knobs(val)}"
                                 for r, val in enumerate(values))
             errors.append(f"{what} must be the same on every rank of the context-parallel group ({listing})")
     if strategy == "none" and world > 1:
@@ -212,4 +220,11 @@ def check_inputs(q, k, v, g, initial_state, *, group, strategy, layout, num_bloc
         errors.append(f"strategy 'a2a' splits heads over the group: H = {q.shape[2]} heads "
                       f"is not divisible by the group size {world}")
     if errors:
-        raise ValueError(f"{op}: invalid input:\n  " + "\n  ".join(errors))
+        raise ValueError(f"{name}: invalid input:\n  " + "\n  ".join(errors))
+
+
+def _knobs(value):
+    """A row's value as the message lists it (knobs: only those that differ matter, all are shown)."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in value.items())
+    return value

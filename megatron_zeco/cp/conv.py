@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from ..comm.halo import HaloPlan, halo_exchange, halo_plan
-from ..ops.conv import causal_conv1d
+from ..common.conv import causal_conv1d
 from .packed import Packing, _pieces
 from .plan import CPPlan
 

@@ -1,48 +1,59 @@
-"""A context-parallel plan: how a layer's sequence is split over its CP group and how states travel.
+"""A context-parallel plan: a :class:`~megatron_zeco.cp.config.CPConfig` resolved over a process group.
 
-One frozen :class:`CPPlan` holds what every call of a layer shares: the group, the strategy, the
-layout, the All-Scan's pipeline blocks, its transport, whether its sends run on a side stream, and
-which ranks share a node. :func:`cp_plan` resolves the defaults that need the group or the
-device (``transport="auto"``, ``overlap=None``): collective the first time per group,
-so every rank builds its plan at the same point. ``GatedLinearAttention`` builds one plan per
-layer; :func:`megatron_zeco.zeco_gla` builds one per call.
+One frozen :class:`CPPlan` holds what every call of a layer shares: the group, the config, the
+strategy (an object of :mod:`megatron_zeco.cp.strategies`), and the knobs that needed the group or
+the device resolved (the All-Scan's transport, its side stream). :meth:`CPConfig.plan` makes it,
+collectively the first time per group, so every rank builds its plan at the same point. A layer
+builds one plan at its first forward pass; an operator called alone builds one per call.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
-from ..comm import Layout, as_layout
+from ..comm import Layout
 from ..comm.functional import broadcast
-from ..comm.nodes import check_node_size
-from ..comm.peer import resolve_transport
+from ..comm.peer import DEVICE_TRANSPORTS, resolve_transport
+from .config import CPConfig
 
 
 @dataclass(frozen=True)
 class CPPlan:
-    """How one layer runs under context parallelism.
+    """How one layer runs under context parallelism, every knob resolved.
 
     Attributes:
         group: the CP process group, or None (one rank).
-        strategy: ``zeco``, ``lasp2``, ``lasp1``, ``a2a``; ``none`` on one rank.
-        layout: which pieces of the sequence each rank holds.
-        num_blocks: blocks of key rows the All-Scan pipelines (``zeco``).
-        transport: the All-Scan's resolved transport (``send_recv``, ``peer_memory`` or ``nvshmem``).
-        overlap: a side CUDA stream beside the local work (``zeco``, ``lasp2``).
-        node_size: ranks per node, or None: from the hosts or ``$MEGATRON_ZECO_NODE_SIZE``
-            (``comm.nodes``; looked up by the scan, which names a failure there).
+        config: the knobs as given (``config.strategy`` is ``none`` on one rank).
+        transport: the All-Scan's transport: ``send_recv``, ``peer_memory`` or ``nvshmem``.
+        overlap: whether a side CUDA stream runs beside the local work (``zeco``, ``lasp2``).
         name: names the caller in communication errors.
     """
 
     group: Optional[object]
-    strategy: str
-    layout: Layout
-    num_blocks: int = 1
+    config: CPConfig
     transport: str = "send_recv"
     overlap: bool = False
-    node_size: Optional[int] = None
-    name: str = "zeco_gla"
+    name: str = ""
+
+    @property
+    def strategy(self):
+        """The strategy object (:mod:`megatron_zeco.cp.strategies`) this plan runs."""
+        from .strategies import STRATEGIES
+
+        return STRATEGIES[self.config.strategy]
+
+    @property
+    def layout(self) -> Layout:
+        return self.config.layout
+
+    @property
+    def num_blocks(self) -> int:
+        return self.config.num_blocks
+
+    @property
+    def node_size(self) -> Optional[int]:
+        return self.config.node_size
 
     @property
     def world(self) -> int:
@@ -56,38 +67,51 @@ class CPPlan:
     def pieces_per_rank(self) -> int:
         return len(self.layout.pieces(0, self.world))
 
+    def piece_split(self, tokens: int, packed: bool) -> int:
+        """Sub-pieces per piece for a call with ``tokens`` per rank: the configured number, else 2 for zeco
+        on an unpacked contiguous split with an even count (a contiguous piece then runs as two batched
+        halves, the shape zigzag gives a rank anyway: more independent sequences for fla's sequential
+        state kernels), else 1. Packed batches run as segments already."""
+        if packed:
+            return 1
+        if self.config.piece_split is not None:
+            return self.config.piece_split
+        halves = (self.config.strategy == "zeco" and self.world > 1 and self.layout is Layout.CONTIGUOUS
+                  and self.config.rules.applies("piece_split") and tokens % 2 == 0)
+        return 2 if halves else 1
+
     def scan_kwargs(self) -> dict:
         """The keywords :func:`megatron_zeco.comm.all_scan` takes from the plan."""
         return dict(layout=self.layout, group=self.group, num_blocks=self.num_blocks, transport=self.transport,
                     node_size=self.node_size)
 
 
-def cp_plan(group, *, strategy: str = "zeco", layout: Union[str, Layout] = "contiguous", num_blocks: int = 1,
-            overlap: Optional[bool] = None, transport: str = "auto", node_size: Optional[int] = None,
-            like: Optional[torch.Tensor] = None, name: str = "zeco_gla") -> CPPlan:
-    """The plan of a layer over ``group`` (None or a group of one: no context parallelism).
-
-    ``transport="auto"`` and ``overlap=None`` are resolved for states like ``like`` (its device):
-    peer memory for CUDA states on one node, else send/recv; the side stream on for zeco over
-    peer memory. ``node_size``: ranks per node (None: from the hosts or
-    ``$MEGATRON_ZECO_NODE_SIZE``, looked up by the scan). Collective the first time per group
-    on CUDA.
-    """
-    layout = as_layout(layout)
+def resolve(config: CPConfig, group, like: Optional[torch.Tensor], name: str) -> CPPlan:
+    """:meth:`CPConfig.plan`: ``config`` over ``group`` (None or a group of one: no context parallelism)
+    for states like ``like``; ``transport="auto"`` by the operator's rules; ``overlap=None`` on for
+    zeco over a device transport."""
     world = 1 if group is None else group.size()
-    check_node_size(node_size)
     if world == 1:
-        return CPPlan(None, "none", layout, num_blocks, name=name)
-    if strategy == "zeco":
+        return CPPlan(None, _with_strategy(config, "none"), name=name)
+    transport = "send_recv"
+    if config.strategy == "zeco":
+        transport = config.transport
+        if transport == "auto" and config.rules.auto_transport == "send_recv":
+            transport = "send_recv"
         try:
             transport = resolve_transport(transport, group, like)
         except ValueError as e:  # named as the caller's, like every other input error
             raise ValueError(f"{name}: {e}") from None
-    else:
-        transport = "send_recv"
+    overlap = config.overlap
     if overlap is None:
-        overlap = strategy == "zeco" and transport in ("peer_memory", "nvshmem")
-    return CPPlan(group, strategy, layout, num_blocks, transport, bool(overlap), node_size, name)
+        overlap = config.strategy == "zeco" and transport in DEVICE_TRANSPORTS
+    return CPPlan(group, config, transport, bool(overlap), name)
+
+
+def _with_strategy(config: CPConfig, strategy: str) -> CPConfig:
+    from dataclasses import replace
+
+    return replace(config, strategy=strategy)
 
 
 def final_state_everywhere(plan: CPPlan, final: torch.Tensor) -> torch.Tensor:

@@ -1,51 +1,56 @@
 """Strategy ``lasp1``: the sequential ring of LASP-1.
 
-Each rank waits for the state entering its piece, runs its local GLA from it,
-and passes the final state on; backward walks back the same way. Exact, but the
-ranks work one after another: P times the latency of one piece.
+Each rank waits for the state entering its piece, runs its local op from it, and passes the final
+state on; backward walks back the same way. Exact, but the ranks work one after another: P times
+the latency of one piece.
 """
 
 import torch
 
 from ..comm import chain_scan
-from ..ops import gla_bwd, gla_fwd, state_dtype
+from ..common.chunked import state_dtype
 from .local import initial_state_grad
 
 
-class RingGLA(torch.autograd.Function):
+class RingOp(torch.autograd.Function):
+    """lasp1 over an operator's ``ring = (forward, backward)`` hooks (:class:`~megatron_zeco.cp.operator.Operator`):
+    ``forward(inputs, scale, h0) -> (o, final, saved)`` and ``backward(saved, do, dht) -> (*grads, dh0)``."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, scale, layout, group, output_final_state, name):
-        n = len(layout.pieces(0, group.size()))
-        qs, ks, vs, gs = (x.chunk(n, dim=1) for x in (q, k, v, g))
+    def forward(ctx, ring, plan, call, h0, *inputs):
+        forward, _ = ring
+        n = plan.pieces_per_rank
+        chunks = [x.chunk(n, dim=1) for x in inputs]
+        q, v = inputs[0], inputs[2]
         B, _, H, K = q.shape
         like = q.new_empty(B, H, K, v.shape[-1], dtype=state_dtype(q.dtype))
         ctx.h0_dtype = None if h0 is None else h0.dtype
         outs, ctx.saved = [None] * n, [None] * n
 
         def step(slot, rows, state):
-            outs[slot], final, ctx.saved[slot] = gla_fwd(qs[slot], ks[slot], vs[slot], gs[slot], scale, state, True)
+            outs[slot], final, ctx.saved[slot] = forward(tuple(c[slot] for c in chunks), call.scale, state)
             return final
 
         h0 = None if h0 is None else h0.to(like.dtype)
-        S_in, last = chain_scan(step, h0, like, layout=layout, group=group, what=f"{name}: lasp1 ring (forward)")
+        S_in, last = chain_scan(step, h0, like, layout=plan.layout, group=plan.group,
+                                what=f"{plan.name}: lasp1 ring (forward)")
         ctx.save_for_backward(*S_in)
-        ctx.n, ctx.layout, ctx.group, ctx.output_final_state, ctx.name = n, layout, group, output_final_state, name
+        ctx.ring, ctx.plan, ctx.call, ctx.n = ring, plan, call, n
         return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
 
     @staticmethod
     def backward(ctx, do, dht):
-        n = ctx.n
+        _, backward = ctx.ring
         S_in = ctx.saved_tensors
-        dos = do.chunk(n, dim=1)
-        grads = [None] * n
+        dos = do.chunk(ctx.n, dim=1)
+        grads = [None] * ctx.n
 
         def step(slot, rows, d_out):
-            *grads[slot], d_in = gla_bwd(ctx.saved[slot], dos[slot], d_out)
+            *grads[slot], d_in = backward(ctx.saved[slot], dos[slot], d_out)
             return d_in
 
-        init = dht.to(S_in[0].dtype) if ctx.output_final_state else None
-        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.layout, group=ctx.group, reverse=True,
-                            what=f"{ctx.name}: lasp1 ring (backward)")
-        dq, dk, dv, dg = (torch.cat(parts, dim=1) for parts in zip(*grads))
-        dh0 = initial_state_grad(ctx, dh0, S_in[0])
-        return dq, dk, dv, dg, dh0, None, None, None, None, None
+        init = dht.to(S_in[0].dtype) if ctx.call.output_final_state else None
+        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.plan.layout, group=ctx.plan.group, reverse=True,
+                            what=f"{ctx.plan.name}: lasp1 ring (backward)")
+        inputs = tuple(torch.cat(parts, dim=1) for parts in zip(*grads))
+        return (None, None, None, initial_state_grad(ctx, dh0, S_in[0], index=3), *inputs)

@@ -1,57 +1,46 @@
 """Strategies ``zeco`` and ``lasp2``: pass states, never activations.
 
 Forward, on each rank and for each piece it holds:
-  1. summary of the piece from a zero state: ``E`` and decay ``gamma``;
-  2. scan across ranks: ``S_in(p+1) = gamma_p * S_in(p) + E_p``;
-  3. local GLA started from ``S_in``: exactly the output of GLA over the whole sequence.
-Backward runs the same scan in reverse on ``dL/dS_in = A_p + gamma_p * D(p)``
-(``A_p`` from q, g and the output gradient only), then the local GLA backward
-from ``S_in`` with final-state gradient ``D(p)`` gives exact dq, dk, dv, dg.
+  1. summary of the piece from a zero state: ``E`` and the linear part of its map (GLA: a
+     decay ``gamma``; the gated delta rule: a K x K matrix ``M``, ``comm/transition.py``);
+  2. scan across ranks: ``S_in(p+1) = T_p S_in(p) + E_p``;
+  3. the local op started from ``S_in``: exactly the output over the whole sequence.
+Backward runs the same scan in reverse on ``dL/dS_in = A_p + T_p^T D(p)``
+(``A_p`` from the output gradient only), then the local backward from ``S_in`` with
+final-state gradient ``D(p)`` gives every input's exact gradient.
 
-A rank's pieces (two under zigzag) have equal lengths and run as one batch:
-one launch of each local operation per layer whatever the layout. With
-``piece_split`` s > 1 each piece runs as s consecutive sub-pieces in that batch,
-joined locally by the scan's own recurrence (their summaries fold into the
-piece's before the scan; the piece's incoming state, and in backward the
-outgoing state's gradient, unfold to the sub-pieces after it): exact, and on
-GPUs fla's sequential state kernels get s times more independent sequences. Packed
-sequences (``packed.Packing``) run as one varlen launch over the pieces' document
-segments instead, and the scan carries one chain per document where each
-document is split on its own.
+A rank's pieces (two under zigzag) have equal lengths and run as one batch: one launch of each
+local operation per layer whatever the layout. With ``piece_split`` s > 1 each piece runs as s
+consecutive sub-pieces in that batch, joined locally by the scan's own recurrence (their
+summaries fold into the piece's before the scan; the piece's incoming state, and in backward the
+outgoing state's gradient, unfold to the sub-pieces after it): exact, and on GPUs fla's
+sequential state kernels get s times more independent sequences. Packed sequences
+(``packed.Packing``) run as one varlen launch over the pieces' document segments instead, and
+the scan carries one chain per document where each document is split on its own.
 
-``zeco`` scans with the pipelined All-Scan (messages, or stores into peer memory on one
-node: ``comm/peer.py``); ``lasp2`` with an all-gather.
-
-The same steps serve the gated delta rule (``ops.gdn_piece``): its pieces map states by a
-dense matrix, ``S_out = M S_in + E``, and the backward scan runs through ``M^T``
-(``comm/transition.py``); ``piece_split`` stays 1 there.
+``zeco`` scans with the pipelined All-Scan (messages, or stores into peer memory on one node:
+``comm/peer.py``); ``lasp2`` with an all-gather.
 """
 
 import torch
 
 from ..comm import all_scan, gather_scan
 from ..comm.transition import transition_of
-from ..ops import gla_piece
 from .local import initial_state_grad
-
-
-def scan_gla(q, k, v, g, h0, scale, plan, output_final_state, packing=None, piece_split=1):
-    """GLA under ``zeco`` or ``lasp2`` (see the module docstring): ``(o, final state or zeros)``."""
-    return ScanOp.apply(gla_piece, h0, scale, plan, output_final_state, packing, piece_split, q, k, v, g)
 
 
 class ScanOp(torch.autograd.Function):
     """A scan strategy over the local pieces ``make_piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=)``
-    builds (``ops.gla_piece``, ``ops.gdn_piece``): the inputs are per-token tensors ``[B, T, H, ...]``,
-    q first and v third; the piece's ``transition`` is its map's linear part. Returns ``o`` and the
-    final state (zeros where the rank does not end the chain); gradients for ``h0`` and every input."""
+    builds (an operator's ``piece``): the inputs are per-token tensors ``[B, T, H, ...]``, q first and v
+    third; the piece's ``transition`` is its map's linear part. Returns ``o`` and the final state
+    (zeros where the rank does not end the chain); gradients for ``h0`` and every input."""
 
     @staticmethod
-    def forward(ctx, make_piece, h0, scale, plan, output_final_state, packing, piece_split, *inputs):
+    def forward(ctx, make_piece, plan, call, h0, *inputs):
         n = plan.pieces_per_rank
-        pieces = _Pieces(n, piece_split) if packing is None else packing
+        pieces = _Pieces(n, call.piece_split) if call.packing is None else call.packing
         q = inputs[0]
-        piece = make_piece(*(pieces.local(x) for x in inputs), scale, cu_seqlens=pieces.cu,
+        piece = make_piece(*(pieces.local(x) for x in inputs), call.scale, cu_seqlens=pieces.cu,
                            cu_seqlens_cpu=pieces.cu_cpu)
         E, gamma = pieces.summaries(piece.E, piece.transition)
         ctx.h0_dtype = None if h0 is None else h0.dtype
@@ -61,9 +50,8 @@ class ScanOp(torch.autograd.Function):
                         between=piece.before_output)
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
-        ctx.n, ctx.pieces, ctx.piece, ctx.output_final_state = n, pieces, piece, output_final_state
-        ctx.plan = plan
-        if last is None and output_final_state:  # zeco_gla broadcasts it from the rank that has it
+        ctx.n, ctx.pieces, ctx.piece, ctx.plan, ctx.call = n, pieces, piece, plan, call
+        if last is None and call.output_final_state:  # the caller broadcasts it from the rank that has it
             last = E.new_zeros(q.shape[0], *E.shape[1:])
         return o.reshape(*q.shape[:3], o.shape[-1]), last
 
@@ -71,15 +59,14 @@ class ScanOp(torch.autograd.Function):
     def backward(ctx, do, dht):
         n, pieces, piece, (gamma,) = ctx.n, ctx.pieces, ctx.piece, ctx.saved_tensors
         A = pieces.entering_grads(piece.entering_grad(pieces.local(do)))
-        dht = dht.to(A.dtype) if ctx.output_final_state else None
+        dht = dht.to(A.dtype) if ctx.call.output_final_state else None
         D = torch.empty_like(A)
         gamma_t = transition_of(gamma, A).transpose(gamma)  # dS_in = T^T dS_out + A
         Ds, dh0 = _scan(_slots(gamma_t, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
                         between=piece.before_grads)
         grads = piece.grads(pieces.final_grads(D))
         grads = [x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads]
-        dh0 = initial_state_grad(ctx, dh0, Ds[0], index=1)
-        return (None, dh0, None, None, None, None, None, *grads)
+        return (None, None, None, initial_state_grad(ctx, dh0, Ds[0], index=3), *grads)
 
 
 class _Pieces:
@@ -164,7 +151,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     scan. The current stream then waits for the side stream (no host synchronisation); what the
     side stream allocated is marked as used on the current one.
     """
-    use_all_scan = plan.strategy == "zeco"
+    use_all_scan = plan.config.strategy == "zeco"
     what = f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
            f"({'backward' if reverse else 'forward'})"
     side, device = None, delta[0].device

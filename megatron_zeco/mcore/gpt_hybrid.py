@@ -11,7 +11,7 @@ layer builds the GLA or the softmax TransformerLayer by its global layer number.
 
 Megatron-Core's own ``HybridModel`` (megatron-core >= 0.19) takes the pattern itself
 (``--hybrid-layer-pattern``, one layer per symbol, MLPs as layers of their own):
-see megatron_zeco.hybrid_model. Its GLA and softmax layers are :class:`HybridMixerLayer`.
+see megatron_zeco.mcore.hybrid_stack. Its GLA and softmax layers are :class:`HybridMixerLayer`.
 """
 
 from dataclasses import dataclass
@@ -23,9 +23,9 @@ from megatron.core.transformer.transformer_layer import (
 )
 from megatron.core.utils import get_pg_rank
 
+from ..comm import Layout, as_layout
 from .attention import AllGatherDotProductAttention
-from .comm import Layout, as_layout
-from .layer import check_packed_split, packed_arguments
+from .common import check_packed_split, packed_arguments
 
 GLA, ATTENTION = "G", "*"
 
@@ -66,7 +66,7 @@ class HybridMixerLayer(TransformerLayer):
     Megatron-Core splits them over CP in its zigzag order, and those of packed batches
     document by document, so under a contiguous layout, or for packed batches split as a
     whole sequence, with CP > 1 they are refused rather than applied at the wrong positions.
-    The layers of Megatron's ``HybridModel`` stack (``megatron_zeco.hybrid_model``) are of this
+    The layers of Megatron's ``HybridModel`` stack (``megatron_zeco.mcore.hybrid_stack``) are of this
     class, their kind fixed by the stack's slot.
     """
 

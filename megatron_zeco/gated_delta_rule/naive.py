@@ -1,55 +1,14 @@
-"""Gated linear attention and the gated delta rule, one token at a time: the obviously-right references.
+"""The gated delta rule one token at a time: the obviously-right reference.
 
-    GLA:               S_t = Diag(exp(g_t)) S_{t-1} + k_t v_t^T
-    gated delta rule:  S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
-    both:              o_t = scale * S_t^T q_t
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = scale * S_t^T q_t
 
-Every faster path in this package (chunked PyTorch, Triton, fla, and all the
-context-parallel strategies) is tested against these loops run in float64.
+Every faster path of the gated delta rule (chunked PyTorch, fla, and all the context-parallel
+strategies) is tested against this loop run in float64.
 """
 
 from typing import Optional, Tuple
 
 import torch
-
-
-def naive_recurrent_gla(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    scale: Optional[float] = None,
-    initial_state: Optional[torch.Tensor] = None,
-    output_final_state: bool = False,
-) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Step-by-step GLA recurrence (differentiable; slow; for tests).
-
-    Args:
-        q, k: ``[B, T, H, K]``.
-        v: ``[B, T, H, V]``.
-        g: ``[B, T, H, K]`` log forget gates (``g <= 0``).
-        scale: multiplies the output; defaults to ``K ** -0.5``.
-        initial_state: ``[B, H, K, V]`` state before the first token, or None for zeros.
-        output_final_state: also return the state after the last token.
-
-    Returns:
-        ``o`` of shape ``[B, T, H, V]`` in the dtype of ``q`` and the final state
-        ``[B, H, K, V]`` (or None). The recurrence runs in the dtype of the inputs:
-        pass float64 tensors to get the reference.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if scale is None:
-        scale = K ** -0.5
-    S = q.new_zeros(B, H, K, V)
-    if initial_state is not None:
-        S = S + initial_state.to(q.dtype)
-    outputs = []
-    for t in range(T):
-        S = g[:, t].exp().unsqueeze(-1) * S + k[:, t].unsqueeze(-1) * v[:, t].unsqueeze(-2)
-        outputs.append(scale * torch.einsum("bhk,bhkv->bhv", q[:, t], S))
-    o = torch.stack(outputs, dim=1) if outputs else v.new_zeros(B, 0, H, V)
-    return o, (S if output_final_state else None)
 
 
 def naive_recurrent_gated_delta_rule(

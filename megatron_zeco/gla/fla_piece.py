@@ -34,7 +34,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ..kernels.chunk_state import chunk_decays, chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
+from .kernels import chunk_decays, chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 
 Tensor = torch.Tensor
 

@@ -27,14 +27,14 @@ Every exponent is <= 0, and no decay that is 1 by construction depends on ``g`` 
 tiny, and two O(1) paths cancelling in it would leave rounding noise far above it. Computation runs
 in float64 for float64 inputs and in float32 otherwise; states are float32 or float64.
 Differentiable with torch.autograd. Packed input (``cu_seqlens``) runs as a zero-padded batch of
-segments, as in ``chunk.py`` (padding: ``beta = 0``, ``g = 0``, so the state passes unchanged).
+segments, as in ``gla/chunk.py`` (padding: ``beta = 0``, ``g = 0``, so the state passes unchanged).
 """
 
 from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from .chunk import _chunked, _Segments, state_dtype
+from ..common.chunked import Segments, chunked, state_dtype
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK_SIZE = 16
@@ -55,9 +55,9 @@ class _Chunks(NamedTuple):
 
 def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
     dt = state_dtype(k.dtype)
-    kc = _chunked(k.to(dt), chunk_size)
-    qc, vc = (None if x is None else _chunked(x.to(dt), chunk_size) for x in (q, v))
-    gc, bc = (_chunked(x.to(dt).unsqueeze(-1), chunk_size).squeeze(-1) for x in (g, beta))
+    kc = chunked(k.to(dt), chunk_size)
+    qc, vc = (None if x is None else chunked(x.to(dt), chunk_size) for x in (q, v))
+    gc, bc = (chunked(x.to(dt).unsqueeze(-1), chunk_size).squeeze(-1) for x in (g, beta))
     C = kc.shape[-2]
     G = gc.cumsum(-1)
     below = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
@@ -98,7 +98,7 @@ def chunk_gated_delta_rule(
         (``[N, H, K, V]``) in :func:`state_dtype`, or None.
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         o, ht = chunk_gated_delta_rule(*(segments.split(x) for x in (q, k, v, g, beta)), scale, initial_state,
                                        output_final_state, chunk_size)
         return segments.merge(o), ht
@@ -134,7 +134,7 @@ def chunk_gated_delta_rule_state(
         (``[N, ...]`` with ``cu_seqlens``).
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, k.shape[1], k.shape[0])
+        segments = Segments(cu_seqlens, k.shape[1], k.shape[0])
         return chunk_gated_delta_rule_state(*(segments.split(x) for x in (k, v, g, beta)), chunk_size)
     c = _chunk_terms(None, k, v, g, beta, chunk_size)
     K = k.shape[-1]
@@ -164,14 +164,14 @@ def chunk_gated_delta_rule_state_grad(
         ``[B, H, K, V]`` (``[N, H, K, V]``) in :func:`state_dtype`.
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         return chunk_gated_delta_rule_state_grad(*(segments.split(x) for x in (q, k, g, beta, do)), scale,
                                                  chunk_size)
     K = q.shape[-1]
     if scale is None:
         scale = K ** -0.5
     c = _chunk_terms(q, k, None, g, beta, chunk_size)
-    doc = _chunked(do.to(c.W.dtype), chunk_size)
+    doc = chunked(do.to(c.W.dtype), chunk_size)
     eye = torch.eye(c.decay.shape[-1], dtype=c.W.dtype, device=q.device)
     reads = c.q * c.G.exp().unsqueeze(-1) - ((c.q @ c.k.transpose(-1, -2)) * (c.decay + eye)) @ c.W  # [.., C, K]
     local = scale * reads.transpose(-1, -2) @ doc  # [B, H, N, K, V]

@@ -26,21 +26,15 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..comm import Layout
-from ..ops import gdn_local, gdn_piece, state_dtype
-from .a2a import head_all_to_all
-from .checks import check_inputs, packed_problems
-from .packed import Packing
-from .plan import CPPlan, cp_plan, final_state_everywhere
-from .scan import ScanOp
+from ..cp.operator import Arguments, Operator, call_operator, run_planned
+from ..cp.plan import CPPlan
+from .local import gdn_local_op, gdn_piece
 
-STRATEGIES = ("zeco", "lasp2", "a2a", "none")
-OP = "zeco_gated_delta_rule"
-
-
-def delta_rule_transport(transport: str) -> str:
-    """The All-Scan transport the gated delta rule uses for ``transport``: ``auto`` is ``send_recv``
-    (the dense hop kernel of the device transports is not timed on GPUs yet, so not the default)."""
-    return "send_recv" if transport == "auto" else transport
+# The gated delta rule's hooks into the context-parallel strategies (its rules: cp.config.RULES).
+GATED_DELTA_RULE = Operator(
+    key="gated_delta_rule", name="zeco_gated_delta_rule",
+    inputs=(("q", "BTHK"), ("k", "BTHK"), ("v", "BTHV"), ("g", "BTH"), ("beta", "BTH")),
+    local=gdn_local_op, piece=gdn_piece, float32=("g",))
 
 
 def zeco_gated_delta_rule(
@@ -61,7 +55,7 @@ def zeco_gated_delta_rule(
     num_blocks: int = 1,
     transport: str = "auto",
     validate: bool = True,
-    name: str = OP,
+    name: str = "zeco_gated_delta_rule",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The gated delta rule over a sequence split across the ranks of ``group``.
 
@@ -88,9 +82,9 @@ def zeco_gated_delta_rule(
             (``[N+1]`` offsets over the whole packed sequence; B = 1; no initial or final state).
         num_blocks: ``zeco`` only: blocks of value columns (a divisor of V) the All-Scan pipelines;
             a row of ``M S`` reads every row of ``S``, so the state is cut by columns.
-        transport: ``zeco`` only: ``send_recv`` (the group's point-to-point messages; what ``auto``
-            picks), ``peer_memory`` (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``:
-            the dense hop kernel, exact on the CPU, not yet timed on GPUs, hence not the default.
+        transport: ``zeco`` only: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
+            (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``: the dense hop kernel;
+            ``auto``: what ``cp.config.RULES["gated_delta_rule"]`` says.
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective).
         name: names the caller in communication errors.
@@ -99,43 +93,14 @@ def zeco_gated_delta_rule(
         ``o [B, T, H, V]`` in the input dtype, and the final state ``[B, H, K, V]`` in float32
         (float64 for float64 inputs) on every rank, or None.
     """
-    if validate:
-        check_inputs(q, k, v, g, initial_state, group=group, strategy=strategy, layout=layout, num_blocks=num_blocks,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, per_document=per_document,
-                     transport=transport, beta=beta, op=name)
-    if strategy not in STRATEGIES:
-        raise ValueError(f"{name}: unknown strategy {strategy!r}; expected one of {', '.join(STRATEGIES)}")
-    plan = cp_plan(group, strategy=strategy, layout=layout, num_blocks=num_blocks,
-                   transport=delta_rule_transport(transport), like=q, name=name)
-    return planned_gated_delta_rule(plan, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                    per_document=per_document, checked=validate)
+    args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
+    knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport)
+    return call_operator(GATED_DELTA_RULE, knobs, args, group, validate, name)
 
 
 def planned_gated_delta_rule(plan: CPPlan, q, k, v, g, beta, *, scale=None, initial_state=None,
                              output_final_state=False, cu_seqlens=None, per_document=False, checked=False):
-    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:func:`cp_plan`); the same
+    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:meth:`CPConfig.plan`); the same
     arguments and result."""
-    if not checked and (cu_seqlens is not None or per_document):
-        problems = packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, plan.strategy,
-                                   plan.world)
-        if problems:
-            raise ValueError(f"{plan.name}: invalid input: " + "; ".join(problems))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    packing = None if cu_seqlens is None else Packing.cached(cu_seqlens, plan.layout, plan.world, plan.rank,
-                                                             q.shape[1], per_document, q.device)
-    documents = () if packing is None else (packing.documents, packing.documents_cpu)
-
-    def local(q, k, v, g, beta, h0, *documents):
-        h0 = None if h0 is None else h0.to(state_dtype(q.dtype))
-        return gdn_local(q, k, v, g, beta, scale, h0, output_final_state, *documents)
-
-    if plan.world == 1:  # one rank: every strategy is the local op, nothing to pass
-        o, final = local(q, k, v, g, beta, initial_state, *documents)
-        return o, (final if output_final_state else None)
-    if plan.strategy == "a2a":
-        return head_all_to_all((q, k, v, g, beta), initial_state, plan.layout, plan.group, output_final_state,
-                               packing, local)
-    o, final = ScanOp.apply(gdn_piece, initial_state, scale, plan, output_final_state, packing, 1, q, k, v, g, beta)
-    return o, (final_state_everywhere(plan, final) if output_final_state else None)
+    args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
+    return run_planned(GATED_DELTA_RULE, plan, args, checked)

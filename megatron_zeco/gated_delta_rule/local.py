@@ -1,6 +1,6 @@
-"""The local gated-delta-rule operations the context-parallel strategies are built from.
+"""The gated delta rule on one device: the local operations the context-parallel strategies are built from.
 
-As ``backend.py`` for GLA:
+As ``gla/local.py`` for GLA:
 
 * ``gdn_local``: the gated delta rule over a piece from a given initial state, differentiable.
   On CUDA flash-linear-attention's ``chunk_gated_delta_rule`` (fla-core); elsewhere, and for
@@ -18,8 +18,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .backend import BACKEND_ENV, record, replay, _use_kernels
-from .delta_chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
+from ..common.backend import BACKEND_ENV, record, replay, uses_kernels
+from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 
 Tensor = torch.Tensor
 
@@ -38,11 +38,18 @@ def gdn_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     Returns:
         ``o [B, T, H, V]`` (input dtype) and the final state (or None).
     """
-    if _use_kernels(q.device, q.dtype):
+    if uses_kernels(q.device, q.dtype):
         varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return _fla_chunk_gated_delta_rule()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                              output_final_state=output_final_state, **varlen)
     return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+
+
+def gdn_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
+    """The operator's local op (``cp.operator.Operator.local``): the gated delta rule over ``inputs = (q, k,
+    v, g, beta)`` from ``h0``, its packed documents from ``call``; ``(o, final state or None)``."""
+    o, final = gdn_local(*inputs, call.scale, h0, call.output_final_state, *call.documents)
+    return o, (final if call.output_final_state else None)
 
 
 def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -61,9 +68,9 @@ def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
       state leaving the piece.
     """
-    if _use_kernels(q.device, q.dtype):
+    if uses_kernels(q.device, q.dtype):
         _fla_chunk_gated_delta_rule()  # the clear ImportError if fla is missing
-        from .fla_delta_piece import FlaDeltaPiece
+        from .fla_piece import FlaDeltaPiece
         return FlaDeltaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
     return _TorchDeltaPiece(q, k, v, g, beta, scale, cu_seqlens)
 
@@ -117,7 +124,7 @@ def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) ->
     """Raise ``ImportError`` now if Gated DeltaNet on ``device`` in ``dtype`` needs flash-linear-attention
     (its gated-delta-rule, causal-convolution and L2-norm kernels) and it cannot be imported: the
     layer calls this at model build, not at the first step."""
-    if _use_kernels(device, dtype):
-        from .conv import _fla_causal_conv1d, _fla_l2norm
+    if uses_kernels(device, dtype):
+        from ..common.conv import _fla_causal_conv1d, _fla_l2norm
 
         _fla_chunk_gated_delta_rule(), _fla_causal_conv1d(), _fla_l2norm()

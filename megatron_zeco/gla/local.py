@@ -1,4 +1,4 @@
-"""The local GLA operations the context-parallel strategies are built from.
+"""GLA on one device: the local operations the context-parallel strategies are built from.
 
 Each rank runs these on its own piece of the sequence; only states cross ranks.
 
@@ -19,55 +19,18 @@ one state each, in and out), and, as fla does, an optional host copy ``cu_seqlen
 fla builds its launch tables from it instead of reading the offsets back from the device
 (a copy that would wait for all queued GPU work).
 
-``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (slow on GPUs;
-the same numbers up to rounding).
+``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (``common/backend.py``).
 """
 
 import functools
-import os
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
+from ..common.backend import BACKEND_ENV, Saved, record, replay, uses_kernels, varlen
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 
 Tensor = torch.Tensor
-BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-class Saved(NamedTuple):
-    """What ``gla_bwd`` needs from ``gla_fwd`` (:func:`replay` from :func:`record`): the inputs as
-    autograd leaves (``inputs`` of them, then the initial state if any) and the outputs."""
-    leaves: Tuple[Tensor, ...]
-    o: Tensor
-    ht: Optional[Tensor]
-    inputs: int
-
-
-def record(fn, inputs: Tuple[Tensor, ...], initial_state: Optional[Tensor], **kw
-           ) -> Tuple[Tensor, Optional[Tensor], Saved]:
-    """``fn(*inputs, initial_state=..., **kw) -> (o, ht)`` run on autograd leaves of its inputs, keeping
-    ``fn``'s own autograd record for :func:`replay` (so a backward costs what ``fn``'s costs)."""
-    with torch.enable_grad():
-        leaves = tuple(x.detach().requires_grad_() for x in inputs)
-        if initial_state is not None:
-            leaves += (initial_state.detach().requires_grad_(),)
-        h0 = leaves[len(inputs)] if initial_state is not None else None
-        o, ht = fn(*leaves[:len(inputs)], initial_state=h0, **kw)
-    return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht, len(inputs))
-
-
-def replay(saved: Saved, do: Tensor, dht: Optional[Tensor]) -> Tuple[Tuple[Tensor, ...], Optional[Tensor]]:
-    """The gradients of :func:`record`'s inputs and of its initial state (None if it had none) from
-    the output gradient ``do`` and the final-state gradient ``dht`` (None: the final state is unused;
-    the forward must have output it otherwise)."""
-    outputs, grads = [saved.o], [do]
-    if dht is not None:
-        outputs.append(saved.ht)
-        grads.append(dht)
-    result = torch.autograd.grad(outputs, saved.leaves, grads)
-    return result[:saved.inputs], (result[saved.inputs] if len(result) > saved.inputs else None)
 
 
 def gla_fwd(
@@ -87,7 +50,7 @@ def gla_fwd(
         what :func:`gla_bwd` takes.
     """
     return record(_local_gla(q), (q, k, v, g), initial_state, scale=scale, output_final_state=output_final_state,
-                  **_varlen(q, cu_seqlens, cu_seqlens_cpu))
+                  **varlen(q, cu_seqlens, cu_seqlens_cpu))
 
 
 def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
@@ -118,7 +81,7 @@ def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqle
     * ``grads(D) -> (dq, dk, dv, dg)``: the inputs' gradients given ``D``, the gradient of the
       outgoing state ``S_out`` (the piece's total final-state gradient).
     """
-    if _use_kernels(q.device, q.dtype):
+    if uses_kernels(q.device, q.dtype):
         _fla_chunk_gla()  # the clear ImportError if fla is missing
         from .fla_piece import FlaPiece
         return FlaPiece(q, k, v, g, scale, cu_seqlens, cu_seqlens_cpu)
@@ -159,28 +122,12 @@ class _TorchPiece:
 def require_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
     """Raise ``ImportError`` now if GLA on ``device`` in ``dtype`` needs flash-linear-attention
     and it cannot be imported: the layer calls this at model build, not at the first step."""
-    if _use_kernels(device, dtype):
+    if uses_kernels(device, dtype):
         _fla_chunk_gla()
 
 
-def _use_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
-    """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
-    return (torch.device(device).type == "cuda" and dtype in _KERNEL_DTYPES
-            and os.environ.get(BACKEND_ENV, "auto") != "torch")
-
-
-def _varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:
-    """Packed-input keywords of the local GLA that serves ``x``: fla takes the host copy, the
-    PyTorch form reads the offsets on the host itself."""
-    if cu_seqlens is None:
-        return {}
-    if cu_seqlens_cpu is None or not _use_kernels(x.device, x.dtype):
-        return {"cu_seqlens": cu_seqlens}
-    return {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
-
-
 def _local_gla(x: Tensor):
-    return _fla_chunk_gla() if _use_kernels(x.device, x.dtype) else chunk_gla
+    return _fla_chunk_gla() if uses_kernels(x.device, x.dtype) else chunk_gla
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,3 +141,50 @@ def _fla_chunk_gla():
             "PyTorch reference forms on the GPU."
         ) from e
     return fla_chunk_gla
+
+
+class LocalGLA(torch.autograd.Function):
+    """GLA over this rank's tokens from ``h0`` (state dtype), differentiable; ``final`` is an empty
+    tensor when not requested.
+
+    Packed input (``call.documents``: offsets and their host copy; no initial or final state) runs
+    as a piece entered by zero states: fla's own ``chunk_gla`` reads the offsets back from the GPU
+    at every state kernel (a host synchronisation, and no CUDA graph), the piece's kernels take
+    them from the host copy.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, call):
+        ctx.piece = None
+        if call.packing is not None:
+            cu_seqlens, cu_seqlens_cpu = call.documents
+            ctx.piece = piece = gla_piece(q, k, v, g, call.scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+            return piece.output(torch.zeros_like(piece.E)), q.new_zeros(0)
+        o, ht, ctx.saved = gla_fwd(q, k, v, g, call.scale, h0, call.output_final_state)
+        ctx.output_final_state = call.output_final_state
+        return o, (q.new_zeros(0) if ht is None else ht)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        if ctx.piece is not None:
+            A = ctx.piece.entering_grad(do)
+            return (*ctx.piece.grads(torch.zeros_like(A)), None, None)
+        dq, dk, dv, dg, dh0 = gla_bwd(ctx.saved, do, dht if ctx.output_final_state else None)
+        return dq, dk, dv, dg, dh0, None
+
+
+def gla_local(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
+    """The operator's local op (``cp.operator.Operator.local``): GLA over ``inputs = (q, k, v, g)`` from
+    ``h0``; ``(o, final state or None)``."""
+    o, final = LocalGLA.apply(*inputs, h0, call)
+    return o, (final if call.output_final_state else None)
+
+
+def gla_ring_forward(inputs: Tuple[Tensor, ...], scale: float, h0: Optional[Tensor]):
+    """lasp1's step: the piece's output, final state and what :func:`gla_ring_backward` needs."""
+    return gla_fwd(*inputs, scale, h0, True)
+
+
+def gla_ring_backward(saved: Saved, do: Tensor, dht: Tensor):
+    """lasp1's step back: ``(dq, dk, dv, dg, dh0)``."""
+    return gla_bwd(saved, do, dht)

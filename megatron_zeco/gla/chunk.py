@@ -24,49 +24,10 @@ longest segment: this is the CPU and reference path).
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
+
+from ..common.chunked import Segments, chunked, state_dtype
 
 DEFAULT_CHUNK_SIZE = 32
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype in which states are accumulated and passed between ranks."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class _Segments:
-    """The segments of a packed ``[1, T, ...]`` sequence as a zero-padded batch ``[N, L, ...]`` and back."""
-
-    def __init__(self, cu_seqlens: torch.Tensor, T: int, batch: int):
-        cu = cu_seqlens.to(device="cpu", dtype=torch.long)
-        if batch != 1 or cu.dim() != 1 or len(cu) < 2 or cu[0] != 0 or cu[-1] != T or (cu.diff() < 0).any():
-            raise ValueError(f"cu_seqlens must be nondecreasing offsets from 0 to T = {T} over a batch of "
-                             f"one sequence, got {cu.tolist()} for batch size {batch}")
-        lengths = cu.diff()
-        pos = torch.arange(int(lengths.max()))
-        device = cu_seqlens.device
-        self.mask = (pos < lengths[:, None]).to(device)  # [N, L]
-        self.index = (cu[:-1, None] + pos).clamp(max=max(T - 1, 0)).to(device)
-        self.segment = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)  # [T]
-        self.offset = (torch.arange(T) - cu[:-1].repeat_interleave(lengths)).to(device)
-
-    def split(self, x: torch.Tensor) -> torch.Tensor:
-        """``[1, T, ...]`` -> ``[N, L, ...]``, zeros after each segment's end."""
-        mask = self.mask.view(*self.mask.shape, *(1,) * (x.dim() - 2))
-        return torch.where(mask, x[0][self.index], 0)
-
-    def merge(self, y: torch.Tensor) -> torch.Tensor:
-        """``[N, L, ...]`` -> ``[1, T, ...]``."""
-        return y[self.segment, self.offset].unsqueeze(0)
-
-
-def _chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """``[B, T, H, D]`` -> ``[B, H, N, C, D]``, zero-padded at the end of T."""
-    B, T, H, D = x.shape
-    pad = -T % chunk_size
-    if pad:
-        x = F.pad(x, (0, 0, 0, 0, 0, pad))
-    return x.view(B, (T + pad) // chunk_size, chunk_size, H, D).permute(0, 3, 1, 2, 4)
 
 
 def _chunk_summaries(kc, vc, graw):
@@ -119,7 +80,7 @@ def chunk_gla(
         ``[B, H, K, V]`` (``[N, H, K, V]``) in :func:`state_dtype` (or None).
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         o, ht = chunk_gla(*(segments.split(x) for x in (q, k, v, g)), scale, initial_state,
                           output_final_state, chunk_size)
         return segments.merge(o), ht
@@ -127,7 +88,7 @@ def chunk_gla(
     if scale is None:
         scale = K ** -0.5
     dt = state_dtype(q.dtype)
-    qc, kc, vc, graw = (_chunked(x.to(dt), chunk_size) for x in (q, k, v, g))
+    qc, kc, vc, graw = (chunked(x.to(dt), chunk_size) for x in (q, k, v, g))
     gc = graw.cumsum(-2)
     C = chunk_size
 
@@ -166,10 +127,10 @@ def chunk_gla_state(
         (``[N, ...]`` with ``cu_seqlens``).
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, k.shape[1], k.shape[0])
+        segments = Segments(cu_seqlens, k.shape[1], k.shape[0])
         return chunk_gla_state(*(segments.split(x) for x in (k, v, g)), chunk_size)
     dt = state_dtype(k.dtype)
-    kc, vc, graw = (_chunked(x.to(dt), chunk_size) for x in (k, v, g))
+    kc, vc, graw = (chunked(x.to(dt), chunk_size) for x in (k, v, g))
     E, g_last = _chunk_summaries(kc, vc, graw)
     _, S = _carry(E, g_last, torch.zeros_like(E[:, :, 0]))
     return S, g.to(dt).sum(1).exp()
@@ -193,7 +154,7 @@ def chunk_gla_state_grad(
         ``[B, H, K, V]`` (``[N, H, K, V]``) in :func:`state_dtype`.
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         return chunk_gla_state_grad(*(segments.split(x) for x in (q, g, do)), scale)
     if scale is None:
         scale = q.shape[-1] ** -0.5

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from .backend import BACKEND_ENV, _use_kernels
+from .backend import BACKEND_ENV, uses_kernels
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "silu", "swish")
@@ -46,7 +46,7 @@ def causal_conv1d(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None, acti
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"causal_conv1d: activation {activation!r} is not one of {ACTIVATIONS}")
-    if _use_kernels(x.device, x.dtype):
+    if uses_kernels(x.device, x.dtype):
         return _fla_conv1d(x, weight, bias, activation, initial_state, cu_seqlens)
     if cu_seqlens is None:
         return _dense(x, weight, bias, activation, initial_state)
@@ -79,7 +79,7 @@ def _fla_conv1d(x, weight, bias, activation, initial_state, cu_seqlens):
 def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     """``x / sqrt(sum(x^2) + eps)`` over the last dim, in float32 at least, returned in x's dtype: fla's
     ``l2norm`` (Megatron-Core's GatedDeltaNet normalises q and k with it), which runs it on CUDA."""
-    if _use_kernels(x.device, x.dtype):
+    if uses_kernels(x.device, x.dtype):
         return _fla_l2norm()(x.contiguous(), eps=eps)
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)

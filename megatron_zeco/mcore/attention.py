@@ -18,10 +18,10 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
-from .comm import as_layout
-from .comm.functional import all_gather
-from .cp.packed import Packing
-from .layer import check_packed_split, packed_arguments
+from ..comm import as_layout
+from ..comm.functional import all_gather
+from ..cp.packed import Packing
+from .common import check_packed_split, packed_arguments
 
 
 class AllGatherDotProductAttention(MegatronModule):
@@ -36,7 +36,7 @@ class AllGatherDotProductAttention(MegatronModule):
         pg_collection: Megatron's process groups (``cp`` used); ``parallel_state`` when absent.
         cp_layout: ``zigzag`` (Megatron's ``get_batch_on_this_cp_rank`` split) or ``contiguous``.
         cp_packed_split: how packed batches are split over CP, as the GLA layers' (``auto``,
-            ``document``, ``sequence``; see :class:`megatron_zeco.layer.GatedLinearAttention`).
+            ``document``, ``sequence``; see :class:`megatron_zeco.gla.layer.GatedLinearAttention`).
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",

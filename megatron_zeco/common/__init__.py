@@ -1,0 +1,2 @@
+"""Local pieces every operator shares: the choice of kernels or PyTorch forms (``backend.py``), chunking
+and packed segments of the PyTorch forms (``chunked.py``), the short causal convolution (``conv.py``)."""

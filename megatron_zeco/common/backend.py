@@ -1,0 +1,69 @@
+"""Which form runs an operator's local work, and the autograd record the local ops keep.
+
+On CUDA, for float32, bfloat16 and float16, the local work runs on GPU kernels (flash-linear-
+attention's and this package's Triton kernels); elsewhere, and for float64, on the chunked PyTorch
+forms (exact, slow on GPUs). ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms for every
+operator (the same numbers up to rounding).
+
+:func:`record` runs a differentiable function on autograd leaves of its inputs and keeps its own
+autograd record, so that :func:`replay` later costs what that function's backward costs.
+"""
+
+import os
+from typing import Callable, NamedTuple, Optional, Tuple, Union
+
+import torch
+
+Tensor = torch.Tensor
+BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def uses_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
+    """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
+    return (torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
+            and os.environ.get(BACKEND_ENV, "auto") != "torch")
+
+
+def varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:
+    """Packed-input keywords of the local op that serves ``x``: fla takes the host copy of the offsets
+    (its launch tables then need no read-back from the device), the PyTorch forms read them themselves."""
+    if cu_seqlens is None:
+        return {}
+    if cu_seqlens_cpu is None or not uses_kernels(x.device, x.dtype):
+        return {"cu_seqlens": cu_seqlens}
+    return {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
+
+
+class Saved(NamedTuple):
+    """What :func:`replay` needs from :func:`record`: the inputs as autograd leaves (``inputs`` of them,
+    then the initial state if any) and the outputs."""
+    leaves: Tuple[Tensor, ...]
+    o: Tensor
+    ht: Optional[Tensor]
+    inputs: int
+
+
+def record(fn: Callable, inputs: Tuple[Tensor, ...], initial_state: Optional[Tensor], **kw
+           ) -> Tuple[Tensor, Optional[Tensor], Saved]:
+    """``fn(*inputs, initial_state=..., **kw) -> (o, ht)`` run on autograd leaves of its inputs, keeping
+    ``fn``'s own autograd record for :func:`replay` (so a backward costs what ``fn``'s costs)."""
+    with torch.enable_grad():
+        leaves = tuple(x.detach().requires_grad_() for x in inputs)
+        if initial_state is not None:
+            leaves += (initial_state.detach().requires_grad_(),)
+        h0 = leaves[len(inputs)] if initial_state is not None else None
+        o, ht = fn(*leaves[:len(inputs)], initial_state=h0, **kw)
+    return o.detach(), (None if ht is None else ht.detach()), Saved(leaves, o, ht, len(inputs))
+
+
+def replay(saved: Saved, do: Tensor, dht: Optional[Tensor]) -> Tuple[Tuple[Tensor, ...], Optional[Tensor]]:
+    """The gradients of :func:`record`'s inputs and of its initial state (None if it had none) from
+    the output gradient ``do`` and the final-state gradient ``dht`` (None: the final state is unused;
+    the forward must have output it otherwise)."""
+    outputs, grads = [saved.o], [do]
+    if dht is not None:
+        outputs.append(saved.ht)
+        grads.append(dht)
+    result = torch.autograd.grad(outputs, saved.leaves, grads)
+    return result[:saved.inputs], (result[saved.inputs] if len(result) > saved.inputs else None)

@@ -1,0 +1,130 @@
+"""What an operator gives the context-parallel strategies, and one call through them.
+
+An operator (GLA, the gated delta rule, ...) is a folder of its own (``megatron_zeco/gla/``,
+``megatron_zeco/gated_delta_rule/``) that describes itself to the strategies with an
+:class:`Operator`: its per-token inputs and their shapes, its local op over a piece from a given
+state (strategies ``none`` and ``a2a``), its *piece* (``zeco`` and ``lasp2``: the summary of a piece
+before the scan, the output after it), and for ``lasp1`` its forward from a state and backward to
+one. Its context-parallel rules are its entry in :data:`megatron_zeco.cp.config.RULES`.
+
+:func:`call_operator` is what the public functions (``zeco_gla``, ``zeco_gated_delta_rule``) do:
+make the config from their keywords, check the inputs on every rank alike, plan, run.
+:func:`run_planned` is the same under a plan built beforehand (a layer's).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from .checks import check_inputs, local_call_problems
+from .config import CPConfig
+from .packed import Packing
+from .plan import CPPlan, final_state_everywhere
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Operator:
+    """An operator's hooks into the strategies (see the module docstring).
+
+    Attributes:
+        key: its entry in ``cp.config.RULES``.
+        name: its public function's name (errors name it).
+        inputs: per-token inputs in call order, each with its dims: ``BTHK`` (a key-sized vector
+            per token and head), ``BTHV`` (value-sized) or ``BTH`` (a scalar per token and head).
+        local: ``local(inputs, h0, call) -> (o, final or None)``: the op over this rank's tokens from
+            ``h0``, differentiable (``call.packing``: its documents, each from a zero state).
+        piece: ``piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=)``: a piece whose entering state
+            comes from a scan (``megatron_zeco.cp.scan``).
+        ring: ``(forward, backward)`` for ``lasp1``: ``forward(inputs, scale, h0) -> (o, final, saved)``,
+            ``backward(saved, do, dht) -> (*grads, dh0)``; None where the operator has no lasp1.
+        float32: inputs that may be float32 beside lower-precision others (log decays, as fla takes them).
+    """
+
+    key: str
+    name: str
+    inputs: Tuple[Tuple[str, str], ...]
+    local: Callable
+    piece: Callable
+    ring: Optional[Tuple[Callable, Callable]] = None
+    float32: Tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call's arguments as the strategies take them.
+
+    Attributes:
+        scale: the output scale.
+        output_final_state: whether the state after the last token is returned.
+        packing: this rank's packed documents (:class:`~megatron_zeco.cp.packed.Packing`), or None.
+        piece_split: sub-pieces per piece (``zeco``, ``lasp2``).
+    """
+
+    scale: float
+    output_final_state: bool = False
+    packing: Optional[Packing] = None
+    piece_split: int = 1
+
+    @property
+    def documents(self) -> tuple:
+        """The document offsets a local op over the whole packed sequence takes (device, host), or ()."""
+        return () if self.packing is None else (self.packing.documents, self.packing.documents_cpu)
+
+
+@dataclass
+class Arguments:
+    """A call of an operator as its user made it: the per-token tensors (``Operator.inputs`` order)
+    and the rest of the public function's arguments."""
+
+    tensors: Tuple[Tensor, ...]
+    initial_state: Optional[Tensor] = None
+    output_final_state: bool = False
+    cu_seqlens: Optional[Tensor] = None
+    per_document: bool = False
+    scale: Optional[float] = None
+    extra: dict = field(default_factory=dict)
+
+
+def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: bool = True,
+                  name: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
+    """The public operator function: ``knobs`` (the CP keywords) into a config, the inputs checked
+    (``validate``: on every rank alike, one small collective; else the local checks only), a plan over
+    ``group``, the call run. Returns ``(o, final state or None)``."""
+    name = name or op.name
+    try:
+        config, problems = CPConfig(operator=op.key, **knobs), []
+    except ValueError as e:
+        config, problems = None, [str(e)]
+    if validate:
+        check_inputs(op, config, problems, args, group, name)
+    elif problems:
+        raise ValueError(f"{name}: invalid input: " + "; ".join(problems))
+    plan = config.plan(group, like=args.tensors[0], name=name)
+    return run_planned(op, plan, args, checked=validate)
+
+
+def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = False
+                ) -> Tuple[Tensor, Optional[Tensor]]:
+    """One call under a plan built beforehand (:meth:`CPConfig.plan`, once per layer). ``checked``: the
+    inputs passed :func:`check_inputs` (else the cheap local checks of the call's shape run here)."""
+    q = args.tensors[0]
+    packed = args.cu_seqlens is not None
+    piece_split = plan.piece_split(q.shape[1], packed)
+    if not checked:
+        problems = local_call_problems(plan, args, piece_split)
+        if problems:
+            raise ValueError(f"{plan.name}: invalid input: " + "; ".join(problems))
+    scale = q.shape[-1] ** -0.5 if args.scale is None else args.scale
+    packing = None if not packed else Packing.cached(args.cu_seqlens, plan.layout, plan.world, plan.rank,
+                                                     q.shape[1], args.per_document, q.device)
+    call = Call(scale, args.output_final_state, packing, piece_split)
+    from .strategies import LOCAL
+
+    strategy = LOCAL if plan.world == 1 else plan.strategy
+    o, final = strategy.run(op, plan, call, args.tensors, args.initial_state)
+    if not args.output_final_state:
+        return o, None
+    return o, (final if plan.world == 1 or not strategy.passes_states else final_state_everywhere(plan, final))

@@ -1,0 +1,176 @@
+"""Megatron-Core glue every layer of this package shares.
+
+Packed batches (Megatron's THD ``packed_seq_params``) as the operators take them; the start-up
+checks a token mixer runs against Megatron's flags; a layer's context parallelism (``LayerCP``);
+the step check that hooks Megatron's gradient finalisation.
+"""
+
+from typing import Tuple
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from ..comm.peer import ScanTimeoutError, check_scans, claim_transport
+from ..cp.checks import check_inputs
+from ..cp.config import PACKED_SPLITS, CPConfig
+from ..cp.operator import Arguments
+from ..cp.plan import CPPlan
+
+
+class _ScansChecked:
+    """Megatron's gradient finalisation (``config.finalize_model_grads_func``), then a check of this
+    process's scans: a scan that gave up (its results NaN) raises ``ScanTimeoutError`` naming the
+    layer and the peer, also where Megatron's own check for NaN gradients raises first."""
+
+    def __init__(self, finalize):
+        self.finalize = finalize
+
+    def __call__(self, *args, **kwargs):
+        try:
+            result = self.finalize(*args, **kwargs)
+        except ScanTimeoutError:
+            raise
+        except Exception as e:  # Megatron found NaN: name the scan that caused it, if one did
+            check_scans_after(e)
+            raise
+        check_scans()
+        return result
+
+
+def check_scans_after(error: BaseException) -> None:
+    """Raise ``ScanTimeoutError`` from ``error`` if a scan of this process gave up (its NaN explain it)."""
+    try:
+        check_scans()
+    except ScanTimeoutError as timeout:
+        raise timeout from error
+
+
+def check_scans_when_gradients_finish(config) -> None:
+    """Check this process's scans (:func:`megatron_zeco.check_scans`) where Megatron-LM's training loop
+    finishes each step's gradients: it sets ``config.finalize_model_grads_func`` (``pretrain_gpt.py``,
+    ``pretrain_hybrid.py``) before the first forward pass, which calls this. (Every optimizer step
+    checks them too: ``comm.peer.install_step_check``.)"""
+    finalize = getattr(config, "finalize_model_grads_func", None)
+    if finalize is not None and not isinstance(finalize, _ScansChecked):
+        config.finalize_model_grads_func = _ScansChecked(finalize)
+
+
+def check_document_boundaries(packed_seq_params, who: str) -> None:
+    """ValueError if Megatron-LM gives document boundaries only as a dense attention mask
+    (``--reset-attention-mask`` without packed sequences), which a recurrent token mixer cannot use."""
+    if packed_seq_params is None and _megatron_lm_arg("reset_attention_mask"):
+        raise ValueError(f"{who}: --reset-attention-mask gives document boundaries only as a dense attention mask, "
+                         f"which a recurrent token mixer cannot use; pass them as cu_seqlens with "
+                         f"--dataloader-inter-document-masking (or --sft), or drop --reset-attention-mask")
+
+
+def check_packed_split(split: str, who: str) -> None:
+    """ValueError (naming ``who``) unless ``split`` is a ``cp_packed_split`` value."""
+    if split not in PACKED_SPLITS:
+        raise ValueError(f"{who}: cp_packed_split {split!r} is not one of {', '.join(PACKED_SPLITS)}")
+
+
+def packed_arguments(packed_seq_params, split: str, who: str) -> dict:
+    """``zeco_gla``'s ``cu_seqlens`` and ``per_document`` for Megatron's ``packed_seq_params`` (THD),
+    ``{}`` for an unpacked batch. ``split``: ``document``, ``sequence`` or ``auto`` (from
+    Megatron-LM's arguments: ``sequence`` with ``--dataloader-inter-document-masking`` unless
+    ``--sft``, else ``document``). ``who`` names the caller in errors."""
+    if packed_seq_params is None:
+        return {}
+    if packed_seq_params.qkv_format != "thd":
+        raise NotImplementedError(f"{who}: packed_seq_params.qkv_format {packed_seq_params.qkv_format!r} is not "
+                                  f"supported; only 'thd'")
+    if packed_seq_params.cp_group is not None:
+        raise NotImplementedError(f"{who}: hybrid context parallelism (a CP group per batch in packed_seq_params) "
+                                  f"is not supported; train without --hybrid-context-parallel")
+    padded = packed_seq_params.cu_seqlens_q_padded
+    cu_seqlens = packed_seq_params.cu_seqlens_q if padded is None else padded
+    if cu_seqlens is None:
+        raise ValueError(f"{who}: packed_seq_params (THD) carries no document offsets "
+                         f"(cu_seqlens_q / cu_seqlens_q_padded)")
+    if split == "auto":
+        split = "sequence" if _megatron_lm_arg("dataloader_inter_document_masking") and not _megatron_lm_arg("sft") \
+            else "document"
+    return dict(cu_seqlens=cu_seqlens, per_document=split == "document")
+
+
+def _megatron_lm_arg(name):
+    """A flag of Megatron-LM's parsed arguments (``pretrain_gpt.py``); False without them."""
+    try:
+        from megatron.training.global_vars import get_args
+        return bool(getattr(get_args(), name, False))
+    except (ImportError, AssertionError):  # megatron-core alone, or arguments not parsed
+        return False
+
+
+def check_low_precision(config, submodules, linears, who: str, te_spec: str) -> None:
+    """ValueError if --fp8-format / --fp4-format is set but some of ``linears`` (names in ``submodules``)
+    are Megatron-Core's own, which run their GEMMs in the parameters' dtype whatever the flag says."""
+    fmt, flag = (config.fp8, "--fp8-format") if config.fp8 else (config.fp4, "--fp4-format")
+    megatron_linears = (tensor_parallel.ColumnParallelLinear, tensor_parallel.RowParallelLinear)
+    local = [n for n in linears if _is_subclass(getattr(submodules, n), megatron_linears)]
+    if fmt and local:
+        raise ValueError(f"{who}: {flag} {fmt} runs GEMMs in low precision only in TransformerEngine "
+                         f"linears; {', '.join(local)} here are Megatron-Core's, which would ignore it. "
+                         f"Use --spec megatron_zeco.specs {te_spec}, or drop {flag}")
+
+
+def _is_subclass(spec, classes) -> bool:
+    module = spec.module if isinstance(spec, ModuleSpec) else spec
+    return isinstance(module, type) and issubclass(module, classes)
+
+
+# Through Megatron each CP rank gets --seq-length / --context-parallel-size tokens: what an input error at
+# a layer's first step usually means.
+SEQUENCE_HINT = ("(through Megatron, each context-parallel rank gets --seq-length / --context-parallel-size "
+                 "tokens: --seq-length must be a multiple of 2 x --context-parallel-size for the zigzag layout, of "
+                 "--context-parallel-size for the contiguous one, times cp_piece_split)")
+
+
+class LayerCP:
+    """A layer's context parallelism: its :class:`~megatron_zeco.cp.CPConfig`, checked when the layer is
+    built against the layer's heads and group sizes; its plan, made at the first forward pass (it
+    needs the device; collective), after the operator's input checks have run on every CP rank alike.
+
+    Args:
+        op: the operator (:class:`~megatron_zeco.cp.operator.Operator`).
+        config: the layer's CPConfig.
+        groups: ``(tp, cp)`` process groups.
+        heads: the layer's heads (all TP ranks') and the flag that sets them.
+        dims: ``(key dim, value dim)`` of a head.
+        who: names the layer in errors (``ZecoGatedDeltaNet (layer 3)``).
+        local_spec: the spec to suggest where a2a cannot split the heads.
+    """
+
+    def __init__(self, op, config: CPConfig, groups, heads: Tuple[int, str], dims, who: str, local_spec: str):
+        tp, cp = (g.size() for g in groups)
+        heads, flag = heads
+        self.op, self.config, self.group, self.who = op, config, groups[1], who
+        self.plan = None
+        if heads % tp:  # TransformerConfig checks its own tensor_model_parallel_size; this is the group's
+            raise ValueError(f"{who}: {flag} ({heads}) must be divisible by "
+                             f"--tensor-model-parallel-size ({tp}): each TP rank holds whole heads")
+        if config.strategy == "a2a" and cp > 1 and (heads // tp) % cp:
+            raise ValueError(f"{who}: the a2a strategy splits each TP rank's {heads // tp} heads over "
+                             f"--context-parallel-size ({cp}): make {flag} / --tensor-model-parallel-size a "
+                             f"multiple of --context-parallel-size, or use the zeco strategy "
+                             f"(--spec megatron_zeco.specs {local_spec})")
+        try:
+            config.check_dims(*dims)
+        except ValueError as e:
+            raise ValueError(f"{who}: {e}") from None
+        claim_transport(self, config.transport, who)
+
+    def planned(self, args: Arguments, megatron_config) -> CPPlan:
+        """The plan, made at the first call after the operator's cross-rank input checks (an error
+        names the Megatron flags behind it); the gradient finalisation of Megatron's training loop
+        then checks the scans (:func:`check_scans_when_gradients_finish`)."""
+        if self.plan is None:
+            group = self.group if self.group.size() > 1 else None
+            try:
+                check_inputs(self.op, self.config, [], args, group, self.who)
+            except ValueError as e:
+                raise ValueError(f"{e}\n  {SEQUENCE_HINT}") from None
+            self.plan = self.config.plan(group, like=args.tensors[0], name=self.who)
+            check_scans_when_gradients_finish(megatron_config)
+        return self.plan
