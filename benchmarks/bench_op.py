@@ -61,7 +61,7 @@ import torch.nn.functional as F
 
 from megatron_zeco import zeco_gated_delta_rule, zeco_gla
 from megatron_zeco.cost_model import BUILD
-from megatron_zeco.comm import Layout, all_scan, as_layout, gather_scan
+from megatron_zeco.comm import Layout, Route, all_scan, as_layout, gather_scan
 from megatron_zeco.comm.peer import PeerBuffers
 
 TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
@@ -303,12 +303,12 @@ def scan_cases(E, gamma, blocks, me, group):
             dist.recv(E, 0, group=group)
 
     cases = [(f"all_scan {transport} K={b}",
-              lambda b=b, t=transport: all_scan([gamma], [E], None, layout=layout, group=group, num_blocks=b,
-                                                transport=t))
+              lambda b=b, t=transport: all_scan([gamma], [E], None, Route(layout, group, b, t)))
              for transport in ("peer_memory", "send_recv") for b in blocks]
     return cases + [
-        ("all_scan peer_memory zigzag", lambda: all_scan([gamma, gamma], [E, E], None, layout=zigzag, group=group)),
-        ("gather_scan", lambda: gather_scan([gamma], [E], None, layout=layout, group=group)),
+        ("all_scan peer_memory zigzag",
+         lambda: all_scan([gamma, gamma], [E, E], None, Route(zigzag, group, transport="peer_memory"))),
+        ("gather_scan", lambda: gather_scan([gamma], [E], None, Route(layout, group))),
         ("nccl all_gather", lambda: dist.all_gather_into_tensor(gathered, E, group=group)),
         ("nccl send/recv hop", hop),
         ("memcpy into peer memory", lambda: peer.of(1).view(E.dtype).copy_(E.view(-1)) if me == 0 else None),

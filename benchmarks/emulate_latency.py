@@ -36,7 +36,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
 sys.path.insert(0, ROOT)
 
 from megatron_zeco import cost_model as cm  # noqa: E402
-from megatron_zeco.comm import Layout, all_scan, inject  # noqa: E402
+from megatron_zeco.comm import Layout, Route, all_scan, inject  # noqa: E402
 
 SHAPES = ("chain", "hierarchical")
 
@@ -59,8 +59,8 @@ def _worker(rank, world, store, cases, reps, results):
                 dist.barrier()
                 with inject.link_latency(alpha, node_size) as events:
                     start = time.monotonic()
-                    all_scan(gamma, delta, None, layout=layout, group=group, node_size=node_size, shape=shape,
-                             transport="send_recv", reverse=reverse)
+                    all_scan(gamma, delta, None, Route(layout, group, 1, "send_recv", node_size, shape),
+                             reverse=reverse)
                     end = time.monotonic()
                 spans = [None] * world
                 dist.all_gather_object(spans, (start, end, list(events) if rep == 0 else None))

@@ -179,7 +179,7 @@ def a2a_case(ops, x, world, backward):
     leaves = [x[n].detach().requires_grad_(backward) for n in NAMES]
 
     def local(q, k, v, g, beta, h0, *documents):  # cp/delta.py: planned_gated_delta_rule's local
-        return ops.gdn_local(q, k, v, g, beta, x["scale"], h0, False, *documents)
+        return ops.gdn_local((q, k, v, g, beta), x["scale"], h0, False, *documents)
 
     def run(mark=_unmarked):
         exchange, a2a.all_to_all = a2a.all_to_all, copy_all_to_all

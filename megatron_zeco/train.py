@@ -704,11 +704,12 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
         if exiting:
             break
     if rank0:
-        _summary(cfg, task, history, first, step, time.time() - start, saving, saved_at, log)
+        _summary(cfg, task, history, (first, step), time.time() - start, saving, saved_at, log)
     return history
 
 
-def _summary(cfg, task, history, first, last, elapsed, saving, saved_at, log):
+def _summary(cfg, task, history, steps, elapsed, saving, saved_at, log):
+    first, last = steps
     if not history:
         log(f"done: nothing to run (resumed after step {first - 1}, --steps {cfg.steps})")
         return

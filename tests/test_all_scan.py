@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_ranks
-from megatron_zeco.comm import Layout, all_scan, gather_scan
+from megatron_zeco.comm import Layout, Route, all_scan, gather_scan
 
 
 def _fold(gammas, deltas, init, order):
@@ -43,9 +43,8 @@ def _scan_worker(rank, world, seed, groups):
         deltas = [torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         init = torch.randn(2, 3, 4, 5, generator=gen, dtype=torch.float64) if with_init else None
         mine = layout.pieces(me, P)
-        kwargs = dict(layout=layout, group=group, reverse=reverse)
-        if impl.startswith("all_scan"):
-            kwargs.update(num_blocks=blocks, transport=impl.split()[1])
+        kwargs = dict(reverse=reverse)
+        route = Route(layout, group, blocks, impl.split()[1]) if impl.startswith("all_scan") else Route(layout, group)
         scan = all_scan if impl.startswith("all_scan") else gather_scan
         my_gammas, my_deltas = [gammas[p] for p in mine], [deltas[p] for p in mine]
         if n % 2:  # as ScanGLA calls it: the slots are strided views of one batch, written in place
@@ -57,7 +56,7 @@ def _scan_worker(rank, world, seed, groups):
         if impl.startswith("all_scan"):
             kwargs["while_waiting"] = lambda: seen.append(
                 [not o.isnan().any().item() for o in kwargs["out"]] if "out" in kwargs else None)
-        entering, last = scan(my_gammas, my_deltas, init, **kwargs)
+        entering, last = scan(my_gammas, my_deltas, init, route, **kwargs)
         if "out" in kwargs and not all(e is o for e, o in zip(entering, kwargs["out"])):
             failures.append(f"{impl}: the result is not out")
         if impl.startswith("all_scan"):
@@ -117,8 +116,8 @@ def _slow_receiver_worker(rank, world, seed, calls):
         slow = rank == 0 if layout is Layout.ZIGZAG and call % 2 == 0 else rank != call % world
         late = inject.scan_delays(0.05, seed=seed + call) if rank == (call + 1) % world else contextlib.nullcontext()
         with late:
-            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=layout,
-                                   group=group, num_blocks=1, transport="peer_memory",
+            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
+                                   Route(layout, group, transport="peer_memory"),
                                    while_waiting=(lambda: time.sleep(0.3)) if slow else None)
         want, _ = _fold(gammas, deltas, None, range(pieces))
         if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
@@ -144,8 +143,8 @@ def _varying_counts_worker(rank, world, seed, counts):
         deltas = [torch.randn(n, 4, 3, generator=gen, dtype=torch.float64) for _ in range(2 * world)]
         mine = Layout.ZIGZAG.pieces(rank, world)
         for reverse in (False, True):
-            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, layout=Layout.ZIGZAG,
-                                   group=group, num_blocks=2, reverse=reverse, transport="peer_memory")
+            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
+                                   Route(Layout.ZIGZAG, group, 2, "peer_memory"), reverse=reverse)
             order = range(2 * world - 1, -1, -1) if reverse else range(2 * world)
             want, _ = _fold(gammas, deltas, None, order)
             if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
@@ -162,15 +161,18 @@ def test_peer_memory_state_counts_change_between_calls(seed):
 
 
 def _bad_transport_worker(rank, world):
-    with pytest.raises(ValueError, match="unknown All-Scan transport 'nvlink'"):
-        all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,
-                 transport="nvlink")
+    from megatron_zeco.cp import CPConfig
+
+    with pytest.raises(ValueError, match="cp_transport 'nvlink' is not one of auto, send_recv, peer_memory, nvshmem"):
+        CPConfig(transport="nvlink")
+    with pytest.raises(ValueError, match="a scan's transport is one of send_recv, peer_memory, nvshmem"):
+        Route(Layout.CONTIGUOUS, dist.group.WORLD, transport="auto")
     with pytest.raises(ValueError, match="'nvshmem' needs CUDA tensors; use transport='send_recv'"):
-        all_scan([torch.rand(2)], [torch.rand(2, 3)], None, layout=Layout.CONTIGUOUS, group=dist.group.WORLD,
-                 transport="nvshmem")
+        CPConfig(transport="nvshmem").plan(dist.group.WORLD, like=torch.rand(2, 3))
     return True
 
 
 def test_unknown_transport_is_refused():
-    """An unknown transport, and NVSHMEM for CPU tensors, fail with the fix named."""
+    """An unknown transport, a scan's transport left unresolved, and NVSHMEM for CPU tensors fail with the
+    fix named."""
     assert all(run_ranks(_bad_transport_worker, 2))

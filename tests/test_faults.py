@@ -80,20 +80,20 @@ def _relay(rank, world, timeouts, transition):
     delivered, the error ``check_scans`` raised and how long the scan took."""
     import torch
 
-    from megatron_zeco.comm import Layout, all_scan
+    from megatron_zeco.comm import Layout, Route, all_scan
 
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
     shape = (1, 2, 4, 4) if transition == "dense" else (1, 2, 4)
     gamma, delta = [torch.rand(*shape, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
-    kw = dict(layout=Layout.CONTIGUOUS, group=group, transport="peer_memory", what=LAYER)
-    all_scan(gamma, delta, None, **kw)
+    route = Route(Layout.CONTIGUOUS, group, transport="peer_memory", what=LAYER)
+    all_scan(gamma, delta, None, route)
     dist.barrier(group=group)
     if rank == 0:  # stalls past rank 1's timeout; rank 2 must not wait out its own (longer) one
         time.sleep(timeouts[1] + 8)
         return None
     os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
     start = time.monotonic()
-    (s_in,), last = all_scan(gamma, delta, None, **kw)
+    (s_in,), last = all_scan(gamma, delta, None, route)
     elapsed = time.monotonic() - start
     try:
         check_scans()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
-from megatron_zeco.comm import all_scan
+from megatron_zeco.comm import Route, all_scan
 from megatron_zeco.gla import gla_piece
 from reference import problem, reference, rel_err
 
@@ -289,8 +289,8 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory"):
             with late:
                 entering, last = all_scan([gammas[p].cuda().float() for p in mine],
                                           [deltas[p].cuda().float() for p in mine],
-                                          None if init is None else init.cuda().float(), layout=layout, group=group,
-                                          num_blocks=blocks, reverse=reverse, transport=transport)
+                                          None if init is None else init.cuda().float(),
+                                          Route(layout, group, blocks, transport), reverse=reverse)
             results.append((gammas, deltas, init, entering, last))
         for call, (gammas, deltas, init, entering, last) in enumerate(results):
             x, want = (torch.zeros(N, K, V, dtype=torch.float64) if init is None else init), {}

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from distributed import RankPool, host_as_cuda, run_ranks
 from megatron_zeco import Layout, packed_positions, zeco_gla
 from megatron_zeco import cost_model as cm
-from megatron_zeco.comm import all_scan
+from megatron_zeco.comm import Route, all_scan
 from megatron_zeco.comm.all_scan import SHAPE_ENV, scan_shape
 from megatron_zeco.comm.nodes import NODE_SIZE_ENV
 from reference import problem, reference, rel_err
@@ -108,15 +108,15 @@ def _scan_cases(group, seed, node_sizes):
             init = torch.randn(2, 4, 3, generator=gen, dtype=torch.float64) if with_init else None
             mine = layout.pieces(me, P)
             my_gammas, my_deltas = [gammas[p] for p in mine], [deltas[p] for p in mine]
-            kwargs = dict(layout=layout, group=group, reverse=reverse, num_blocks=blocks, node_size=node_size,
-                          shape="hierarchical", transport="send_recv")
+            route = Route(layout, group, blocks, "send_recv", node_size, "hierarchical")
+            kwargs = dict(reverse=reverse)
             form = n % 3
             if form == 1:  # as ScanGLA calls it: slots are strided views of one batch, written in place
                 my_gammas, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_gammas, my_deltas))
                 kwargs["out"] = torch.full((2, len(mine), 4, 3), float("nan"), dtype=torch.float64).unbind(1)
             elif form == 2:  # dense but not contiguous (value-major) deltas
                 my_deltas = [d.transpose(-1, -2).contiguous().transpose(-1, -2) for d in my_deltas]
-            entering, last = all_scan(my_gammas, my_deltas, init, **kwargs)
+            entering, last = all_scan(my_gammas, my_deltas, init, route, **kwargs)
             order = range(pieces - 1, -1, -1) if reverse else range(pieces)
             want, want_last = _fold(gammas, deltas, init, order)
             errors = [rel_err(entering[s], want[p]) for s, p in enumerate(mine)]
@@ -232,27 +232,28 @@ def _shape_choices(group):
     out = {}
     for layout in Layout:
         for node_size in (1, 2, P):
-            out[layout.value, node_size, "auto"] = scan_shape("auto", layout, group, node_size, "send_recv", like)
+            out[layout.value, node_size, "auto"] = scan_shape(Route(layout, group, node_size=node_size), like)
         with _env(**{SHAPE_ENV: "chain"}):
-            out[layout.value, 2, "env chain"] = scan_shape("auto", layout, group, 2, "send_recv", like)
-            out[layout.value, 2, "forced over env"] = scan_shape("hierarchical", layout, group, 2, "send_recv", like)
+            out[layout.value, 2, "env chain"] = scan_shape(Route(layout, group, node_size=2), like)
+            out[layout.value, 2, "forced over env"] = scan_shape(Route(layout, group, node_size=2, shape="hierarchical"),
+                                                                 like)
         with _env(**{SHAPE_ENV: "hierarchical"}):
-            out[layout.value, P, "env hierarchical"] = scan_shape("auto", layout, group, P, "send_recv", like)
+            out[layout.value, P, "env hierarchical"] = scan_shape(Route(layout, group, node_size=P), like)
         with _env(**{NODE_SIZE_ENV: 2}):
-            out[layout.value, "env 2", "auto"] = scan_shape("auto", layout, group, None, "send_recv", like)
+            out[layout.value, "env 2", "auto"] = scan_shape(Route(layout, group), like)
     # what all_scan runs under auto (the scan itself is checked above)
     gamma, delta = [torch.rand(1, 2, 4, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
     with _counting_hierarchical() as calls:
-        all_scan(gamma, delta, None, layout=Layout.CONTIGUOUS, group=group, node_size=2)
+        all_scan(gamma, delta, None, Route(Layout.CONTIGUOUS, group, node_size=2))
         out["ran"] = len(calls)
     errors = {}
     for name, call in {
-        "bad shape": lambda: scan_shape("tree", Layout.CONTIGUOUS, group, 2, "send_recv", like),
+        "bad shape": lambda: scan_shape(Route(Layout.CONTIGUOUS, group, node_size=2, shape="tree"), like),
         "bad env shape": lambda: _with_env_shape("ring", group, like),
-        "hierarchical over peer memory": lambda: scan_shape("hierarchical", Layout.CONTIGUOUS, group, 2,
-                                                            "peer_memory", like),
-        "bad node size": lambda: all_scan(gamma, delta, None, layout=Layout.CONTIGUOUS, group=group, node_size=0,
-                                          shape="hierarchical"),
+        "hierarchical over peer memory": lambda: scan_shape(Route(Layout.CONTIGUOUS, group, 1, "peer_memory", 2,
+                                                                  "hierarchical"), like),
+        "bad node size": lambda: all_scan(gamma, delta, None, Route(Layout.CONTIGUOUS, group, node_size=0,
+                                                                    shape="hierarchical")),
         "bad env node size": lambda: _with_env_node_size("two", group, gamma, delta),
         "bad zeco_gla node size": lambda: zeco_gla(*(torch.zeros(1, 4, 2, 4) for _ in range(4)), group=group,
                                                     node_size=-1),
@@ -267,12 +268,12 @@ def _shape_choices(group):
 
 def _with_env_shape(value, group, like):
     with _env(**{SHAPE_ENV: value}):
-        return scan_shape("auto", Layout.CONTIGUOUS, group, 2, "send_recv", like)
+        return scan_shape(Route(Layout.CONTIGUOUS, group, node_size=2), like)
 
 
 def _with_env_node_size(value, group, gamma, delta):
     with _env(**{NODE_SIZE_ENV: value}):
-        return all_scan(gamma, delta, None, layout=Layout.CONTIGUOUS, group=group, shape="hierarchical")
+        return all_scan(gamma, delta, None, Route(Layout.CONTIGUOUS, group, shape="hierarchical"))
 
 
 @pytest.mark.parametrize("P", [4, 16])
@@ -387,14 +388,12 @@ def _latency_runs(group, seed, cases):
         gammas = [_decays((1, 2, 4), gen) for _ in range(pieces)]
         deltas = [torch.randn(1, 2, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         mine = layout.pieces(me, P)
-        kwargs = dict(layout=layout, group=group, node_size=node_size, shape=shape, num_blocks=blocks,
-                      transport="send_recv")
+        route = Route(layout, group, blocks, "send_recv", node_size, shape)
         for reverse in (False, True):  # each direction from a barrier, as the model times them apart
             dist.barrier(group=group)
             with inject.link_latency(ALPHA, node_size) as events:
                 start = time.monotonic()
-                got, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, reverse=reverse,
-                                  **kwargs)
+                got, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, route, reverse=reverse)
                 end = time.monotonic()
             want, _ = _fold(gammas, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
             exact = all(rel_err(got[s], want[p]) < TOL for s, p in enumerate(mine))

@@ -29,7 +29,7 @@ def test_local_ops_match_loop(seed, gate):
     x = problem(seed, B=2, T=45, H=2, K=8, V=4, gate=gate)
     ref = reference(x)
     scale = 8 ** -0.5
-    o, ht, saved = gla_fwd(x["q"], x["k"], x["v"], x["g"], scale, x["h0"], True)
+    o, ht, saved = gla_fwd((x["q"], x["k"], x["v"], x["g"]), scale, x["h0"], True)
     assert rel_err(o, ref["o"]) < TOL and rel_err(ht, ref["ht"]) < TOL
     dq, dk, dv, dg, dh0 = gla_bwd(saved, x["do"], x["dht"])
     for name, grad in zip(("q", "k", "v", "g", "h0"), (dq, dk, dv, dg, dh0)):
@@ -48,7 +48,7 @@ def test_local_ops_match_loop(seed, gate):
 def test_low_precision_inputs_keep_fp32_states(seed):
     x = problem(seed, B=1, T=40, H=2, K=16, V=16)
     q, k, v, g = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "g"))
-    o, ht, _ = gla_fwd(q, k, v, g, 0.25, x["h0"].float(), True)
+    o, ht, _ = gla_fwd((q, k, v, g), 0.25, x["h0"].float(), True)
     piece = gla_piece(q, k, v, g, 0.25)
     E, gamma = piece.E, piece.gamma
     assert o.dtype == torch.bfloat16 and ht.dtype == E.dtype == gamma.dtype == torch.float32
@@ -65,7 +65,7 @@ def test_packed_segments_match_each_alone(seed, gate):
     h0 = torch.randn(len(lengths), 2, 8, 4, dtype=torch.float64)
     dht = torch.randn_like(h0)
     scale = 8 ** -0.5
-    o, ht, saved = gla_fwd(x["q"], x["k"], x["v"], x["g"], scale, h0, True, cu_seqlens=cu)
+    o, ht, saved = gla_fwd((x["q"], x["k"], x["v"], x["g"]), scale, h0, True, cu_seqlens=cu)
     grads = gla_bwd(saved, x["do"], dht)
     piece = gla_piece(x["q"], x["k"], x["v"], x["g"], scale, cu_seqlens=cu)
     E, gamma = piece.E, piece.gamma

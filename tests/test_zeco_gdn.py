@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from distributed import RankPool
 from megatron_zeco import Layout, packed_positions, zeco_gated_delta_rule
-from megatron_zeco.comm import all_scan, gather_scan
+from megatron_zeco.comm import Route, all_scan, gather_scan
 from reference import delta_problem, reference, rel_err
 from test_packed import SPLITS, _documents
 
@@ -182,16 +182,16 @@ def _dense_scans(group, seed):
         mine = layout.pieces(me, P)
         dtype, tol = (torch.float32, 1e-5) if impl.endswith("dot") else (torch.float64, 1e-12)
         my_Ms, my_deltas = [Ms[p].to(dtype) for p in mine], [deltas[p].to(dtype) for p in mine]
-        kw = dict(layout=layout, group=group, reverse=reverse)
+        kw = dict(reverse=reverse)
         if impl == "gather":
-            entering, last = gather_scan(my_Ms, my_deltas, init, **kw)
+            entering, last = gather_scan(my_Ms, my_deltas, init, Route(layout, group), **kw)
         else:
             transport = "peer_memory" if "peer_memory" in impl else "send_recv"
             if n % 2 and transport == "peer_memory":  # as ScanOp calls it: slots are strided views of one batch
                 my_Ms, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_Ms, my_deltas))
                 kw["out"] = torch.full((2, len(mine), 3, k, v), float("nan"), dtype=dtype).unbind(1)
-            entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), num_blocks=blocks,
-                                      transport=transport, shape=impl.split()[0], node_size=2, **kw)
+            route = Route(layout, group, blocks, transport, 2, impl.split()[0])
+            entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), route, **kw)
             if "out" in kw and not all(e is o for e, o in zip(entering, kw["out"])):
                 failures.append(f"{impl}: the result is not out")
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)

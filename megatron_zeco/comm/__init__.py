@@ -1,7 +1,7 @@
 """Communication: sequence layouts over a CP group and the state scans (All-Scan, all-gather)."""
 
-from .all_scan import all_scan, chain_scan, gather_scan
+from .all_scan import Route, all_scan, chain_scan, gather_scan
 from .layout import Layout, as_layout
 from .peer import ScanTimeoutError, check_scans
 
-__all__ = ["Layout", "as_layout", "all_scan", "chain_scan", "gather_scan", "check_scans", "ScanTimeoutError"]
+__all__ = ["Layout", "Route", "as_layout", "all_scan", "chain_scan", "gather_scan", "check_scans", "ScanTimeoutError"]

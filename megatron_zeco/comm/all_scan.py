@@ -30,6 +30,7 @@ Both take the group explicitly and address peers through it (global ranks from
 """
 
 import os
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -40,27 +41,64 @@ from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
-from .peer import peer_all_scan, resolve_transport
+from .peer import DEVICE_TRANSPORTS, peer_all_scan
 from .transition import transition_of
 
 Tensor = torch.Tensor
+SHAPES = ("auto", "chain", "hierarchical")
+SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
+RESOLVED_TRANSPORTS = ("send_recv",) + DEVICE_TRANSPORTS
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a scan runs and how its states travel; every value resolved (a layer's comes from its
+    ``CPPlan``).
+
+    Attributes:
+        layout: which pieces each rank holds.
+        group: the process group the pieces are spread over.
+        num_blocks: blocks the state is sent in (a divisor of the state's rows, or of its columns for a
+            dense transition).
+        transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory`` (one-sided
+            stores into the peers' memory, one kernel per piece: ``peer.py``) or ``nvshmem``.
+        node_size: ranks per node, consecutive in group rank order (None: from the hosts, or
+            ``$MEGATRON_ZECO_NODE_SIZE``; ``comm.nodes``).
+        shape: ``chain`` (the pipelined chain through every piece), ``hierarchical`` (chains inside
+            nodes, a log-depth scan between them: ``hierarchical.py``; send/recv), or ``auto``:
+            ``$MEGATRON_ZECO_SCAN_SHAPE`` if set, else the one the cost model finds faster for this
+            group's nodes and transport (the chain on one node).
+        what: names the scan in errors (a failed or timed-out transfer raises naming it, the rank,
+            the peer and the piece).
+    """
+
+    layout: Layout
+    group: object
+    num_blocks: int = 1
+    transport: str = "send_recv"
+    node_size: Optional[int] = None
+    shape: str = "auto"
+    what: str = "All-Scan"
+
+    def __post_init__(self):
+        if self.transport not in RESOLVED_TRANSPORTS:
+            raise ValueError(f"{self.what}: a scan's transport is one of {', '.join(RESOLVED_TRANSPORTS)} (resolved "
+                             f"by the CP plan), got {self.transport!r}")
 
 
 def chain_scan(
     step: Callable[[int, slice, Tensor], Tensor],
     init: Optional[Tensor],
     like: Tensor,
+    route: Route,
     *,
-    layout: Layout,
-    group,
-    num_blocks: int = 1,
     reverse: bool = False,
-    what: str = "chain scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,
     block_dim: int = -2,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """Walk the pieces in order, passing a state from each to the next, block by block.
+    """Walk the pieces in order, passing a state from each to the next, block by block, over the
+    group's messages.
 
     Args:
         step: ``step(slot, block, x) -> y``: the state leaving local slot ``slot``
@@ -68,11 +106,9 @@ def chain_scan(
         init: the state entering the first piece (``[..., K, V]``), or None for
             zeros; read only on the rank holding that piece.
         like: a tensor with the state's shape, dtype and device.
-        layout, group: where the pieces live.
-        num_blocks: blocks sent separately (must divide the state's size along ``block_dim``).
+        route: where the pieces live, the blocks (which must divide the state's size along
+            ``block_dim``) and the scan's name in errors.
         reverse: walk from the last piece to the first.
-        what: names the operation in errors (a failed or timed-out transfer raises a
-            ``RuntimeError`` naming it, this rank, the peer and the piece).
         out: per local slot, a tensor to write the entering state into (views of one
             batch, say), or None.
         while_waiting: called once, with local work that needs no result of the scan: just
@@ -84,6 +120,7 @@ def chain_scan(
         The state entering each local slot (``out`` if given), and the state leaving the
         walk's last piece on the rank holding it (None elsewhere).
     """
+    layout, group, num_blocks, what = route.layout, route.group, route.num_blocks, route.what
     size = like.shape[block_dim]
     rows = [slice(b * size // num_blocks, (b + 1) * size // num_blocks) for b in range(num_blocks)]
     block_shape = list(like.shape)
@@ -144,15 +181,9 @@ def all_scan(
     gamma: Sequence[Tensor],
     delta: Sequence[Tensor],
     init: Optional[Tensor],
+    route: Route,
     *,
-    layout: Layout,
-    group,
-    num_blocks: int = 1,
     reverse: bool = False,
-    transport: str = "auto",
-    node_size: Optional[int] = None,
-    shape: str = "auto",
-    what: str = "All-Scan",
     out: Optional[Sequence[Tensor]] = None,
     while_waiting: Optional[Callable[[], None]] = None,
     aside=None,
@@ -164,37 +195,29 @@ def all_scan(
             (``transition.py``; blocks of columns; over the device transports always the chain).
         delta: per local slot, ``[..., K, V]``.
         init: state entering the first piece (last piece if ``reverse``) or None.
-        transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
-            (one-sided stores into the peers' memory, one kernel per piece: ``peer.py``)
-            or ``auto`` (peer memory for CUDA states on one node).
-        node_size: ranks per node, consecutive in group rank order (None: from the hosts, or
-            ``$MEGATRON_ZECO_NODE_SIZE``; ``comm.nodes``).
-        shape: ``chain`` (the pipelined chain through every piece), ``hierarchical`` (chains
-            inside nodes, a log-depth scan between them: ``hierarchical.py``; send/recv), or
-            ``auto``: ``$MEGATRON_ZECO_SCAN_SHAPE`` if set, else the one the cost model finds faster
-            for this group's nodes and transport (the chain on one node).
+        route: where the pieces live and how states travel (:class:`Route`: its transport, shape,
+            blocks and nodes).
+        reverse: walk from the last piece to the first.
         out: per local slot, where ``S_in`` goes (e.g. the slots' views of one batch, which
             the peer-memory kernel writes in place), or None.
         while_waiting: as :func:`chain_scan`: local work issued before this rank first waits
             for another rank (after what it sends at once), else after the scan.
-        aside: peer memory only: a CUDA stream on which what this rank sends at once runs while
-            ``while_waiting()`` runs on the current stream (which then waits for it), or None.
+        aside: the device transports only: a CUDA stream on which what this rank sends at once runs
+            while ``while_waiting()`` runs on the current stream (which then waits for it), or None.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
         chain on the rank that ends it.
     """
     kind = transition_of(gamma[0], delta[0])
-    transport = resolve_transport(transport, group, delta[0])
-    if scan_shape(shape, layout, group, node_size, transport, delta[0], what) == "hierarchical":
+    if scan_shape(route, delta[0]) == "hierarchical":
         if aside is not None:
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
-        return hierarchical_scan(gamma, delta, init, layout=layout, group=group, nodes=_nodes(group, node_size, what),
-                                 reverse=reverse, what=what, out=out, while_waiting=while_waiting)
-    if transport in ("peer_memory", "nvshmem"):
-        return peer_all_scan(gamma, delta, init, layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                             out=out, while_waiting=while_waiting, aside=aside, what=what,
-                             nvshmem=transport == "nvshmem")
+        return hierarchical_scan(gamma, delta, init, route, _nodes(route), reverse=reverse, out=out,
+                                 while_waiting=while_waiting)
+    if route.transport in DEVICE_TRANSPORTS:
+        return peer_all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=while_waiting,
+                             aside=aside)
     if aside is not None:
         raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports "
                          "('peer_memory', 'nvshmem') only")
@@ -202,37 +225,32 @@ def all_scan(
     def combine(slot: int, block: slice, x: Tensor) -> Tensor:
         return kind.combine(gamma[slot], delta[slot], x, block)
 
-    return chain_scan(combine, init, delta[0], layout=layout, group=group, num_blocks=num_blocks, reverse=reverse,
-                      what=what, out=out, while_waiting=while_waiting, block_dim=kind.block_dim)
+    return chain_scan(combine, init, delta[0], route, reverse=reverse, out=out, while_waiting=while_waiting,
+                      block_dim=kind.block_dim)
 
 
-SHAPES = ("auto", "chain", "hierarchical")
-SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
-
-
-def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], transport: str, like: Tensor,
-               what: str = "All-Scan") -> str:
-    """``chain`` or ``hierarchical``: the shape an All-Scan of states like ``like`` takes over ``group``
-    (see :func:`all_scan`). Looks up the group's nodes (collective the first time per group)
-    unless the shape is given."""
+def scan_shape(route: Route, like: Tensor) -> str:
+    """``chain`` or ``hierarchical``: the shape an All-Scan of states like ``like`` takes on ``route`` (see
+    :class:`Route`). Looks up the group's nodes (collective the first time per group) unless the
+    shape is given."""
+    shape = route.shape
     if shape == "auto":
         shape = os.environ.get(SHAPE_ENV) or "auto"
     if shape not in SHAPES:
         raise ValueError(f"unknown All-Scan shape {shape!r}; expected one of {', '.join(SHAPES)} "
                          f"(argument shape, or ${SHAPE_ENV})")
-    if shape == "hierarchical" and transport != "send_recv":
-        raise ValueError(f"All-Scan shape 'hierarchical' runs over transport 'send_recv', not {transport!r}")
+    if shape == "hierarchical" and route.transport != "send_recv":
+        raise ValueError(f"All-Scan shape 'hierarchical' runs over transport 'send_recv', not {route.transport!r}")
     if shape != "auto":
         return shape
-    world = group.size()
-    if world < 3 or transport != "send_recv":
+    if route.group.size() < 3 or route.transport != "send_recv":
         return "chain"
-    nodes = _nodes(group, node_size, what)
+    nodes = _nodes(route)
     if len(set(nodes)) == 1:
         return "chain"
     from ..cost_model import scan_choice  # standard library only
 
-    return scan_choice(layout.value, tuple(nodes), like.numel() * like.element_size(), transport)
+    return scan_choice(route.layout.value, tuple(nodes), like.numel() * like.element_size(), route.transport)
 
 
 def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:
@@ -243,24 +261,24 @@ def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:
     return len(pairs) - inter, inter
 
 
-def _nodes(group, node_size: Optional[int], what: str) -> Tuple[int, ...]:
-    with _naming_failures(what, "agreeing on which ranks of the group share a node"):
-        return group_nodes(group, node_size)
+def _nodes(route: Route) -> Tuple[int, ...]:
+    with _naming_failures(route.what, "agreeing on which ranks of the group share a node"):
+        return group_nodes(route.group, route.node_size)
 
 
 def gather_scan(
     gamma: Sequence[Tensor],
     delta: Sequence[Tensor],
     init: Optional[Tensor],
+    route: Route,
     *,
-    layout: Layout,
-    group,
     reverse: bool = False,
-    what: str = "all-gather scan",
     out: Optional[Sequence[Tensor]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """Same result as :func:`all_scan` (and ``out``) by one all-gather and a local fold (LASP-2; for
-    dense transitions, fla's all-gather of ``[h | M]``)."""
+    dense transitions, fla's all-gather of ``[h | M]``). Of ``route``, only the layout, the group and
+    the name count."""
+    layout, group, what = route.layout, route.group, route.what
     world, me = dist.get_world_size(group), dist.get_rank(group)
     n = layout.num_pieces(world)
     kind, V = transition_of(gamma[0], delta[0]), delta[0].shape[-1]

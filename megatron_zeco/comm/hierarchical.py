@@ -86,13 +86,13 @@ class Walk:
 
 
 def hierarchical_scan(
-    gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *, layout: Layout, group,
-    nodes: Sequence[int], reverse: bool = False, what: str = "All-Scan", out: Optional[Sequence[Tensor]] = None,
-    while_waiting: Optional[Callable[[], None]] = None,
+    gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route, nodes: Sequence[int], *,
+    reverse: bool = False, out: Optional[Sequence[Tensor]] = None, while_waiting: Optional[Callable[[], None]] = None,
 ) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape (module docstring), over the
-    group's point-to-point messages; the same arguments (``nodes``: the node of each group rank)
-    and result."""
+    group's point-to-point messages; the same arguments (``nodes``: the node of each group rank;
+    of ``route``, the layout, the group and the name) and result."""
+    layout, group, what = route.layout, route.group, route.what
     world, me = group.size(), group.rank()
     walk = Walk(layout, world, nodes, reverse)
     mine = [i for i, (rank, _) in enumerate(walk.owners) if rank == me]

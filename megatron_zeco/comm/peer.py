@@ -220,6 +220,23 @@ class _Launch(NamedTuple):
     peers: Tuple[Optional[int], Optional[int]]
 
 
+class _ChannelKey(NamedTuple):
+    """What a channel serves: scans over ``group`` and ``layout`` of up to ``N`` states ``[K, V]`` of
+    ``dtype`` on ``device``, in ``tiles`` tiles, over NVSHMEM or peer memory, of dense transitions or
+    diagonal ones."""
+
+    group: object
+    layout: Layout
+    N: int
+    K: int
+    V: int
+    dtype: torch.dtype
+    tiles: int
+    device: torch.device
+    nvshmem: bool
+    dense: bool
+
+
 class _Channel:
     """Peer buffers for scans of up to N states of one shape, in ``tiles`` tiles of rows each, over one
     group and layout.
@@ -243,7 +260,8 @@ class _Channel:
     2P - 1 pieces becomes two legs of P.
     """
 
-    def __init__(self, group, layout, N, K, V, dtype, tiles, device, nvshmem=False, dense=False):
+    def __init__(self, key: "_ChannelKey"):
+        group, layout, N, K, V, dtype, tiles, device, nvshmem, dense = key
         self.data = _aligned(N * K * (V + 1) * dtype.itemsize)
         self.decays = N * K * V  # elements into a receive buffer: a map's decays
         self.flags = _aligned(N * tiles * _FLAG_BYTES)
@@ -315,7 +333,7 @@ def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
     return strides.pop() if len(strides) == 1 else (0 if not strides else None)
 
 
-_CHANNELS: Dict[tuple, _Channel] = {}
+_CHANNELS: Dict[_ChannelKey, _Channel] = {}
 TIMEOUT_ENV = "MEGATRON_ZECO_SCAN_TIMEOUT"
 _DEFAULT_TIMEOUT = 600.0  # seconds, where the group's own timeout cannot be read
 
@@ -451,16 +469,18 @@ def install_step_check() -> None:
         _STEP_CHECK = register_optimizer_step_pre_hook(_check_before_step)
 
 
-def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], *,
-                  layout, group, num_blocks: int, reverse: bool, out: Optional[Sequence[Tensor]] = None,
-                  while_waiting: Optional[Callable[[], None]] = None, aside=None, what: str = "All-Scan",
-                  nvshmem: bool = False) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """:func:`all_scan` over peer memory (same arguments and result). ``aside``: a CUDA stream for the
+def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route, *,
+                  reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
+                  while_waiting: Optional[Callable[[], None]] = None,
+                  aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """:func:`all_scan` over a device transport (same arguments and result). ``aside``: a CUDA stream for the
     launches before the rank's first wait for a peer (sends that need nothing), which then run while
     ``while_waiting()`` runs on the current stream; the current stream waits for them after.
-    ``what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. ``nvshmem``: the
-    same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or another)
-    instead of stores into the peers' mapped memory."""
+    ``route.what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. Over
+    ``nvshmem``, the same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or
+    another) instead of stores into the peers' mapped memory."""
+    layout, group, num_blocks, what = route.layout, route.group, route.num_blocks, route.what
+    nvshmem = route.transport == "nvshmem"
     from ..kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
 
     like = delta[0]
@@ -477,12 +497,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     # Dense transitions: blocks and tiles of columns instead (a row of M S reads every row of S).
     rows = (V if dense else K) // num_blocks
     tiles = num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
-    key = (group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
+    key = _ChannelKey(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
     ch = _CHANNELS.get(key)
     if ch is None:
         with naming_failures(what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
-            ch = _CHANNELS[key] = _Channel(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem,
-                                           dense)
+            ch = _CHANNELS[key] = _Channel(key)
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
     # (ScanGLA's slot views of its batches); otherwise through contiguous copies.

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..comm import Layout
 from ..comm.peer import TRANSPORT_ENV
+from .strategies import STRATEGIES
 
 # What the local ops run (fla's kernels on CUDA, the PyTorch forms elsewhere and for float64). float8
 # and complex dtypes are not: the ops have no fp8 path (with --fp8-format only the layers' linears use it).
@@ -113,8 +114,10 @@ def _short(values, limit=12):
     return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ...] ({len(values)})"
 
 
-def packed_problems(q, cu_seqlens, per_document, initial_state, output_final_state, strategy, world) -> List[str]:
-    """This rank's problems with the packed-sequence arguments (not the offsets' values)."""
+def packed_problems(args, strategy: Optional[str], world: int) -> List[str]:
+    """This rank's problems with the packed-sequence arguments of a call (``args``: its
+    :class:`~megatron_zeco.cp.operator.Arguments`; not the offsets' values) under ``strategy``."""
+    q, cu_seqlens, per_document = args.tensors[0], args.cu_seqlens, args.per_document
     if cu_seqlens is None:
         return ["per_document applies to packed sequences: pass cu_seqlens"] if per_document else []
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.is_floating_point() \
@@ -125,11 +128,12 @@ def packed_problems(q, cu_seqlens, per_document, initial_state, output_final_sta
     problems = []
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] != 1:
         problems.append(f"packed sequences (cu_seqlens) have batch size 1, got B = {q.shape[0]}")
-    if initial_state is not None or output_final_state:
+    if args.initial_state is not None or args.output_final_state:
         problems.append("packed sequences (cu_seqlens) start every document from a zero state: "
                         "initial_state and output_final_state are not supported with them")
-    if strategy == "lasp1" and world > 1:
-        problems.append("strategy 'lasp1' does not support packed sequences (cu_seqlens); use zeco, lasp2 or a2a")
+    if strategy is not None and not STRATEGIES[strategy].packed and world > 1:
+        problems.append(f"strategy {strategy!r} does not support packed sequences (cu_seqlens); use "
+                        f"{', '.join(s.name for s in STRATEGIES.values() if s.packed and s.name != 'none')}")
     return problems
 
 
@@ -160,9 +164,8 @@ def local_call_problems(plan, args, piece_split: int) -> List[str]:
     if args.cu_seqlens is None and not args.per_document and piece_split == 1:
         return []
     q = args.tensors[0]
-    problems = packed_problems(q, args.cu_seqlens, args.per_document, args.initial_state, args.output_final_state,
-                               plan.config.strategy, plan.world)
-    return problems + split_problems(q, piece_split, args.cu_seqlens, plan.pieces_per_rank)
+    return packed_problems(args, plan.config.strategy, plan.world) + \
+        split_problems(q, piece_split, args.cu_seqlens, plan.pieces_per_rank)
 
 
 def check_inputs(op, config, config_problems: List[str], args, group, name: str) -> None:
@@ -179,8 +182,7 @@ def check_inputs(op, config, config_problems: List[str], args, group, name: str)
     pieces = len(layout.pieces(0, world))
     piece_split = None if config is None else config.piece_split
     problems += split_problems(q, piece_split, args.cu_seqlens, pieces)
-    packed = packed_problems(q, args.cu_seqlens, args.per_document, args.initial_state, args.output_final_state,
-                             strategy, world)
+    packed = packed_problems(args, strategy, world)
     cu = None
     if args.cu_seqlens is not None and not packed:
         cu = [int(c) for c in args.cu_seqlens.tolist()]
@@ -216,8 +218,8 @@ def check_inputs(op, config, config_problems: List[str], args, group, name: str)
     if strategy == "none" and world > 1:
         errors.append(f"strategy 'none' runs on one rank, but the group has {world}; "
                       "pick a context-parallel strategy or pass group=None")
-    if strategy == "a2a" and not errors and q.shape[2] % world:
-        errors.append(f"strategy 'a2a' splits heads over the group: H = {q.shape[2]} heads "
+    if strategy is not None and STRATEGIES[strategy].splits_heads and not errors and q.shape[2] % world:
+        errors.append(f"strategy {strategy!r} splits heads over the group: H = {q.shape[2]} heads "
                       f"is not divisible by the group size {world}")
     if errors:
         raise ValueError(f"{name}: invalid input:\n  " + "\n  ".join(errors))

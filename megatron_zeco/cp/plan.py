@@ -7,15 +7,15 @@ collectively the first time per group, so every rank builds its plan at the same
 builds one plan at its first forward pass; an operator called alone builds one per call.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from ..comm import Layout
+from ..comm.all_scan import Route
 from ..comm.functional import broadcast
 from ..comm.peer import DEVICE_TRANSPORTS, resolve_transport
-from .config import CPConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class CPPlan:
     """
 
     group: Optional[object]
-    config: CPConfig
+    config: "CPConfig"  # noqa: F821  (cp.config imports this module; the annotation is for readers)
     transport: str = "send_recv"
     overlap: bool = False
     name: str = ""
@@ -76,25 +76,27 @@ class CPPlan:
             return 1
         if self.config.piece_split is not None:
             return self.config.piece_split
-        halves = (self.config.strategy == "zeco" and self.world > 1 and self.layout is Layout.CONTIGUOUS
+        halves = (self.strategy.all_scan and self.world > 1 and self.layout is Layout.CONTIGUOUS
                   and self.config.rules.applies("piece_split") and tokens % 2 == 0)
         return 2 if halves else 1
 
-    def scan_kwargs(self) -> dict:
-        """The keywords :func:`megatron_zeco.comm.all_scan` takes from the plan."""
-        return dict(layout=self.layout, group=self.group, num_blocks=self.num_blocks, transport=self.transport,
-                    node_size=self.node_size)
+    def route(self, what: str) -> Route:
+        """The route of this plan's scans (:class:`~megatron_zeco.comm.all_scan.Route`), ``what`` naming one."""
+        return Route(self.layout, self.group, self.num_blocks, self.transport, self.node_size, what=what)
 
 
-def resolve(config: CPConfig, group, like: Optional[torch.Tensor], name: str) -> CPPlan:
+def resolve(config: "CPConfig", group, like: Optional[torch.Tensor], name: str) -> CPPlan:
     """:meth:`CPConfig.plan`: ``config`` over ``group`` (None or a group of one: no context parallelism)
     for states like ``like``; ``transport="auto"`` by the operator's rules; ``overlap=None`` on for
     zeco over a device transport."""
     world = 1 if group is None else group.size()
     if world == 1:
         return CPPlan(None, _with_strategy(config, "none"), name=name)
+    from .strategies import STRATEGIES
+
+    all_scan = STRATEGIES[config.strategy].all_scan
     transport = "send_recv"
-    if config.strategy == "zeco":
+    if all_scan:
         transport = config.transport
         if transport == "auto" and config.rules.auto_transport == "send_recv":
             transport = "send_recv"
@@ -104,13 +106,11 @@ def resolve(config: CPConfig, group, like: Optional[torch.Tensor], name: str) ->
             raise ValueError(f"{name}: {e}") from None
     overlap = config.overlap
     if overlap is None:
-        overlap = config.strategy == "zeco" and transport in DEVICE_TRANSPORTS
+        overlap = all_scan and transport in DEVICE_TRANSPORTS
     return CPPlan(group, config, transport, bool(overlap), name)
 
 
-def _with_strategy(config: CPConfig, strategy: str) -> CPConfig:
-    from dataclasses import replace
-
+def _with_strategy(config, strategy: str):
     return replace(config, strategy=strategy)
 
 

@@ -32,8 +32,7 @@ class RingOp(torch.autograd.Function):
             return final
 
         h0 = None if h0 is None else h0.to(like.dtype)
-        S_in, last = chain_scan(step, h0, like, layout=plan.layout, group=plan.group,
-                                what=f"{plan.name}: lasp1 ring (forward)")
+        S_in, last = chain_scan(step, h0, like, plan.route(f"{plan.name}: lasp1 ring (forward)"))
         ctx.save_for_backward(*S_in)
         ctx.ring, ctx.plan, ctx.call, ctx.n = ring, plan, call, n
         return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
@@ -50,7 +49,7 @@ class RingOp(torch.autograd.Function):
             return d_in
 
         init = dht.to(S_in[0].dtype) if ctx.call.output_final_state else None
-        _, dh0 = chain_scan(step, init, S_in[0], layout=ctx.plan.layout, group=ctx.plan.group, reverse=True,
-                            what=f"{ctx.plan.name}: lasp1 ring (backward)")
+        _, dh0 = chain_scan(step, init, S_in[0], ctx.plan.route(f"{ctx.plan.name}: lasp1 ring (backward)"),
+                            reverse=True)
         inputs = tuple(torch.cat(parts, dim=1) for parts in zip(*grads))
         return (None, None, None, initial_state_grad(ctx, dh0, S_in[0], index=3), *inputs)

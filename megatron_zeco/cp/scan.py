@@ -25,6 +25,7 @@ the scan carries one chain per document where each document is split on its own.
 import torch
 
 from ..comm import all_scan, gather_scan
+from ..comm.peer import DEVICE_TRANSPORTS
 from ..comm.transition import transition_of
 from .local import initial_state_grad
 
@@ -151,28 +152,25 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     scan. The current stream then waits for the side stream (no host synchronisation); what the
     side stream allocated is marked as used on the current one.
     """
-    use_all_scan = plan.config.strategy == "zeco"
-    what = f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} " \
-           f"({'backward' if reverse else 'forward'})"
+    use_all_scan = plan.strategy.all_scan
+    route = plan.route(f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} "
+                       f"({'backward' if reverse else 'forward'})")
     side, device = None, delta[0].device
     if plan.overlap and delta[0].is_cuda:
         if device not in _SIDE_STREAMS:
             _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side = _SIDE_STREAMS[device]
-    kw = dict(layout=plan.layout, group=plan.group, reverse=reverse, what=what, out=out)
-    if use_all_scan:
-        kw.update(num_blocks=plan.num_blocks, transport=plan.transport, node_size=plan.node_size)
-        if side is None or plan.transport in ("peer_memory", "nvshmem"):
-            return all_scan(gamma, delta, init, **kw, while_waiting=between, aside=side)
+    if use_all_scan and (side is None or plan.transport in DEVICE_TRANSPORTS):
+        return all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan
     if side is None:  # the all-gather scan
-        result = scan(gamma, delta, init, **kw)
+        result = scan(gamma, delta, init, route, reverse=reverse, out=out)
         between()
         return result
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        states, last = scan(gamma, delta, init, **kw)
+        states, last = scan(gamma, delta, init, route, reverse=reverse, out=out)
     between()
     main.wait_stream(side)
     for t in (*states, last):

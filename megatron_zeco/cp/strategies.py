@@ -33,10 +33,17 @@ class Strategy:
     Attributes:
         name: the ``strategy`` knob's value.
         passes_states: the final state comes back only on the rank holding the last piece (scan, ring).
+        all_scan: its states travel by All-Scan (the ``transport``, ``num_blocks`` and ``node_size``
+            knobs apply; a contiguous piece runs as two batched halves unless ``piece_split`` says).
+        packed: it runs packed documents (``cu_seqlens``).
+        splits_heads: it splits the heads over the group (their count must divide).
     """
 
     name = ""
     passes_states = False
+    all_scan = False
+    packed = True
+    splits_heads = False
 
     def run(self, op, plan, call, inputs: Tuple[Tensor, ...], h0: Optional[Tensor]):
         """``(o, final)`` of ``op`` over this rank's ``inputs`` (``final``: where ``passes_states``, the
@@ -64,6 +71,7 @@ class Scan(Strategy):
 
     def __init__(self, name: str):
         self.name = name
+        self.all_scan = name == "zeco"
 
     def run(self, op, plan, call, inputs, h0):
         return ScanOp.apply(op.piece, plan, call, h0, *inputs)
@@ -74,6 +82,7 @@ class Ring(Strategy):
 
     name = "lasp1"
     passes_states = True
+    packed = False
 
     def run(self, op, plan, call, inputs, h0):
         return RingOp.apply(op.ring, plan, call, h0, *inputs)
@@ -83,6 +92,7 @@ class HeadAllToAll(Strategy):
     """``a2a``: trade the sequence split for a head split around the local op (``a2a.py``)."""
 
     name = "a2a"
+    splits_heads = True
 
     def run(self, op, plan, call, inputs, h0):
         return head_all_to_all(op, plan, call, inputs, h0)

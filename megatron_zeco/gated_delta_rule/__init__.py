@@ -9,8 +9,8 @@ DeltaNet with ZeCO context parallelism.
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 from .local import gdn_local, gdn_piece, require_gdn_backend
 from .naive import naive_recurrent_gated_delta_rule
-from .op import GATED_DELTA_RULE, planned_gated_delta_rule, zeco_gated_delta_rule
+from .op import GATED_DELTA_RULE, zeco_gated_delta_rule
 
-__all__ = ["zeco_gated_delta_rule", "planned_gated_delta_rule", "GATED_DELTA_RULE",
+__all__ = ["zeco_gated_delta_rule", "GATED_DELTA_RULE",
            "naive_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "chunk_gated_delta_rule_state",
            "chunk_gated_delta_rule_state_grad", "gdn_local", "gdn_piece", "require_gdn_backend"]

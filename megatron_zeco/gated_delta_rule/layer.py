@@ -10,7 +10,7 @@ back after the recurrence (O(L x d) activations per layer; heads divisible by TP
                                                         before each piece by a halo exchange (cp/conv.py)
     q, k -> L2 norm (and repeated for grouped heads)
     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)            Megatron's (g in float32 at least)
-    o = planned_gated_delta_rule(q, k, v, g, beta)      over the CP group: ZeCO's All-Scan passes one
+    o = the gated delta rule (q, k, v, g, beta)         over the CP group: ZeCO's All-Scan passes one
                                                         K x V state per piece and head (op.py)
     y = out_proj(out_norm(o) * silu(z))                 Megatron's (the gate in float32 at least)
 
@@ -41,11 +41,11 @@ from megatron.core.utils import deprecate_inference_params
 from ..common.conv import l2norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
-from ..cp.operator import Arguments
+from ..cp.operator import Arguments, run_planned
 from ..mcore.common import LayerCP, check_document_boundaries, check_low_precision, packed_arguments
 from ..mcore.host import host_as_cuda
 from .local import require_gdn_backend
-from .op import GATED_DELTA_RULE, planned_gated_delta_rule
+from .op import GATED_DELTA_RULE
 
 __all__ = ["ZecoGatedDeltaNet", "GatedDeltaNetSubmodules"]
 
@@ -183,14 +183,12 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
             query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
         return query.contiguous(), key.contiguous(), value.contiguous()
 
-    def _context_parallel_gated_delta_rule(self, q, k, v, g, beta, initial_state=None, output_final_state=False,
-                                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, per_document=False):
-        """The recurrence over the CP group (Megatron's ``GatedDeltaRuleInterface``: its arguments)."""
+    def _context_parallel_gated_delta_rule(self, q, k, v, g, beta, use_qk_l2norm_in_kernel=False, **kwargs):
+        """The recurrence over the CP group (Megatron's ``GatedDeltaRuleInterface``: its arguments,
+        ``initial_state``, ``output_final_state``, ``cu_seqlens``, and ``per_document``)."""
         if use_qk_l2norm_in_kernel:
             raise ValueError(f"{WHO}: q and k are normalised before the recurrence (use_qk_l2norm)")
-        return planned_gated_delta_rule(self.cp.plan, q, k, v, g, beta, initial_state=initial_state,
-                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                        per_document=per_document)
+        return run_planned(GATED_DELTA_RULE, self.cp.plan, Arguments((q, k, v, g, beta), **kwargs))
 
 
 def _g_and_beta(A_log: torch.Tensor, dt_bias: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor):

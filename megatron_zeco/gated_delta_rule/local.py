@@ -24,31 +24,32 @@ from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_g
 Tensor = torch.Tensor
 
 
-def gdn_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-              initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None
-              ) -> Tuple[Tensor, Optional[Tensor]]:
+def gdn_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
+              output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The gated delta rule on this device (differentiable in every input and the initial state).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, H, V]``; g, beta: ``[B, T, H]``; one floating dtype.
+        inputs: ``(q, k, v, g, beta)``: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g, beta ``[B, T, H]``;
+            one floating dtype (g may be float32 beside lower-precision others).
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) float32 (float64 for
             float64 inputs), or None.
         cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); ``cu_seqlens_cpu``: the same on the host.
     Returns:
         ``o [B, T, H, V]`` (input dtype) and the final state (or None).
     """
+    q = inputs[0]
     if uses_kernels(q.device, q.dtype):
         varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
-        return _fla_chunk_gated_delta_rule()(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        return _fla_chunk_gated_delta_rule()(*inputs, scale=scale, initial_state=initial_state,
                                              output_final_state=output_final_state, **varlen)
-    return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+    return chunk_gated_delta_rule(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 
 def gdn_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
     """The operator's local op (``cp.operator.Operator.local``): the gated delta rule over ``inputs = (q, k,
     v, g, beta)`` from ``h0``, its packed documents from ``call``; ``(o, final state or None)``."""
-    o, final = gdn_local(*inputs, call.scale, h0, call.output_final_state, *call.documents)
+    o, final = gdn_local(inputs, call.scale, h0, call.output_final_state, *call.documents)
     return o, (final if call.output_final_state else None)
 
 

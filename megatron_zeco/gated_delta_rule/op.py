@@ -26,8 +26,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..comm import Layout
-from ..cp.operator import Arguments, Operator, call_operator, run_planned
-from ..cp.plan import CPPlan
+from ..cp.operator import Arguments, Operator, call_operator
 from .local import gdn_local_op, gdn_piece
 
 # The gated delta rule's hooks into the context-parallel strategies (its rules: cp.config.RULES).
@@ -96,11 +95,3 @@ def zeco_gated_delta_rule(
     args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
     knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport)
     return call_operator(GATED_DELTA_RULE, knobs, args, group, validate, name)
-
-
-def planned_gated_delta_rule(plan: CPPlan, q, k, v, g, beta, *, scale=None, initial_state=None,
-                             output_final_state=False, cu_seqlens=None, per_document=False, checked=False):
-    """:func:`zeco_gated_delta_rule` under a plan built beforehand (:meth:`CPConfig.plan`); the same
-    arguments and result."""
-    args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
-    return run_planned(GATED_DELTA_RULE, plan, args, checked)

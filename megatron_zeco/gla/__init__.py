@@ -9,7 +9,7 @@ fused in; ``op.py``: :func:`zeco_gla`; ``layer.py``: the Megatron-Core token mix
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 from .local import gla_bwd, gla_fwd, gla_piece, require_backend
 from .naive import naive_recurrent_gla
-from .op import GLA, planned_gla, zeco_gla
+from .op import GLA, zeco_gla
 
-__all__ = ["zeco_gla", "planned_gla", "GLA", "naive_recurrent_gla", "chunk_gla", "chunk_gla_state",
+__all__ = ["zeco_gla", "GLA", "naive_recurrent_gla", "chunk_gla", "chunk_gla_state",
            "chunk_gla_state_grad", "gla_fwd", "gla_bwd", "gla_piece", "require_backend"]

@@ -31,10 +31,10 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..cp.config import CPConfig, config_of, split_keywords
-from ..cp.operator import Arguments
+from ..cp.operator import Arguments, run_planned
 from ..mcore.common import LayerCP, check_document_boundaries, check_low_precision, packed_arguments
 from .local import require_backend
-from .op import GLA, planned_gla
+from .op import GLA
 
 logger = logging.getLogger(__name__)
 
@@ -178,8 +178,8 @@ class GatedLinearAttention(MegatronModule):
         g = F.logsigmoid(g.to(fp)) / self.gate_normalizer
         g = g.view(s, b, self.heads_per_rank, self.head_dim).transpose(0, 1).to(q.dtype)
 
-        plan = self.cp.planned(Arguments((q, k, v, g), **packed), self.config)
-        o, _ = planned_gla(plan, q, k, v, g, **packed)
+        args = Arguments((q, k, v, g), **packed)
+        o, _ = run_planned(GLA, self.cp.planned(args, self.config), args)
 
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight

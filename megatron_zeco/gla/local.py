@@ -34,14 +34,13 @@ Tensor = torch.Tensor
 
 
 def gla_fwd(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
-    initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-    cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
+    inputs: Tuple[Tensor, Tensor, Tensor, Tensor], scale: float, initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Optional[Tensor], Saved]:
     """Local GLA forward.
 
     Args:
-        q, k, g: ``[B, T, H, K]``; v: ``[B, T, H, V]``, one floating dtype.
+        inputs: ``(q, k, v, g)``: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``, one floating dtype.
         initial_state: ``[B, H, K, V]`` float32 (float64 for float64 inputs) or None.
         cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); states are then ``[N, H, K, V]``.
         cu_seqlens_cpu: the same offsets on the host, or None.
@@ -49,7 +48,8 @@ def gla_fwd(
         ``o [B, T, H, V]`` (input dtype), the final state ``[B, H, K, V]`` or None, and
         what :func:`gla_bwd` takes.
     """
-    return record(_local_gla(q), (q, k, v, g), initial_state, scale=scale, output_final_state=output_final_state,
+    q = inputs[0]
+    return record(_local_gla(q), inputs, initial_state, scale=scale, output_final_state=output_final_state,
                   **varlen(q, cu_seqlens, cu_seqlens_cpu))
 
 
@@ -107,7 +107,7 @@ class _TorchPiece:
         pass
 
     def output(self, S_in: Tensor) -> Tensor:
-        o, _, self.saved = gla_fwd(*self.inputs, self.scale, S_in, output_final_state=True, cu_seqlens=self.cu)
+        o, _, self.saved = gla_fwd(self.inputs, self.scale, S_in, output_final_state=True, cu_seqlens=self.cu)
         return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
@@ -160,7 +160,7 @@ class LocalGLA(torch.autograd.Function):
             cu_seqlens, cu_seqlens_cpu = call.documents
             ctx.piece = piece = gla_piece(q, k, v, g, call.scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
             return piece.output(torch.zeros_like(piece.E)), q.new_zeros(0)
-        o, ht, ctx.saved = gla_fwd(q, k, v, g, call.scale, h0, call.output_final_state)
+        o, ht, ctx.saved = gla_fwd((q, k, v, g), call.scale, h0, call.output_final_state)
         ctx.output_final_state = call.output_final_state
         return o, (q.new_zeros(0) if ht is None else ht)
 
@@ -182,7 +182,7 @@ def gla_local(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[T
 
 def gla_ring_forward(inputs: Tuple[Tensor, ...], scale: float, h0: Optional[Tensor]):
     """lasp1's step: the piece's output, final state and what :func:`gla_ring_backward` needs."""
-    return gla_fwd(*inputs, scale, h0, True)
+    return gla_fwd(inputs, scale, h0, True)
 
 
 def gla_ring_backward(saved: Saved, do: Tensor, dht: Tensor):

@@ -5,8 +5,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..comm import Layout
-from ..cp.operator import Arguments, Operator, call_operator, run_planned
-from ..cp.plan import CPPlan
+from ..cp.operator import Arguments, Operator, call_operator
 from .local import gla_local, gla_piece, gla_ring_backward, gla_ring_forward
 
 # GLA's hooks into the context-parallel strategies (its rules: cp.config.RULES["gla"]).
@@ -115,12 +114,3 @@ def zeco_gla(
     knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, overlap=overlap, transport=transport,
                  node_size=node_size, piece_split=piece_split)
     return call_operator(GLA, knobs, args, group, validate, name)
-
-
-def planned_gla(plan: CPPlan, q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-                cu_seqlens=None, per_document=False, checked=False):
-    """:func:`zeco_gla` under a plan built beforehand (:meth:`CPConfig.plan`, once per layer); the same
-    arguments and result. ``checked``: the inputs passed the cross-rank checks (else only the local,
-    cheap checks run)."""
-    args = Arguments((q, k, v, g), initial_state, output_final_state, cu_seqlens, per_document, scale)
-    return run_planned(GLA, plan, args, checked)

@@ -29,19 +29,20 @@ class AllGatherDotProductAttention(MegatronModule):
 
     Args:
         config: the model's TransformerConfig (``kv_channels``, ``attention_dropout``).
-        layer_number, attention_type, cp_comm_type: as Megatron passes them; K and V are
-            always all-gathered, whatever ``cp_comm_type`` (``--cp-comm-type``) says.
+        layer_number, attention_type: as Megatron passes them.
         attn_mask_type: must be ``causal``.
         softmax_scale: None for ``1 / sqrt(kv_channels)``.
         pg_collection: Megatron's process groups (``cp`` used); ``parallel_state`` when absent.
         cp_layout: ``zigzag`` (Megatron's ``get_batch_on_this_cp_rank`` split) or ``contiguous``.
         cp_packed_split: how packed batches are split over CP, as the GLA layers' (``auto``,
             ``document``, ``sequence``; see :class:`megatron_zeco.gla.layer.GatedLinearAttention`).
+        **kwargs: anything else Megatron passes (``cp_comm_type``, ...): K and V are always
+            all-gathered, whatever ``--cp-comm-type`` says.
     """
 
     def __init__(self, config, layer_number: int, attn_mask_type: AttnMaskType, attention_type: str = "self",
-                 cp_comm_type=None, softmax_scale=None, pg_collection=None, cp_layout: str = "zigzag",
-                 cp_packed_split: str = "auto"):
+                 softmax_scale=None, pg_collection=None, cp_layout: str = "zigzag", cp_packed_split: str = "auto",
+                 **kwargs):
         super().__init__(config=config)
         name = f"AllGatherDotProductAttention (layer {layer_number})"
         if attn_mask_type != AttnMaskType.causal or attention_type != "self":

@@ -1,0 +1,151 @@
+"""The package's structure (docs/design.md, "Map"): what each folder may import, no import cycles,
+short signatures. Reads the source; imports nothing of the package."""
+
+import ast
+import os
+from typing import Dict, Set
+
+PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zeco")
+OPERATORS = ("gla", "gated_delta_rule")
+# The main job and what only it uses.
+JOB = {"megatron_zeco.train", "megatron_zeco.recall", "megatron_zeco.checkpoint"}
+
+
+def _modules() -> Dict[str, str]:
+    """``{dotted module name: path}`` of every module of the package."""
+    out = {}
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                rel = os.path.relpath(path, os.path.dirname(PACKAGE))[:-3].replace(os.sep, ".")
+                out[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(module: str) -> Set[str]:
+    """The package's modules ``module`` imports, anywhere in it (function-level imports too)."""
+    tree = ast.parse(open(MODULES[module]).read())
+    package = module if MODULES[module].endswith("__init__.py") else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:
+                name = name.rpartition(".")[0]
+            if name and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the package's imports (a package's __init__ re-exporting its
+    own modules aside: an __init__ imports its children, a child that imports its package's __init__
+    would close a cycle and is caught)."""
+    state: Dict[str, int] = {}
+    cycles = []
+
+    def visit(m, path):
+        state[m] = 1
+        for n in sorted(GRAPH[m]):
+            if m.startswith(n + "."):  # a module's own package: its __init__ runs first anyway
+                continue
+            if state.get(n) == 1:
+                cycles.append(path[path.index(n):] + [n] if n in path else path + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+# What each folder may import from the package (beyond itself).
+ALLOWED = {
+    "kernels": set(),
+    "common": set(),
+    "comm": {"kernels", "cost_model"},
+    "cp": {"comm", "common", "kernels"},
+    "mcore": {"comm", "common", "cp", "kernels"},
+}
+for _op in OPERATORS:
+    ALLOWED[_op] = {"comm", "common", "cp", "kernels", "mcore"}
+
+
+def test_each_folder_imports_only_what_lies_below_it():
+    """kernels and common import nothing of ours; comm only kernels (and the cost model's shape choice);
+    cp never an operator, Megatron glue or the main job; an operator never another operator; mcore never an
+    operator."""
+    bad = []
+    for m, deps in GRAPH.items():
+        folder = _folder(m)
+        if folder not in ALLOWED:
+            continue
+        for d in deps:
+            if _folder(d) != folder and _folder(d) not in ALLOWED[folder]:
+                bad.append(f"{m} imports {d}")
+    assert not bad, bad
+
+
+def test_operators_use_megatron_only_in_their_layer():
+    """An operator's math, local op and CP function import neither megatron-core nor the Megatron glue;
+    only its layer does."""
+    bad = []
+    for m, path in MODULES.items():
+        if _folder(m) in OPERATORS and not m.endswith(".layer"):
+            source = open(path).read()
+            if "megatron.core" in source or any(_folder(d) == "mcore" for d in GRAPH[m]):
+                bad.append(m)
+    assert not bad, bad
+
+
+def test_nothing_imports_the_main_job():
+    """train, recall and checkpoint are the main job's: no layer, operator or spec imports them."""
+    bad = [f"{m} imports {d}" for m, deps in GRAPH.items() if m not in JOB for d in deps if d in JOB]
+    assert not bad, bad
+
+
+# Functions with many parameters by design: the public operator functions (fla's and Megatron's
+# conventions, every keyword a user sets) and the Triton kernels and their launchers (one argument
+# per kernel argument).
+PUBLIC_OPS = {"zeco_gla", "zeco_gated_delta_rule", "chunk_gla", "chunk_gated_delta_rule"}
+KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels"}
+
+
+def test_no_function_takes_more_than_eight_parameters():
+    """Outside the public operator functions and the Triton kernels, a function takes at most 8
+    parameters (``self``, ``cls`` and autograd's ``ctx`` not counted; ``*args`` and ``**kwargs`` not
+    counted): knobs travel as one resolved object (``CPConfig``, ``CPPlan``, ``Route``, ``Call``)."""
+    bad = []
+    for m, path in MODULES.items():
+        if m in KERNEL_MODULES or m == "megatron_zeco.cost_model":
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in PUBLIC_OPS:
+                a = node.args
+                names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs if x.arg not in ("self", "cls", "ctx")]
+                if len(names) > 8:
+                    bad.append(f"{m}.{node.name}: {len(names)}")
+    assert not bad, bad
