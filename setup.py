@@ -1,11 +1,11 @@
-"""megatron_zeco: ZeCO context parallelism for gated linear attention in Megatron-Core."""
+"""megatron_zeco: ZeCO context parallelism for linear attention in Megatron-Core."""
 
 from setuptools import find_packages, setup
 
 setup(
     name="megatron_zeco",
     version="0.1.0",
-    description="ZeCO (All-Scan) context parallelism for gated linear attention in Megatron-Core",
+    description="ZeCO (All-Scan) context parallelism for linear attention (GLA, Gated DeltaNet) in Megatron-Core",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
@@ -19,7 +19,8 @@ setup(
     extras_require={
         # CPU test suite (Triton kernels run there under TRITON_INTERPRET=1).
         "test": ["pytest>=8", "pytest-timeout", "hypothesis", "triton"],
-        # GPU speed: fla's chunk kernels and our Triton kernels. Imported lazily.
-        "gpu": ["triton", "flash-linear-attention"],
+        # GPU speed: fla's kernels (this release: the GPU paths call its internal functions, pinned as
+        # megatron_zeco.common.backend.FLA_VERSION) and our Triton kernels. Imported lazily.
+        "gpu": ["triton", "fla-core==0.6.0"],
     },
 )

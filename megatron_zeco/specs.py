@@ -69,7 +69,8 @@ from .comm import Layout, as_layout
 from .cp.config import CPConfig, config_of, split_keywords
 from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
 from .mcore.attention import AllGatherDotProductAttention
-from .mcore.gpt_hybrid import ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer, check_pattern
+from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
+                               check_pattern)
 
 try:
     from megatron.core.extensions.transformer_engine import (

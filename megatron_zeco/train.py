@@ -77,7 +77,8 @@ class TrainConfig:
     transport: str = _flag("auto", PARALLEL, "how All-Scan moves the states (--strategy zeco): send_recv (the CP "
                            "group's messages: NCCL, gloo), peer_memory (stores into the peers' GPU memory, one node; "
                            "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
-                           "between the GPUs of one node, else send_recv", metavar="{auto,send_recv,peer_memory,nvshmem}")
+                           "between the GPUs of one node, else send_recv",
+                           metavar="{auto,send_recv,peer_memory,nvshmem}")
     piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
                                        "(zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")

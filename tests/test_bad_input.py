@@ -22,7 +22,7 @@ CASES = {
     "lengths differ": (lambda r: ([*_inputs(T=10 if r == 1 else 12)], {}), "same on every rank"),
     "zigzag length odd": (lambda r: (_inputs(T=11 if r == 0 else 12), {"layout": "zigzag"}),
                           "divisible by 2"),
-    "blocks do not divide K": (lambda r: (_inputs(), {"num_blocks": 3}), "positive divisor of the key dim"),
+    "blocks do not divide K": (lambda r: (_inputs(), {"num_blocks": 3}), "cp_num_blocks 3 must divide the key head dim (8)"),
     "a2a heads": (lambda r: (_inputs(H=3), {"strategy": "a2a"}), "not divisible by the group size"),
     "strategy none on a group": (lambda r: (_inputs(), {"strategy": "none"}), "runs on one rank"),
     "mixed dtypes on one rank": (lambda r: ([*_inputs()[:3], -torch.rand(1, 12, 2, 8)] if r == 1 else _inputs(), {}),
@@ -32,22 +32,24 @@ CASES = {
     "device differs on one rank": (lambda r: ([*_inputs()[:2], torch.empty(1, 12, 2, 4, device="meta", dtype=torch.float64),
                                                _inputs()[3]] if r == 1 else _inputs(), {}), "one device"),
     "unknown strategy on one rank": (lambda r: (_inputs(), {"strategy": "zec0" if r == 0 else "zeco"}),
-                                     "unknown strategy"),
+                                     "cp_strategy 'zec0' is not one of zeco, lasp1, lasp2, a2a for GLA"),
     "unknown layout on one rank": (lambda r: (_inputs(), {"layout": "zig-zag" if r == 1 else "zigzag"}),
-                                   "unknown context-parallel layout"),
+                                   "cp_layout 'zig-zag' is not one of contiguous, zigzag"),
     "initial state only on one rank": (lambda r: (_inputs(), {"initial_state": torch.zeros(1, 2, 8, 4, dtype=torch.float64)
                                                               if r == 0 else None}), "initial_state"),
     "unknown transport on one rank": (lambda r: (_inputs(), {"transport": "nvlink" if r == 0 else "auto"}),
-                                      "unknown All-Scan transport 'nvlink'"),
+                                      "cp_transport 'nvlink' is not one of auto, send_recv, peer_memory, nvshmem"),
     "transport differs across ranks": (lambda r: (_inputs(), {"transport": "send_recv" if r == 0 else "peer_memory"}),
-                                       "transport (argument, $MEGATRON_ZECO_TRANSPORT) must be the same on every rank"),
+                                       "the context-parallel knobs (strategy, layout, num_blocks, transport, "
+                                       "piece_split, node_size) must be the same on every rank"),
     "v has another length": (lambda r: ([*_inputs()[:2], torch.randn(1, 11, 2, 4, dtype=torch.float64), _inputs()[3]], {}),
                              "v must be [B, T, H, V]"),
     "sub-pieces do not divide the pieces": (lambda r: (_inputs(), {"layout": "zigzag", "piece_split": 4}),
                                             "T = 12 must be divisible by 8"),
     "piece_split not positive": (lambda r: (_inputs(), {"piece_split": 0}), "must be a positive integer"),
     "piece_split differs across ranks": (lambda r: (_inputs(), {"piece_split": 2 if r == 0 else 3}),
-                                         "piece_split must be the same on every rank"),
+                                         "knobs (strategy, layout, num_blocks, transport, piece_split, node_size) must "
+                                         "be the same on every rank"),
 }
 
 
@@ -83,9 +85,9 @@ def test_one_rank_groups_validate_locally():
     q, k, v, g = _inputs(T=7)
     with pytest.raises(ValueError, match="divisible by 2"):
         zeco_gla(q, k, v, g, layout="zigzag")
-    with pytest.raises(ValueError, match="unknown strategy"):
+    with pytest.raises(ValueError, match="cp_strategy 'ring' is not one of"):
         zeco_gla(q, k, v, g, strategy="ring")
-    with pytest.raises(ValueError, match="unknown strategy"):
+    with pytest.raises(ValueError, match="cp_strategy 'ring' is not one of"):
         zeco_gla(q, k, v, g, strategy="ring", validate=False)
     with pytest.raises(ValueError, match="T = 7 must be divisible by 2"):
         zeco_gla(q, k, v, g, piece_split=2, validate=False)

@@ -208,8 +208,6 @@ def test_a_scan_that_gives_up_poisons_its_step_and_the_step_check_raises(seed, w
 def _slow_peer(rank, world, seed):
     """Peer memory, a bound of 60 s: rank 1 is late (up to 1 s) before and after each of its scan kernels
     for two steps. Returns every step's output and gradients."""
-    import torch
-
     from megatron_zeco.comm.inject import scan_delays
 
     os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "60"

@@ -235,8 +235,8 @@ def _shape_choices(group):
             out[layout.value, node_size, "auto"] = scan_shape(Route(layout, group, node_size=node_size), like)
         with _env(**{SHAPE_ENV: "chain"}):
             out[layout.value, 2, "env chain"] = scan_shape(Route(layout, group, node_size=2), like)
-            out[layout.value, 2, "forced over env"] = scan_shape(Route(layout, group, node_size=2, shape="hierarchical"),
-                                                                 like)
+            forced = Route(layout, group, node_size=2, shape="hierarchical")
+            out[layout.value, 2, "forced over env"] = scan_shape(forced, like)
         with _env(**{SHAPE_ENV: "hierarchical"}):
             out[layout.value, P, "env hierarchical"] = scan_shape(Route(layout, group, node_size=P), like)
         with _env(**{NODE_SIZE_ENV: 2}):

@@ -31,7 +31,11 @@ def _imports(module: str) -> Set[str]:
     tree = ast.parse(open(MODULES[module]).read())
     package = module if MODULES[module].endswith("__init__.py") else module.rpartition(".")[0]
     found = set()
+    typing_only = {id(n) for node in ast.walk(tree)
+                   if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING" for n in ast.walk(node)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:  # annotations only: no import at run time
+            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -149,3 +153,12 @@ def test_no_function_takes_more_than_eight_parameters():
                 if len(names) > 8:
                     bad.append(f"{m}.{node.name}: {len(names)}")
     assert not bad, bad
+
+
+def test_the_gpu_extra_installs_the_pinned_fla():
+    """setup.py's ``gpu`` extra installs the fla-core release the GPU paths are pinned to."""
+    setup = open(os.path.join(os.path.dirname(PACKAGE), "setup.py")).read()
+    pinned = ast.literal_eval(next(line.split("=", 1)[1].strip() for line in
+                                   open(os.path.join(PACKAGE, "common", "backend.py"))
+                                   if line.startswith("FLA_VERSION =")))
+    assert f'"fla-core=={pinned}"' in setup, pinned

@@ -9,6 +9,9 @@ operator (the same numbers up to rounding).
 autograd record, so that :func:`replay` later costs what that function's backward costs.
 """
 
+import functools
+import importlib
+import importlib.metadata
 import os
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
@@ -17,12 +20,44 @@ import torch
 Tensor = torch.Tensor
 BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The fla-core release whose kernels (and internal functions, whose signatures change between releases)
+# the GPU paths call; setup.py's ``gpu`` extra installs it.
+FLA_VERSION = "0.6.0"
 
 
 def uses_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
     """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
     return (torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
             and os.environ.get(BACKEND_ENV, "auto") != "torch")
+
+
+def fla(what: str, path: str):
+    """The object at ``path`` in flash-linear-attention (``fla.ops.gla.chunk_gla``), imported on first use
+    (fla needs a GPU driver). ImportError naming the fix, and ``what`` needs it, unless fla-core
+    :data:`FLA_VERSION` imports (:func:`require_fla`)."""
+    require_fla(what)
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@functools.lru_cache(maxsize=None)
+def require_fla(what: str) -> None:
+    """ImportError naming the fix (and that ``what`` needs it) unless fla-core :data:`FLA_VERSION` imports."""
+    fix = (f"Install it with `pip install fla-core=={FLA_VERSION}` (the `gpu` extra of megatron_zeco), or set "
+           f"{BACKEND_ENV}=torch to run the (slow) PyTorch forms on the GPU.")
+    try:
+        import fla  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"megatron_zeco: {what} runs on flash-linear-attention, which failed to import ({e}). "
+                          f"{fix}") from e
+    try:
+        version = importlib.metadata.version("fla-core")
+    except importlib.metadata.PackageNotFoundError:
+        version = getattr(fla, "__version__", None)
+    if version != FLA_VERSION:
+        raise ImportError(f"megatron_zeco: {what} runs on fla-core {FLA_VERSION}, whose internal kernels it calls "
+                          f"(their signatures change between releases); this is {version or 'an unknown version'}. "
+                          f"{fix}")
 
 
 def varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:

@@ -16,13 +16,12 @@ x, the weight, the bias and the initial state. ``MEGATRON_ZECO_GLA_BACKEND=torch
 PyTorch form.
 """
 
-import functools
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .backend import BACKEND_ENV, uses_kernels
+from .backend import fla, uses_kernels
 
 Tensor = torch.Tensor
 ACTIVATIONS = (None, "silu", "swish")
@@ -85,22 +84,9 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_causal_conv1d():
-    try:
-        from fla.modules.convolution import causal_conv1d as fla_causal_conv1d
-    except ImportError as e:
-        raise ImportError(f"megatron_zeco: the short convolution on CUDA runs on flash-linear-attention, which "
-                          f"failed to import ({e}). Install it with `pip install fla-core`, or set "
-                          f"{BACKEND_ENV}=torch to run the (slow) PyTorch forms on the GPU.") from e
-    return fla_causal_conv1d
+    return fla("the short convolution on CUDA", "fla.modules.convolution.causal_conv1d")
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_l2norm():
-    try:
-        from fla.modules.l2norm import l2norm as fla_l2norm
-    except ImportError as e:
-        raise ImportError(f"megatron_zeco: the L2 norm on CUDA runs on flash-linear-attention, which failed to "
-                          f"import ({e}). Install it with `pip install fla-core`, or set {BACKEND_ENV}=torch.") from e
-    return fla_l2norm
+    return fla("the L2 norm on CUDA", "fla.modules.l2norm.l2norm")

@@ -25,10 +25,13 @@ process group and the device (``transport="auto"``, ``overlap=None``) once per l
 """
 
 from dataclasses import dataclass, fields
-from typing import FrozenSet, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, FrozenSet, List, Optional, Tuple, Union
 
 from ..comm import Layout
 from ..comm.peer import TRANSPORTS
+
+if TYPE_CHECKING:  # cp.plan makes plans of configs
+    from .plan import CPPlan
 
 PACKED_SPLITS = ("auto", "document", "sequence")
 # The knobs every operator takes; the others apply where an operator's rules list them.

@@ -8,7 +8,7 @@ builds one plan at its first forward pass; an operator called alone builds one p
 """
 
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -16,6 +16,9 @@ from ..comm import Layout
 from ..comm.all_scan import Route
 from ..comm.functional import broadcast
 from ..comm.peer import DEVICE_TRANSPORTS, resolve_transport
+
+if TYPE_CHECKING:  # cp.config imports this module
+    from .config import CPConfig
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class CPPlan:
     """
 
     group: Optional[object]
-    config: "CPConfig"  # noqa: F821  (cp.config imports this module; the annotation is for readers)
+    config: "CPConfig"
     transport: str = "send_recv"
     overlap: bool = False
     name: str = ""

@@ -28,12 +28,15 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..common.backend import require_fla
+
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for the gated delta rule
 
 
 @functools.lru_cache(maxsize=None)
 def _fla() -> SimpleNamespace:
+    require_fla("a ZeCO piece of the gated delta rule on CUDA")
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h

@@ -13,12 +13,11 @@ As ``gla/local.py`` for GLA:
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
-import functools
 from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import BACKEND_ENV, record, replay, uses_kernels
+from ..common.backend import fla, record, replay, uses_kernels
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 
 Tensor = torch.Tensor
@@ -108,17 +107,8 @@ class _TorchDeltaPiece:
         return replay(self.saved, self.do, D)[0]
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_chunk_gated_delta_rule():
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
-    except ImportError as e:
-        raise ImportError(
-            f"megatron_zeco: the gated delta rule on CUDA runs on flash-linear-attention, which failed to import "
-            f"({e}). Install it with `pip install fla-core`, or set {BACKEND_ENV}=torch to run the (slow) PyTorch "
-            "forms on the GPU."
-        ) from e
-    return fla_chunk_gated_delta_rule
+    return fla("the gated delta rule on CUDA", "fla.ops.gated_delta_rule.chunk_gated_delta_rule")
 
 
 def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:

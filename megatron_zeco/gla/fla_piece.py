@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from ..common.backend import require_fla
 from .kernels import chunk_decays, chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 
 Tensor = torch.Tensor
@@ -42,6 +43,7 @@ Tensor = torch.Tensor
 @functools.lru_cache(maxsize=None)
 def _fla() -> SimpleNamespace:
     """fla's internal kernels this module calls (imported on first use: fla needs a GPU driver)."""
+    require_fla("a ZeCO piece of GLA on CUDA")
     from fla.ops.common.chunk_h import chunk_bwd_kernel_dh, chunk_fwd_kernel_h
     from fla.ops.gla import chunk as gla
     from fla.ops.utils import prepare_chunk_indices, prepare_chunk_offsets

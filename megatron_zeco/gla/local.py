@@ -22,12 +22,11 @@ fla builds its launch tables from it instead of reading the offsets back from th
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (``common/backend.py``).
 """
 
-import functools
 from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import BACKEND_ENV, Saved, record, replay, uses_kernels, varlen
+from ..common.backend import Saved, fla, record, replay, uses_kernels, varlen
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 
 Tensor = torch.Tensor
@@ -130,17 +129,8 @@ def _local_gla(x: Tensor):
     return _fla_chunk_gla() if uses_kernels(x.device, x.dtype) else chunk_gla
 
 
-@functools.lru_cache(maxsize=None)
 def _fla_chunk_gla():
-    try:
-        from fla.ops.gla import chunk_gla as fla_chunk_gla
-    except ImportError as e:
-        raise ImportError(
-            f"megatron_zeco: GLA on CUDA runs on flash-linear-attention, which failed to import ({e}). "
-            f"Install it with `pip install fla-core`, or set {BACKEND_ENV}=torch to run the (slow) "
-            "PyTorch reference forms on the GPU."
-        ) from e
-    return fla_chunk_gla
+    return fla("GLA on CUDA", "fla.ops.gla.chunk_gla")
 
 
 class LocalGLA(torch.autograd.Function):

@@ -63,8 +63,8 @@ def zeco_gla(
             that does not need the scan's result (forward and backward): over peer memory
             the rank's sends that wait for nobody (on a few SMs), otherwise the whole scan.
             None (default): on for ``zeco`` over peer memory or NVSHMEM, where it hides part of the
-            per-document packed split's sends (one state per document), off otherwise. Either way that local work is issued where the rank would first
-            wait for a peer.
+            per-document packed split's sends (one state per document), off otherwise. Either
+            way that local work is issued where the rank would first wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
             point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
             peers' memory with flags on the device (torch symmetric memory over NVLink; all

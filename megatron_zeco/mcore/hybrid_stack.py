@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
