@@ -15,8 +15,11 @@ The equations, the figures and their sources are in ``docs/scaling.md``; in shor
     paid once per hop. Over peer memory a zigzag walk runs as two legs of P - 1 hops at once.
   - ``hierarchical`` (``comm/hierarchical.py``): its schedule of messages step by step (prefix
     maps along each node's run of pieces, a Kogge-Stone scan of the runs' maps between nodes,
-    the state into each run), replayed here (``hierarchical_steps``) and timed along its
-    critical path (``critical_path``); over send/recv one message per step carries every block.
+    the state into each run), replayed (``hierarchical_steps``) and timed along its critical
+    path (``critical_path``); over send/recv one message per step carries every block.
+
+  The hop counts, the replayed schedule, the links and the transports' structure are those the
+  run-time choice of shape uses: ``megatron_zeco.comm.shape`` (re-exported here).
 
   Transports (``TRANSPORTS``): ``send_recv`` (the group's messages, host-issued NCCL),
   ``peer_memory`` (one-sided stores and device flags, one node), ``nvshmem`` (device-initiated
@@ -37,13 +40,15 @@ this module needs no torch and no GPU.
 """
 
 import argparse
-import functools
 import glob
 import json
 import math
 import os
 import re
 from dataclasses import dataclass, replace
+
+from .comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, Transport, chain_hops,  # noqa: F401
+                         critical_path, hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
 SHAPES = ("chain", "hierarchical")
@@ -79,60 +84,11 @@ BUILD_TRANSPORT = {"state passes": "send_recv", "fla piece": "send_recv", "fused
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
 
-@dataclass(frozen=True)
-class Link:
-    """One direction of one GPU's link: a message of n bytes takes ``latency + n / bandwidth``."""
-
-    latency: float  # s
-    bandwidth: float  # B/s
-
-    def time(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-
-NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: NCCL all-to-all measured on the 2 H200 (docs/scaling.md)
-INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU (stated)
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Ranks placed node-major: rank r on node r // gpus_per_node (the last node may hold fewer)."""
-
-    intra: Link = NVLINK
-    inter: Link = INFINIBAND
-    gpus_per_node: int = 8
-
-    def link(self, a: int, b: int) -> Link:
-        return self.intra if a // self.gpus_per_node == b // self.gpus_per_node else self.inter
-
-    def slowest(self, P: int) -> Link:
-        return self.inter if P > self.gpus_per_node else self.intra
-
-
-@dataclass(frozen=True)
-class Transport:
-    """How All-Scan moves states (``comm.all_scan``'s ``transport``), its structure as built."""
-
-    name: str
-    one_node: bool = False  # every rank of the group on one node (peer memory)
-    block_messages: bool = True  # the chain's blocks are separate host-issued messages (else tiles of one kernel)
-    two_legs: bool = False  # a zigzag walk runs as two legs of P - 1 hops at once (the peer-memory kernels)
-    shapes: tuple = ("chain",)
-    projected: bool = False  # not measured: costs projected (NVSHMEM_PROJECTION)
-
-
-TRANSPORTS = {
-    "send_recv": Transport("send_recv", shapes=("chain", "hierarchical")),
-    "peer_memory": Transport("peer_memory", one_node=True, block_messages=False, two_legs=True),
-    # the device kernels run the chain (and two legs under zigzag); the hierarchical shape is built over
-    # messages only
-    "nvshmem": Transport("nvshmem", block_messages=False, two_legs=True, projected=True),
-}
 # NVSHMEM (device-initiated put + signal) is not measured yet: until scan rows named
 # "all_scan nvshmem K=*" exist in docs/results (then they are fitted like the others), its costs are
 # those of the transport named here, measured on one node (a device-side store and flag per hop,
 # the same kind of work), and between nodes the Cluster's stated InfiniBand link (5 us, 50 GB/s).
-NVSHMEM_PROJECTION = {"priced_as": "peer_memory"}
+NVSHMEM_PROJECTION = {"transport": "nvshmem", "priced_as": "peer_memory"}
 
 
 @dataclass(frozen=True)
@@ -195,89 +151,6 @@ class Software:
 
 # ---------------------------------------------------------------------------------------------- scan shapes
 
-def walk_ranks(P: int, layout: str) -> list[int]:
-    """The rank holding each piece, in scan order (``comm.Layout``): contiguous 0..P-1; zigzag up
-    the ranks and back down."""
-    if layout == "contiguous":
-        return list(range(P))
-    if layout == "zigzag":
-        return list(range(P)) + list(range(P - 1, -1, -1))
-    raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
-
-
-def _node_of(nodes) -> "callable":
-    """Rank -> node: ``nodes`` is a node size (consecutive ranks) or each rank's node."""
-    if isinstance(nodes, int):
-        return lambda r: r // nodes
-    return lambda r: nodes[r]
-
-
-def chain_hops(P: int, layout: str, nodes, two_legs: bool = False) -> tuple[int, int, int]:
-    """(inside nodes, between nodes, same rank) hops of the chain through every piece: the
-    ``_chain_hops`` of ``comm.all_scan``. ``nodes``: ranks per node (consecutive), or each rank's
-    node. ``two_legs``: a zigzag walk's two legs run at once, so a rank waits for P - 1 hops (the
-    contiguous walk's)."""
-    node = _node_of(nodes)
-    ranks = walk_ranks(P, "contiguous" if two_legs else layout)
-    pairs = list(zip(ranks, ranks[1:]))
-    inter = sum(node(a) != node(b) for a, b in pairs)
-    same = sum(a == b for a, b in pairs)
-    return len(pairs) - inter - same, inter, same
-
-
-@functools.lru_cache(maxsize=256)
-def hierarchical_steps(P: int, layout: str, nodes, reverse: bool = False) -> tuple:
-    """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
-    rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
-    tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
-    ``"map"`` (a state and its decays) or ``"state"``, phase ``"A"`` (along each node's run of
-    pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run)."""
-    node = _node_of(nodes)
-    ranks = walk_ranks(P, layout)
-    if reverse:
-        ranks = ranks[::-1]
-    segments: list[list[int]] = []
-    for i, r in enumerate(ranks):
-        if i == 0 or node(r) != node(ranks[i - 1]):
-            segments.append([])
-        segments[-1].append(i)
-    steps = []
-    longest = max(len(s) for s in segments)
-    for t in range(longest - 1):  # A: prefix maps along each run
-        steps.append(tuple((ranks[s[t]], ranks[s[t + 1]], "map", "A") for s in segments
-                           if t + 1 < len(s) and ranks[s[t]] != ranks[s[t + 1]]))
-    M = len(segments)
-    leader = [ranks[s[-1]] for s in segments]
-    first = [ranks[s[0]] for s in segments]
-    for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
-        d = 1 << r
-        steps.append(tuple((leader[j], leader[j + d], "map", "B") for j in range(M - 1 - d)
-                           if leader[j] != leader[j + d]))
-    steps.append(tuple((leader[j], first[j + 1], "state", "C") for j in range(M - 1) if leader[j] != first[j + 1]))
-    steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
-                       for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
-    return tuple(step for step in steps if step)
-
-
-def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> float:
-    """Seconds until the last rank has what it waits for, ``steps`` issued in order by every rank
-    (:func:`hierarchical_steps`): a rank sends a step's messages once it has received the earlier
-    steps' and spent ``per_step`` on each step it takes part in; a message from a to b arrives
-    ``cost(a, b, what, phase)`` later. ``drain``: ``{phase: seconds}`` added to every rank when a
-    phase ends (a pipeline's last blocks)."""
-    clock = [0.0] * P
-    for n, step in enumerate(steps):
-        start = list(clock)
-        for r in {r for a, b, *_ in step for r in (a, b)}:
-            clock[r] = start[r] + per_step
-        for a, b, what, phase in step:
-            clock[b] = max(clock[b], start[a] + per_step + cost(a, b, what, phase))
-        ends = n + 1 == len(steps) or steps[n + 1][0][3] != step[0][3]
-        if drain and ends and drain.get(step[0][3]):
-            clock = [t + drain[step[0][3]] for t in clock]
-    return max(clock)
-
-
 def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
     """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
     intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
@@ -338,46 +211,6 @@ def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, rev
     if shape == "hierarchical":
         return hierarchical_time(w, c, sw, K, reverse)
     raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
-
-
-# Per-hop cost beyond the wire, by transport, for the choice of the All-Scan's shape at run time
-# (all_scan(shape="auto"), :func:`scan_choice`): the GPU time of a hop as fitted on the measured scan
-# rows (send/recv 20.7 us, peer memory 5.8 us; docs/scaling.md), rounded. Stated here so that the choice
-# needs no result files.
-HOP_COST = {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
-
-
-@functools.lru_cache(maxsize=256)
-def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
-    """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
-    backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
-    cluster's links. What ``all_scan(shape="auto")`` runs over send/recv (remembered per arguments:
-    a layer's scans ask the same question every step)."""
-    P = len(nodes)
-    node = _node_of(tuple(nodes))
-    link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter
-    hop = HOP_COST[transport]
-    intra, inter, same = chain_hops(P, layout, tuple(nodes), TRANSPORTS[transport].two_legs)
-    chain = 2 * (intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes)))
-    # (a map is a state and one more column: counted as a state here)
-    tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse), P,
-                             lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
-    return "hierarchical" if tree < chain else "chain"
-
-
-def scan_path(hops: tuple[int, int], state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> float:
-    """Seconds on the critical path of ``hops`` = (inside nodes, between nodes) hops of one state."""
-    intra, inter = hops
-    hop = HOP_COST[transport]
-    return intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes))
-
-
-def prefer_hierarchical(chain_hops: tuple[int, int], tree_hops: tuple[int, int], state_bytes: float,
-                        transport: str) -> bool:
-    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts
-    (inside, between nodes; e.g. ``Walk.depth()``): the coarse form of :func:`scan_choice`, which
-    replays the schedule."""
-    return scan_path(tree_hops, state_bytes, transport) < scan_path(chain_hops, state_bytes, transport)
 
 
 # ---------------------------------------------------------------------------------------------- a layer
@@ -483,7 +316,7 @@ class Calibration:
 
     def projected(self, transport: str) -> bool:
         """Whether ``transport``'s costs are projected (priced from another transport's measurements)."""
-        return TRANSPORTS[transport].projected and self.transports[transport, "steady"] == replace(
+        return transport == NVSHMEM_PROJECTION["transport"] and self.transports[transport, "steady"] == replace(
             self.transports.get((NVSHMEM_PROJECTION["priced_as"], "steady")), transport=transport)
 
 
@@ -753,9 +586,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     builds = {b: replace(sw_of["eager"], **p, **fits(SCAN_CODE[b], "eager"), transport=BUILD_TRANSPORT[b])
               for b, p in passes.items()}
     transports = {}
-    for name, transport in TRANSPORTS.items():
+    for name in TRANSPORTS:
         measured = all((TRANSPORT_CODE[name], regime) in scan_fits for regime in REGIMES)
-        priced_as = NVSHMEM_PROJECTION["priced_as"] if transport.projected and not measured else name
+        projected = name == NVSHMEM_PROJECTION["transport"] and not measured
+        priced_as = NVSHMEM_PROJECTION["priced_as"] if projected else name
         for regime in REGIMES:
             if (TRANSPORT_CODE[priced_as], regime) in scan_fits:
                 transports[name, regime] = replace(sw_of[regime], **scan_fits[TRANSPORT_CODE[priced_as], regime],

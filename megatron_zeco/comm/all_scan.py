@@ -41,6 +41,7 @@ from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
 from .peer import peer_all_scan, resolve_transport
+from .shape import scan_choice
 from .transition import transition_of
 
 Tensor = torch.Tensor
@@ -230,8 +231,6 @@ def scan_shape(shape: str, layout: Layout, group, node_size: Optional[int], tran
     nodes = _nodes(group, node_size, what)
     if len(set(nodes)) == 1:
         return "chain"
-    from ..cost_model import scan_choice  # standard library only
-
     return scan_choice(layout.value, tuple(nodes), like.numel() * like.element_size(), transport)
 
 
