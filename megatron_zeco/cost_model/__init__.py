@@ -47,7 +47,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 
-from .comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, Transport, chain_hops,  # noqa: F401
+from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, Transport, chain_hops,  # noqa: F401
                          critical_path, hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
@@ -620,7 +620,7 @@ def _model_ms(r: dict) -> float:
 def default_rows() -> list[dict]:
     """Every measured row committed in ``docs/results/*.json``."""
     here = os.path.dirname(os.path.abspath(__file__))
-    return load_rows(os.path.join(here, os.pardir, "docs", "results", "*.json"))
+    return load_rows(os.path.join(here, os.pardir, os.pardir, "docs", "results", "*.json"))
 
 
 # ---------------------------------------------------------------------------------------------- projections
@@ -749,6 +749,3 @@ def main(argv=None) -> None:
                           args.head_dim, cluster, args.transport):
             print(_format(ch, layout))
 
-
-if __name__ == "__main__":
-    main()
