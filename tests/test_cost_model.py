@@ -7,10 +7,12 @@ import functools
 import io
 import json
 import math
+import os
 import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -341,3 +343,42 @@ def test_rows_of_another_operator_stay_out_of_the_fit(tmp_path):
     path.write_text(json.dumps({"meta": {"build": "peer memory"}, "rows": [row, dict(row, op="gdn", ms=9.9),
                                                                             dict(row, op="gla", ms=2.7)]}))
     assert [r["ms"] for r in load_rows(str(path))] == [2.6, 2.7]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+SHIPPED = ROOT / "megatron_zeco" / "cost_model" / cm.DATA
+
+
+def test_shipped_calibration_data_are_the_result_files():
+    """The calibration data shipped with the package are copies of the result files in docs/results
+    that hold calibration rows: every such file, with the same rows and meta, and nothing else; the
+    calibration reads them and not docs/results."""
+    results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in RESULTS.glob("*.json")}
+    shipped = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in SHIPPED.glob("*.json")}
+    needed = {name for name, data in results.items() if cm.calibration_rows(data)}
+    missing, extra = sorted(needed - set(shipped)), sorted(set(shipped) - needed)
+    assert not missing, f"docs/results files with calibration rows not shipped: {missing}; copy them into {SHIPPED}"
+    assert not extra, f"shipped calibration files with no calibration rows in docs/results: {extra}"
+    for name in sorted(needed):
+        copy, source = shipped[name], results[name]
+        assert copy["rows"] == source["rows"], f"{name}: the shipped rows differ from docs/results'"
+        assert copy["meta"] == source["meta"], f"{name}: the shipped meta differs from docs/results'"
+    assert {r["file"] for r in cm.default_rows()} == needed
+
+
+def test_command_line_runs_from_an_installed_copy(tmp_path):
+    """The package as a wheel installs it (setup.py build_py: no docs/results beside it) calibrates on
+    its shipped data and prints what the checkout prints."""
+    lib = tmp_path / "lib"
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert sorted(p.name for p in (lib / "megatron_zeco" / "cost_model" / cm.DATA).glob("*.json")) == sorted(
+        p.name for p in SHIPPED.glob("*.json"))
+    args = ["--gpus", "16", "--node-size", "8"]
+    done = subprocess.run([sys.executable, "-m", "megatron_zeco.cost_model", *args], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(lib)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == _cli(*args)
+

@@ -45,6 +45,7 @@ import json
 import math
 import os
 import re
+from importlib import resources
 from dataclasses import dataclass, replace
 
 from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, Transport, chain_hops,  # noqa: F401
@@ -81,6 +82,8 @@ SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2", "peer memor
 TRANSPORT_CODE = {"send_recv": "v2", "peer_memory": "v3", "nvshmem": "nvshmem"}
 BUILD_TRANSPORT = {"state passes": "send_recv", "fla piece": "send_recv", "fused": "send_recv",
                    "peer memory": "peer_memory"}  # what each build's zeco scanned over (its default)
+PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
+DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
 
@@ -321,32 +324,56 @@ class Calibration:
 
 
 def load_rows(pattern: str) -> list[dict]:
-    """Rows of every JSON file matching ``pattern``, each with ``file`` and the file's defaults.
-
-    Each row gets its file's ``build`` (see :data:`BUILDS`); ``kernel`` rows without heads/dim take
-    them from the file's ``op`` rows; rows without ``dtype`` are bf16 (what ``benchmarks/bench_op.py``
-    measures); op rows without ``mode`` are ``eager`` (timed one call from an empty queue). Rows of
-    another operator than GLA (``bench_op.py --op gdn``) are left out: the model is GLA's.
-    """
-    rows = []
+    """The calibration rows of every JSON result file matching ``pattern`` (see :func:`file_rows`)."""
+    files = []
     for path in sorted(glob.glob(pattern)):
         with open(path) as f:
-            data = json.load(f)
-        file_rows, build = data["rows"], data["meta"].get("build", "state passes")
-        if build not in BUILDS:
-            raise ValueError(f"{path}: unknown build {build!r}; known: {', '.join(BUILDS)}")
-        shapes = {(r["heads"], r["dim"]) for r in file_rows if "heads" in r}
-        for r in file_rows:
-            if r.get("op", "gla") != "gla":
-                continue
-            if "heads" not in r and r["part"] == "kernel":
-                if len(shapes) != 1:
-                    raise ValueError(f"{path}: a {r['part']} row without heads/dim needs one op shape in its file")
-                r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
-            rows.append(dict(r, file=os.path.basename(path), build=build, mode=r.get("mode", "eager")))
+            files.append((os.path.basename(path), json.load(f)))
+    rows = [r for name, data in files for r in file_rows(name, data)]
     if not rows:
         raise ValueError(f"no measured rows in {pattern!r}")
     return rows
+
+
+def default_rows() -> list[dict]:
+    """The calibration rows shipped with the package (``data/*.json``: copies of the result files in
+    the repository's ``docs/results`` that hold such rows)."""
+    data = resources.files(__package__).joinpath(DATA)
+    files = sorted((p for p in data.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+    return [r for p in files for r in file_rows(p.name, json.loads(p.read_text(encoding="utf-8")))]
+
+
+def calibration_rows(data: dict) -> list[dict]:
+    """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
+    written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
+    accuracy, memory or profile rows)."""
+    return [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
+
+
+def file_rows(name: str, data: dict) -> list[dict]:
+    """The calibration rows of one result file ``{"meta": {...}, "rows": [...]}``, each with ``file``
+    (``name``) and the file's defaults.
+
+    The rows are :func:`calibration_rows`; each gets its file's ``build`` (see :data:`BUILDS`);
+    ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without ``dtype``
+    are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
+    (timed one call from an empty queue).
+    """
+    rows = calibration_rows(data)
+    if not rows:
+        return []
+    build = data["meta"].get("build", "state passes")
+    if build not in BUILDS:
+        raise ValueError(f"{name}: unknown build {build!r}; known: {', '.join(BUILDS)}")
+    shapes = {(r["heads"], r["dim"]) for r in rows if "heads" in r}
+    out = []
+    for r in rows:
+        if "heads" not in r and r["part"] == "kernel":
+            if len(shapes) != 1:
+                raise ValueError(f"{name}: a {r['part']} row without heads/dim needs one op shape in its file")
+            r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
+        out.append(dict(r, file=name, build=build, mode=r.get("mode", "eager")))
+    return out
 
 
 def _workload(r: dict, op_ms: float) -> Workload:
@@ -617,12 +644,6 @@ def _model_ms(r: dict) -> float:
     return r["tokens_per_gpu"] / r["tokens_per_s_per_gpu"] * 1e3
 
 
-def default_rows() -> list[dict]:
-    """Every measured row committed in ``docs/results/*.json``."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    return load_rows(os.path.join(here, os.pardir, os.pardir, "docs", "results", "*.json"))
-
-
 # ---------------------------------------------------------------------------------------------- projections
 
 @dataclass(frozen=True)
@@ -708,7 +729,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_zeco.cost_model",
         description="Projected efficiency t(one GPU) / t(strategy) of one GLA layer (forward + backward) under "
-                    "each context-parallel strategy, from the measured points in docs/results/*.json and the "
+                    "each context-parallel strategy, from the measured points shipped with the package "
+                    "(megatron_zeco/cost_model/data: the repository's docs/results files that hold them) and the "
                     "stated link figures (docs/scaling.md). One line per strategy and layout, ending in "
                     "efficiency=. Transports marked (projected) are not measured.")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the context-parallel group (P)")
@@ -730,7 +752,8 @@ def main(argv=None) -> None:
     parser.add_argument("--ib-bandwidth-gbs", type=float, default=INFINIBAND.bandwidth / 1e9,
                         help=f"bandwidth per GPU between nodes, GB/s (default {INFINIBAND.bandwidth / 1e9:g}, stated)")
     parser.add_argument("--results", default=None,
-                        help="glob of measured result files (default: docs/results/*.json of this checkout)")
+                        help="glob of measured result files to calibrate on instead, e.g. 'docs/results/*.json' "
+                             "of a checkout (default: the package's calibration data)")
     args = parser.parse_args(argv)
     for name, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
                         ("--node-size", args.node_size), ("--heads", args.heads)):
