@@ -54,7 +54,7 @@ def test_state_passing_micro_benchmarks_fit_within_bounds():
     assert not bad, bad
     sw = cal.software
     assert min(sw.scan_call, sw.gather_call, cal.nccl_call, sw.a2a_copy) > 0 and sw.message >= 0, sw
-    measured = [b for b, spec in cm.BUILDS.items() if spec is not None and b in cal.builds]
+    measured = [b for b, sw in cal.builds.items() if sw.pass_unit]  # the builds with passes beyond the op
     assert len(measured) >= 2 and all(min(cal.builds[b].state_pass, cal.builds[b].state_grad_pass) > 0
                                       for b in measured), cal.builds
     for transport in ("send_recv", "peer_memory"):  # a device hop was measured for both
@@ -72,16 +72,18 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
                                scan_call=rng.uniform(0, 3e-4), a2a_wire=rng.uniform(0.5, 3),
                                gather_call=rng.uniform(0, 3e-4), fold_launch=cm.FOLD_LAUNCH["eager"],
                                state_pass=rng.uniform(1e-12, 1e-11), state_grad_pass=rng.uniform(1e-12, 1e-11),
-                               a2a_copy=rng.uniform(1e-12, 1e-11), build="fla piece")
+                               a2a_copy=rng.uniform(1e-12, 1e-11), pass_unit="chunk_state_bytes")
+    build = "fla piece"  # a build with passes beyond the local op, as its files' meta says
+    passes = {"forward": "add_state h", "backward": "add_state dh", "per_byte_of": true.pass_unit}
+    meta = {"build": build, "transport": "send_recv", "scan_code": {"send_recv": "v1"}, "passes": passes}
     nccl_call, op_ms, other_ms, T, H, D = rng.uniform(1e-5, 1e-4), rng.uniform(1, 10), rng.uniform(1, 20), 8192, 8, 64
     w = cm.Workload(P=1, tokens=T, heads=H, k_dim=D, v_dim=D, op_ms=op_ms)
     ops = [dict(part="op", tokens_per_gpu=T, heads=H, dim=D, strategy="none", cp=1, layout="contiguous", ms=op_ms)]
     ops += [dict(part="op", tokens_per_gpu=T, heads=H, dim=D, strategy=s, cp=P, layout=lay,
                  ms=cm.layer_time(s, dataclasses.replace(w, P=P, layout=lay), cluster, true) * 1e3)
             for s in ("zeco", "lasp1", "lasp2", "a2a") for P in (2, 4) for lay in ("contiguous", "zigzag")]
-    (fwd, bwd), unit = cm.BUILDS[true.build]
-    ops += [dict(part="kernel", tokens_per_gpu=T, name=name, ms=getattr(w, unit) * per_byte * 1e3)
-            for name, per_byte in ((fwd, true.state_pass), (bwd, true.state_grad_pass))]
+    ops += [dict(part="kernel", tokens_per_gpu=T, name=passes[d], ms=getattr(w, true.pass_unit) * per_byte * 1e3)
+            for d, per_byte in (("forward", true.state_pass), ("backward", true.state_grad_pass))]
     scans = []
     for mib, P in ((0.25, 2), (1.0, 2), (4.0, 2), (1.0, 4)):  # hops and blocks apart: two P
         s = cm.Workload(P=P, tokens=0, heads=round(mib * 16), k_dim=128, v_dim=128, op_ms=0.0)
@@ -98,12 +100,12 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
                    layout="zigzag", tokens_per_s_per_gpu=T / (layers * (other_ms + ms)) * 1e3)
               for P, ms in ((1, op_ms), (2, zeco2))]
     for name, rows in (("op", ops), ("scan", scans), ("model", models)):  # one measurement per file, as they come
-        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"build": true.build}, "rows": rows}))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}))
 
-    cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster, build=true.build)
+    cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster, build=build)
     for field in ("message", "hop", "scan_call", "gather_call", "state_pass", "state_grad_pass", "a2a_copy",
                   "a2a_wire"):
-        assert getattr(cal.builds[true.build], field) == pytest.approx(getattr(true, field), rel=1e-9), field
+        assert getattr(cal.builds[build], field) == pytest.approx(getattr(true, field), rel=1e-9), field
     assert cal.nccl_call == pytest.approx(nccl_call, rel=1e-9)
     assert cal.other_ms[(T, H, D, layers)] == pytest.approx(other_ms, rel=1e-9)
     assert len(cal.residuals) == 2 + len(scans) + len(ops) - 3 + 1  # op rows: one run per configuration
@@ -333,6 +335,24 @@ def test_command_line_help_documents_every_flag():
             cm.main(["--gpus", "0"])
 
 
+def test_result_files_say_what_they_measured(tmp_path):
+    """A result file's meta names its build and, for another build than the current one, what that
+    build measured (cost_model.META); a file of the current build may name the build alone."""
+    row = {"part": "op", "mode": "steady", "tokens_per_gpu": 16384, "heads": 16, "dim": 128, "strategy": "none",
+           "cp": 1, "layout": "contiguous", "ms": 2.6}
+    cases = [({}, "must name the build measured"),
+             ({"build": "fused"}, "transport, scan_code, passes missing"),
+             ({"build": "fused", "transport": "send_recv", "scan_code": {"send_recv": "v2"}, "passes": "fused"},
+              "meta passes must be null or"),
+             ({"build": cm.BUILD, "transport": "ring"}, "meta transport 'ring'")]
+    for meta, message in cases:
+        (tmp_path / "op.json").write_text(json.dumps({"meta": meta, "rows": [row]}))
+        with pytest.raises(ValueError, match=message):
+            cm.load_rows(str(tmp_path / "op.json"))
+    (tmp_path / "op.json").write_text(json.dumps({"meta": {"build": cm.BUILD}, "rows": [row]}))
+    assert cm.load_rows(str(tmp_path / "op.json"))[0]["build_meta"] == cm.BUILD_META
+
+
 def test_rows_of_another_operator_stay_out_of_the_fit(tmp_path):
     """bench_op.py --op gdn writes op rows beside GLA's: the GLA model must not calibrate on them."""
     from megatron_zeco.cost_model import load_rows
@@ -353,7 +373,8 @@ SHIPPED = ROOT / "megatron_zeco" / "cost_model" / cm.DATA
 def test_shipped_calibration_data_are_the_result_files():
     """The calibration data shipped with the package are copies of the result files in docs/results
     that hold calibration rows: every such file, with the same rows and meta, and nothing else; the
-    calibration reads them and not docs/results."""
+    calibration reads them and not docs/results. Each copy's meta says in full what it measured
+    (cost_model.META), where docs/results' may leave out what the benchmarks did not write then."""
     results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in RESULTS.glob("*.json")}
     shipped = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in SHIPPED.glob("*.json")}
     needed = {name for name, data in results.items() if cm.calibration_rows(data)}
@@ -363,7 +384,9 @@ def test_shipped_calibration_data_are_the_result_files():
     for name in sorted(needed):
         copy, source = shipped[name], results[name]
         assert copy["rows"] == source["rows"], f"{name}: the shipped rows differ from docs/results'"
-        assert copy["meta"] == source["meta"], f"{name}: the shipped meta differs from docs/results'"
+        added = {k: v for k, v in copy["meta"].items() if k not in source["meta"]}
+        assert {**source["meta"], **added} == copy["meta"], f"{name}: the shipped meta differs from docs/results'"
+        assert set(added) <= set(cm.META) <= set(copy["meta"]), f"{name}: meta adds {sorted(added)}"
     assert {r["file"] for r in cm.default_rows()} == needed
 
 

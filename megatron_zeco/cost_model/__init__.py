@@ -63,25 +63,22 @@ ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
 
-# ZeCO's passes beyond the local op in each build of the GPU path: the (forward, backward) kernel
-# rows bench_op measures and what each is charged per byte of, or None where the build has no
-# such pass. A result file names its build in ``meta["build"]``; files from before that key
-# are "state passes". BUILD is the code as it is now.
-BUILDS = {
-    "state passes": (("gla_state", "gla_state_grad"), "pass_bytes"),  # own kernels re-read k, v, g / q, g, dO
-    "fla piece": (("add_state h", "add_state dh"), "chunk_state_bytes"),  # decayed S_in added to each chunk's state
-    "fused": None,  # the state term inside the output and gradient kernels (kernels/chunk_state.py)
-    "peer memory": None,  # fused, and All-Scan through peer memory by default on one node (comm/peer.py)
-}
+# What a result file measured, in its ``meta`` (the calibration reads it there, row by row):
+#   build      the build of the package it measured: a name (runs of one build are averaged together)
+#   transport  the All-Scan's transport of its zeco op and model rows (TRANSPORTS)
+#   scan_code  {transport: version}: the version of the scan code each transport ran; the scans' call,
+#              per-message and per-hop costs are fitted per version, over the scan rows of every file
+#              (a row "all_scan <transport> K=*" ran that transport's code; the others, the file's
+#              transport's). A transport the file does not list ran code of its own build.
+#   passes     ZeCO's passes beyond the local op: {"forward": ..., "backward": ...} the kernel rows that
+#              time them and "per_byte_of" what each is charged per byte of (PASS_UNITS); or null where
+#              the build has none (the state term inside the output and gradient kernels).
+META = ("build", "transport", "scan_code", "passes")
+PASS_UNITS = ("pass_bytes", "chunk_state_bytes")  # Workload sizes a pass can be charged per byte of
+# The build as it is now: what the benchmarks write in meta["build"], and what a result file of it
+# measured where its meta says no more (the shipped calibration data say it all themselves).
 BUILD = "peer memory"
-# The version of the scan code each build's zeco ran: the scans' call, per-message and per-hop
-# costs are fitted per version (v1, v2: host-issued NCCL messages, v2 with one block without
-# concatenation and one addcmul; v3: one Triton kernel per piece storing into peer memory). A scan
-# row naming its transport (``all_scan send_recv K=4``) ran the code of that transport.
-SCAN_CODE = {"state passes": "v1", "fla piece": "v1", "fused": "v2", "peer memory": "v3"}
-TRANSPORT_CODE = {"send_recv": "v2", "peer_memory": "v3", "nvshmem": "nvshmem"}
-BUILD_TRANSPORT = {"state passes": "send_recv", "fla piece": "send_recv", "fused": "send_recv",
-                   "peer memory": "peer_memory"}  # what each build's zeco scanned over (its default)
+BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer_memory": "v3"}, "passes": None}
 PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
@@ -148,7 +145,7 @@ class Software:
     hop: float = 0.0  # per hop beyond the wire on the critical path: receive -> combine -> send
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
-    build: str = BUILD  # which BUILDS entry the passes are (what they are charged per byte of)
+    pass_unit: str = ""  # what the passes are charged per byte of (PASS_UNITS); "" where there are none
     transport: str = "send_recv"  # the All-Scan's transport (TRANSPORTS)
 
 
@@ -251,7 +248,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
         return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
-    passes = 0.0 if BUILDS[sw.build] is None else getattr(w, BUILDS[sw.build][1]) * (sw.state_pass + sw.state_grad_pass)
+    passes = getattr(w, sw.pass_unit) * (sw.state_pass + sw.state_grad_pass) if sw.pass_unit else 0.0
     if strategy == "zeco":
         transport = TRANSPORTS[sw.transport]
         if shape not in transport.shapes:
@@ -354,7 +351,8 @@ def file_rows(name: str, data: dict) -> list[dict]:
     """The calibration rows of one result file ``{"meta": {...}, "rows": [...]}``, each with ``file``
     (``name``) and the file's defaults.
 
-    The rows are :func:`calibration_rows`; each gets its file's ``build`` (see :data:`BUILDS`);
+    The rows are :func:`calibration_rows`; each gets its file's ``build`` and ``build_meta`` (what
+    the file measured, :data:`META`: a file of :data:`BUILD` that says no more is :data:`BUILD_META`);
     ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without ``dtype``
     are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
     (timed one call from an empty queue).
@@ -362,9 +360,7 @@ def file_rows(name: str, data: dict) -> list[dict]:
     rows = calibration_rows(data)
     if not rows:
         return []
-    build = data["meta"].get("build", "state passes")
-    if build not in BUILDS:
-        raise ValueError(f"{name}: unknown build {build!r}; known: {', '.join(BUILDS)}")
+    build, built = data["meta"].get("build"), _build_meta(name, data["meta"])
     shapes = {(r["heads"], r["dim"]) for r in rows if "heads" in r}
     out = []
     for r in rows:
@@ -372,8 +368,31 @@ def file_rows(name: str, data: dict) -> list[dict]:
             if len(shapes) != 1:
                 raise ValueError(f"{name}: a {r['part']} row without heads/dim needs one op shape in its file")
             r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
-        out.append(dict(r, file=name, build=build, mode=r.get("mode", "eager")))
+        out.append(dict(r, file=name, build=build, build_meta=built, mode=r.get("mode", "eager")))
     return out
+
+
+def _build_meta(name: str, meta: dict) -> dict:
+    """What a result file measured (:data:`META` but the build), from its ``meta``; checked."""
+    if not isinstance(meta.get("build"), str):
+        raise ValueError(f"{name}: meta must name the build measured (meta['build']), and say what it measured: "
+                         f"{', '.join(META)} (docs/scaling.md, 'Adding a measured point')")
+    built = {k: meta[k] for k in META[1:] if k in meta}
+    if meta["build"] == BUILD:
+        built = {**BUILD_META, **built}
+    missing = [k for k in META[1:] if k not in built]
+    if missing:
+        raise ValueError(f"{name}: meta of build {meta['build']!r} (not the current {BUILD!r}) must say what it "
+                         f"measured: {', '.join(missing)} missing (docs/scaling.md, 'Adding a measured point')")
+    transport, codes, passes = built["transport"], built["scan_code"], built["passes"]
+    if transport not in TRANSPORTS or not isinstance(codes, dict) or not set(codes) <= set(TRANSPORTS):
+        raise ValueError(f"{name}: meta transport {transport!r} and scan_code {codes!r} must name transports among "
+                         f"{', '.join(TRANSPORTS)}")
+    if passes is not None and (not isinstance(passes, dict) or set(passes) != {"forward", "backward", "per_byte_of"}
+                               or passes["per_byte_of"] not in PASS_UNITS):
+        raise ValueError(f"{name}: meta passes must be null or {{'forward': kernel row, 'backward': kernel row, "
+                         f"'per_byte_of': one of {', '.join(PASS_UNITS)}}}, got {passes!r}")
+    return built
 
 
 def _workload(r: dict, op_ms: float) -> Workload:
@@ -451,7 +470,9 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     all-gather call (``nccl all_gather``) and the a2a copies (``a2a`` op rows). Inputs: the
     ``none`` op rows (one-GPU op time per shape and regime) and the CP = 1 ``model`` rows
     (per-layer time outside GLA). Predicted: the other ``op`` rows (eager, and steady: issued
-    back to back), the ``nccl send/recv hop`` rows and the CP > 1 ``model`` rows.
+    back to back), the ``nccl send/recv hop`` rows and the CP > 1 ``model`` rows. Each row is
+    modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
+    version of the scan code over each transport, zeco's transport.
     """
     def by(**kv):
         return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
@@ -473,13 +494,25 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     def fit_constant(rs, known):  # y = constant + known(row)
         return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
 
+    # What each build measured (its files' meta); the build whose costs are wanted, if it has no rows,
+    # as it is now.
+    measured: dict[str, dict] = {}
+    for r in rows:
+        if measured.setdefault(r["build"], r["build_meta"]) != r["build_meta"]:
+            raise ValueError(f"{r['file']}: build {r['build']!r} measured {r['build_meta']} here and "
+                             f"{measured[r['build']]} in another file: one build, one meta")
+    if build not in measured:
+        if build != BUILD:
+            raise ValueError(f"no rows of build {build!r} (measured: {', '.join(measured)})")
+        measured[build] = BUILD_META
+
     # The passes of each build measured, each fitted per byte of what it touches.
     kernels, passes = {}, {}
-    for b, spec in BUILDS.items():
-        if spec is None:  # no separate pass: its cost is inside the op rows
-            passes[b] = dict(build=b, state_pass=0.0, state_grad_pass=0.0)
+    for b, meta in measured.items():
+        if meta["passes"] is None:  # no separate pass: its cost is inside the op rows
+            passes[b] = dict(pass_unit="", state_pass=0.0, state_grad_pass=0.0)
             continue
-        (fwd, bwd), unit = spec
+        fwd, bwd, unit = meta["passes"]["forward"], meta["passes"]["backward"], meta["passes"]["per_byte_of"]
         rows_of = {name: by(part="kernel", name=name, build=b) for name in (fwd, bwd)}
         if not any(rows_of.values()):
             continue
@@ -487,7 +520,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
         per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
                                         [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
-        passes[b] = dict(build=b, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
+        passes[b] = dict(pass_unit=unit, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
         kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
     base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
                              a2a_copy=0.0, **passes[build]) for regime in REGIMES}
@@ -495,19 +528,31 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     # Per version of the scan code and regime: All-Scan = scan_call + (K - 1) * message + hops * hop
     # + wire (stated links), the all-gather scan = gather_call + its wire and fold. Device costs
     # (steady) first: a host-issued call's hops are the device's.
-    version_transport = {v: t for t, v in TRANSPORT_CODE.items()}
-    version_transport.update({"v1": "send_recv"})
-    scan_fits, gather_fits, scans, gathers = {}, {}, [], []
+    def code_of(b, transport):  # the version of the scan code build b ran over transport
+        return measured[b]["scan_code"].get(transport, f"{b}/{transport}")
+
+    def scan_transport(r):  # a scan row's: the one its method names, else its file's
+        m = _CHAIN.match(r["method"])
+        if m and m.group(1) and m.group(1) not in TRANSPORTS:
+            raise ValueError(f"{r['file']}: scan row {r['method']!r} names no transport among {', '.join(TRANSPORTS)}")
+        return m.group(1) if m and m.group(1) else measured[r["build"]]["transport"]
 
     def scan_code(r):
-        m = _CHAIN.match(r["method"])
-        return TRANSPORT_CODE[m.group(1)] if m and m.group(1) else SCAN_CODE.get(r["build"])
+        return code_of(r["build"], scan_transport(r))
+
+    version_transport = {}  # the transport each version of the scan code moves states over
+    used = [(b, t) for b, meta in measured.items() for t in (meta["transport"], *meta["scan_code"])]
+    for b, transport in used + [(r["build"], scan_transport(r)) for r in by(part="scan")]:
+        version = code_of(b, transport)
+        if version_transport.setdefault(version, transport) != transport:
+            raise ValueError(f"scan code {version!r} runs over {version_transport[version]!r} and {transport!r}")
+    scan_fits, gather_fits, scans, gathers = {}, {}, [], []
 
     def method(r):  # the same for one code's chain in every file: "all_scan K=4"
         m = _CHAIN.match(r["method"])
         return f"all_scan K={m.group(2)}" if m else r["method"]
 
-    for version in dict.fromkeys([*SCAN_CODE.values(), *TRANSPORT_CODE.values()]):
+    for version in dict.fromkeys(scan_code(r) for r in by(part="scan")):
         mine = [dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version]
         hop = None
         for regime, key in (("steady", "gpu_ms"), ("eager", "ms")):
@@ -515,7 +560,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
                      for r in pooled if _CHAIN.match(r["method"])]
             gather = [r for r in pooled if r["method"] == "gather_scan"]
-            sw = replace(base[regime], transport=version_transport.get(version, "send_recv"))
+            sw = replace(base[regime], transport=version_transport[version])
             if chain:
                 scan_fits[version, regime] = fit = _fit_scan(chain, cluster, sw, key, hop)
                 hop = fit["hop"] if regime == "steady" else hop
@@ -523,8 +568,10 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             if gather:
                 gather_fits[version, regime] = _fit_gather(gather, cluster, sw, key)
                 gathers += [(r, version, regime, key) for r in gather]
-    if (SCAN_CODE[build], "eager") not in scan_fits or (SCAN_CODE[build], "eager") not in gather_fits:
-        raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code")
+    build_code = code_of(build, measured[build]["transport"])
+    if (build_code, "eager") not in scan_fits or (build_code, "eager") not in gather_fits:
+        raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code "
+                         f"({build_code!r})")
 
     def fits(version, regime):  # the scan code's chain and all-gather costs in regime
         return {**scan_fits.get((version, regime), {}), **gather_fits.get((version, regime), {})}
@@ -532,12 +579,13 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     def built(r, regime="eager"):  # the Software a row was measured with: its build's passes and scan code
         if r["build"] not in passes:
             raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
-        code = SCAN_CODE[r["build"]]
+        transport = measured[r["build"]]["transport"]
+        code = code_of(r["build"], transport)
         if (code, regime) not in scan_fits or (code, regime) not in gather_fits:
             raise ValueError(f"{r['file']}: no {regime} 'scan' rows of scan code {code!r} (build {r['build']!r})")
-        return replace(sw_of[regime], **passes[r["build"]], **fits(code, regime), transport=BUILD_TRANSPORT[r["build"]])
+        return replace(sw_of[regime], **passes[r["build"]], **fits(code, regime), transport=transport)
 
-    sw_of = {regime: replace(base[regime], **fits(SCAN_CODE[build], regime)) for regime in REGIMES}
+    sw_of = {regime: replace(base[regime], **fits(build_code, regime)) for regime in REGIMES}
     ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
     nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"), "ms")
     nccl_call = fit_constant(nccl_gathers, ring)
@@ -610,24 +658,23 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
             res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
                                 f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
 
-    builds = {b: replace(sw_of["eager"], **p, **fits(SCAN_CODE[b], "eager"), transport=BUILD_TRANSPORT[b])
-              for b, p in passes.items()}
+    builds = {b: replace(sw_of["eager"], **p, **fits(code_of(b, measured[b]["transport"]), "eager"),
+                         transport=measured[b]["transport"]) for b, p in passes.items()}
     transports = {}
-    for name in TRANSPORTS:
-        measured = all((TRANSPORT_CODE[name], regime) in scan_fits for regime in REGIMES)
-        projected = name == NVSHMEM_PROJECTION["transport"] and not measured
-        priced_as = NVSHMEM_PROJECTION["priced_as"] if projected else name
+    for name in TRANSPORTS:  # the code as built over each transport: the scan code build ``build`` runs over it
+        fitted = all((code_of(build, name), regime) in scan_fits for regime in REGIMES)
+        projected = name == NVSHMEM_PROJECTION["transport"] and not fitted
+        code = code_of(build, NVSHMEM_PROJECTION["priced_as"] if projected else name)
         for regime in REGIMES:
-            if (TRANSPORT_CODE[priced_as], regime) in scan_fits:
-                transports[name, regime] = replace(sw_of[regime], **scan_fits[TRANSPORT_CODE[priced_as], regime],
-                                                   transport=name)
+            if (code, regime) in scan_fits:
+                transports[name, regime] = replace(sw_of[regime], **scan_fits[code, regime], transport=name)
     return Calibration(builds[build], builds, transports, nccl_call, op_ms, other_ms, res)
 
 
 def _pooled(scan_rows: list[dict], key: str) -> list[dict]:
-    """One scan row per method, P and size with a ``key`` time: the mean of its runs. These
-    micro-benchmarks are timed from an empty queue, so host jitter moves a point by up to 2x from
-    run to run."""
+    """One scan row per method, P and size with a ``key`` time: the mean of its runs."""
+    # These micro-benchmarks are timed from an empty queue: host jitter moves a point by up to 2x from
+    # run to run (docs/results).
     groups: dict[tuple, list[dict]] = {}
     for r in scan_rows:
         if key in r:
