@@ -239,6 +239,28 @@ def test_hierarchical_steps_are_those_of_the_code():
                 assert cm.chain_hops(P, layout.value, nodes) == cm.chain_hops(P, layout.value, node_size)
 
 
+# Groups, node-major, whose chain and hierarchical scan take the same hops inside and between nodes
+# (P = 3; 4 ranks on 2 nodes, contiguous): (P, node size, layout).
+TIES = {(3, 1, "contiguous"), (3, 2, "contiguous"), (3, 2, "zigzag"), (4, 2, "contiguous")}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shape_choice_is_set_by_the_hops(layout):
+    """Over send/recv the hierarchical scan's critical path never takes more hops, inside or between
+    nodes, than the chain's: at the stated hop cost and NVLink the choice is the hierarchical scan
+    for every node-major group of 3 to 24 ranks, whatever the latency between nodes (0 to 1 ms),
+    but where both take the same hops: the chain (which rounding used to turn at some latencies)."""
+    for P in range(3, 25):
+        for node_size in range(1, P):
+            nodes = tuple(r // node_size for r in range(P))
+            choices = {cm.scan_choice(layout, nodes, 2 ** 20, "send_recv", cm.Cluster(inter=cm.Link(alpha, 50e9)))
+                       for alpha in (0.0, 5e-6, 1e-4, 1e-3)}
+            assert choices == {"chain" if (P, node_size, layout) in TIES else "hierarchical"}, (P, node_size)
+    # one rank alone on its node, the others together: the same hops either way, at any latency
+    for alpha in (0.0, 1e-5, 1e-4, 1e-3):
+        assert cm.scan_choice("zigzag", (0, 0, 1), 96, "send_recv", cm.Cluster(inter=cm.Link(alpha, 50e9))) == "chain"
+
+
 def test_limits():
     c = cm.Cluster()
     for sw in _softwares().values():  # one rank: every strategy is the local op

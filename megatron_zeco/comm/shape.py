@@ -163,7 +163,8 @@ def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> flo
 def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
     """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
     backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
-    cluster's links. What ``all_scan(shape="auto")`` runs over send/recv
+    cluster's links; the chain where both take as long (the same hops inside and between nodes: it
+    sends fewer messages). What ``all_scan(shape="auto")`` runs over send/recv
     (remembered per arguments: a layer's scans ask the same question every step)."""
     P = len(nodes)
     node = _node_of(tuple(nodes))
@@ -174,7 +175,8 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     # (a map is a state and one more column: counted as a state here)
     tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse), P,
                              lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
-    return "hierarchical" if tree < chain else "chain"
+    # equal paths add the same hop times in another order: they may differ in the last bits
+    return "hierarchical" if tree < chain and not math.isclose(tree, chain, rel_tol=1e-9) else "chain"
 
 
 def scan_path(hops: Tuple[int, int], state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> float:
