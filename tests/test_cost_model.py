@@ -1,6 +1,7 @@
 """Cost model (megatron_zeco/cost_model.py): calibration against the measured points, the formulas, the
 scan shapes as built (hop counts and schedules against comm/), and the command line. No timing."""
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -426,4 +427,102 @@ def test_command_line_runs_from_an_installed_copy(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(lib)}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == _cli(*args)
+
+
+def test_the_run_time_choice_stands_alone():
+    """comm/shape.py, what all_scan(shape="auto") asks, loads on the standard library alone (no
+    torch, no result files), and nothing in comm imports the cost model."""
+    path = ROOT / "megatron_zeco" / "comm" / "shape.py"
+    code = ("import importlib.util, sys; sys.modules['torch'] = None; before = set(sys.modules); "
+            f"spec = importlib.util.spec_from_file_location('shape', {str(path)!r}); "
+            "m = sys.modules['shape'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.scan_choice('contiguous', (0, 0, 1, 1, 2, 2), 2 ** 20, 'send_recv')); "
+            "print(*sorted({n.split('.')[0] for n in set(sys.modules) - before}"
+            " - set(sys.stdlib_module_names) - {'shape'}))")
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["hierarchical", ""], done.stdout  # and no module beyond the standard library
+    for path in sorted((ROOT / "megatron_zeco" / "comm").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+                assert not any("cost_model" in name for name in names), f"comm/{path.name} imports {names}"
+
+
+# ---------------------------------------------------------------------------------------------- stated figures
+# The model's stated constants, each against its source (docs/scaling.md, "What each transport's numbers
+# rest on"), and the projections recorded in docs/scaling.md against the model: a test computing its
+# expectation from the model's own constants cannot tell a wrong constant.
+
+MiB = 2 ** 20
+SCALING = ROOT / "docs" / "scaling.md"
+
+
+def test_stated_links_are_their_sources():
+    # InfiniBand NDR: 400 Gb/s, i.e. 50 GB/s per GPU with one NIC per GPU; 5 us per message (stated)
+    assert cm.INFINIBAND.time(0) == pytest.approx(5e-6, rel=1e-12)
+    assert cm.INFINIBAND.time(MiB) == pytest.approx(5e-6 + MiB / 50e9, rel=1e-12)
+    # NVLink: 268 GB/s per GPU, the bandwidth NCCL's all-to-all reached on 2 H200; 1 us per message (stated)
+    assert cm.NVLINK.time(0) == pytest.approx(1e-6, rel=1e-12)
+    assert cm.NVLINK.time(MiB) == pytest.approx(1e-6 + MiB / 268e9, rel=1e-12)
+    # the cluster of the projections and of the run-time choice: 8 GPUs per node (an H200 node)
+    c = cm.Cluster()
+    assert c.gpus_per_node == 8
+    assert c.link(0, 7).time(MiB) == pytest.approx(1e-6 + MiB / 268e9, rel=1e-12)
+    assert c.link(7, 8).time(MiB) == pytest.approx(5e-6 + MiB / 50e9, rel=1e-12)
+
+
+def test_stated_hop_costs_are_the_fitted_hops():
+    # What the run-time choice charges per hop beyond the wire: the GPU time of a hop fitted on the
+    # measured scan rows, rounded to the microsecond (send/recv 20.7 us, peer memory 5.8 us); NVSHMEM,
+    # not measured, as peer memory.
+    assert cm.HOP_COST == {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
+    cal = _calibration()
+    for transport, stated in cm.HOP_COST.items():
+        assert abs(cal.sw(transport, "steady").hop - stated) <= 0.5e-6, (transport, cal.sw(transport, "steady").hop)
+
+
+def test_recorded_runs_are_what_the_command_line_prints():
+    """The runs of the command line docs/scaling.md records (256 GPUs on 32 nodes, 16 GPUs on two)
+    print what the page says, line for line."""
+    runs = re.findall(r"^```\n\$ python -m megatron_zeco\.cost_model ([^\n]*)\n(.*?)^```",
+                      SCALING.read_text(encoding="utf-8"), flags=re.S | re.M)
+    assert {args for args, _ in runs} >= {"--gpus 256 --tokens-per-gpu 16384", "--gpus 16 --node-size 8"}, runs
+    for args, printed in runs:
+        assert _cli(*args.split()) == printed.splitlines(), args
+
+
+def test_recorded_efficiencies_are_the_models(monkeypatch):
+    """docs/scaling.md's table of projected efficiencies (16K and 32K tokens per GPU, 256 and 1024
+    GPUs, contiguous / zigzag), row by row."""
+    table = {m.group(1): [float(x) for x in m.group(2, 3, 4, 5)] for m in re.finditer(
+        r"^\| (.+?) \| (\d\.\d{3}) / (\d\.\d{3}) \| (\d\.\d{3}) / (\d\.\d{3}) \|$", SCALING.read_text(encoding="utf-8"),
+        flags=re.M)}
+    cal = _calibration()
+
+    def efficiencies(tokens, strategy):
+        return [round(next(ch for ch in cm.project(cal, P, tokens, layout) if ch.strategy == strategy).efficiency, 3)
+                for P in (256, 1024) for layout in cm.LAYOUTS]
+
+    rows = {"as built: hierarchical over send/recv (NCCL; measured costs)": (16384, "zeco"),
+            "as built: chain over NVSHMEM (*projected* transport costs)": (16384, "zeco-chain"),
+            "same as built at 32K tokens per GPU (hierarchical over send/recv)": (32768, "zeco"),
+            "LASP-2 (all-gather), 16K": (16384, "lasp2")}
+    for label, (tokens, strategy) in rows.items():
+        assert table[label] == efficiencies(tokens, strategy), label
+    # the row of a shape not built: the device kernels over NVSHMEM running the hierarchical shape
+    monkeypatch.setitem(cm.TRANSPORTS, "nvshmem", dataclasses.replace(cm.TRANSPORTS["nvshmem"], shapes=cm.SHAPES))
+    label = "not built: the hierarchical shape run by the device kernels over NVSHMEM (*projected*)"
+    assert table[label] == efficiencies(16384, "zeco-hierarchical"), label
+
+
+def test_recorded_transport_costs_are_the_calibrations():
+    """docs/scaling.md's table of each transport's fitted (or projected) costs, in microseconds."""
+    rows = re.findall(r"^\| (send_recv|peer_memory|nvshmem) \| (steady|eager) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|",
+                      SCALING.read_text(encoding="utf-8"), flags=re.M)
+    assert len(rows) == len(cm.TRANSPORTS) * len(cm.REGIMES), rows
+    cal = _calibration()
+    for transport, regime, *recorded in rows:
+        sw = cal.sw(transport, regime)
+        assert [f"{x * 1e6:.1f}" for x in (sw.scan_call, sw.message, sw.hop)] == recorded, (transport, regime)
 
