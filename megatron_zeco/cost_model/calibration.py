@@ -35,9 +35,9 @@ _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
 
 # NVSHMEM (device-initiated put + signal) is not measured yet: until scan rows named
-# "all_scan nvshmem K=*" exist in the calibration data (then they are fitted like the others), its costs are
-# those of the transport named here, measured on one node (a device-side store and flag per hop,
-# the same kind of work), and between nodes the Cluster's stated InfiniBand link (5 us, 50 GB/s).
+# "all_scan nvshmem K=*" exist in the calibration data (then they are fitted like the others), its
+# costs are those of the transport named here, measured on one node (a device-side store and flag
+# per hop, the same kind of work), and between nodes the Cluster's stated InfiniBand link.
 NVSHMEM_PROJECTION = {"transport": "nvshmem", "priced_as": "peer_memory"}
 
 

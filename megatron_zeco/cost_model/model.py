@@ -75,7 +75,7 @@ class Software:
     hop: float = 0.0  # per hop beyond the wire on the critical path: receive -> combine -> send
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
-    pass_unit: str = ""  # what the passes are charged per byte of (PASS_UNITS); "" where there are none
+    pass_unit: str = ""  # the Workload size the passes are charged per byte of ("pass_bytes", ...); "": none
     transport: str = "send_recv"  # the All-Scan's transport (TRANSPORTS)
 
 

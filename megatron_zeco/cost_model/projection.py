@@ -9,6 +9,7 @@ from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from .calibration import Calibration, calibrate, default_rows, load_rows
 from .model import LAYOUTS, REGIMES, SHAPES, Workload, best_blocks, layer_time
 
+
 @dataclass(frozen=True)
 class Choice:
     """A strategy's projected layer: for zeco, the All-Scan's transport, shape and blocks."""
