@@ -10,6 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_zeco", "megatron_zeco.*"]),
+    # the cost model's calibration: copies of the result files in docs/results that it reads
+    package_data={"megatron_zeco.cost_model": ["data/*.json"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",

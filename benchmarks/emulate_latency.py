@@ -111,7 +111,7 @@ def fit(rows):
     critical path (the model's count, forward + backward), least squares in relative error."""
     base = [r for r in rows if r["alpha_ms"] == 0]
     xs = [[2.0, model_ms(dict(r, alpha_ms=0.0), 0.0, 1.0) * 1e-3] for r in base]
-    call, hop = cm._weighted_fit(xs, [r["ms"] * 1e-3 for r in base])
+    call, hop = cm.calibration._weighted_fit(xs, [r["ms"] * 1e-3 for r in base])
     return max(call, 0.0), hop
 
 

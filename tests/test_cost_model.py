@@ -1,16 +1,19 @@
 """Cost model (megatron_zeco/cost_model.py): calibration against the measured points, the formulas, the
 scan shapes as built (hop counts and schedules against comm/), and the command line. No timing."""
 
+import ast
 import contextlib
 import dataclasses
 import functools
 import io
 import json
 import math
+import os
 import random
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +55,7 @@ def test_state_passing_micro_benchmarks_fit_within_bounds():
     assert not bad, bad
     sw = cal.software
     assert min(sw.scan_call, sw.gather_call, cal.nccl_call, sw.a2a_copy) > 0 and sw.message >= 0, sw
-    measured = [b for b, spec in cm.BUILDS.items() if spec is not None and b in cal.builds]
+    measured = [b for b, sw in cal.builds.items() if sw.pass_unit]  # the builds with passes beyond the op
     assert len(measured) >= 2 and all(min(cal.builds[b].state_pass, cal.builds[b].state_grad_pass) > 0
                                       for b in measured), cal.builds
     for transport in ("send_recv", "peer_memory"):  # a device hop was measured for both
@@ -70,16 +73,18 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
                                scan_call=rng.uniform(0, 3e-4), a2a_wire=rng.uniform(0.5, 3),
                                gather_call=rng.uniform(0, 3e-4), fold_launch=cm.FOLD_LAUNCH["eager"],
                                state_pass=rng.uniform(1e-12, 1e-11), state_grad_pass=rng.uniform(1e-12, 1e-11),
-                               a2a_copy=rng.uniform(1e-12, 1e-11), build="fla piece")
+                               a2a_copy=rng.uniform(1e-12, 1e-11), pass_unit="chunk_state_bytes")
+    build = "fla piece"  # a build with passes beyond the local op, as its files' meta says
+    passes = {"forward": "add_state h", "backward": "add_state dh", "per_byte_of": true.pass_unit}
+    meta = {"build": build, "transport": "send_recv", "scan_code": {"send_recv": "v1"}, "passes": passes}
     nccl_call, op_ms, other_ms, T, H, D = rng.uniform(1e-5, 1e-4), rng.uniform(1, 10), rng.uniform(1, 20), 8192, 8, 64
     w = cm.Workload(P=1, tokens=T, heads=H, k_dim=D, v_dim=D, op_ms=op_ms)
     ops = [dict(part="op", tokens_per_gpu=T, heads=H, dim=D, strategy="none", cp=1, layout="contiguous", ms=op_ms)]
     ops += [dict(part="op", tokens_per_gpu=T, heads=H, dim=D, strategy=s, cp=P, layout=lay,
                  ms=cm.layer_time(s, dataclasses.replace(w, P=P, layout=lay), cluster, true) * 1e3)
             for s in ("zeco", "lasp1", "lasp2", "a2a") for P in (2, 4) for lay in ("contiguous", "zigzag")]
-    (fwd, bwd), unit = cm.BUILDS[true.build]
-    ops += [dict(part="kernel", tokens_per_gpu=T, name=name, ms=getattr(w, unit) * per_byte * 1e3)
-            for name, per_byte in ((fwd, true.state_pass), (bwd, true.state_grad_pass))]
+    ops += [dict(part="kernel", tokens_per_gpu=T, name=passes[d], ms=getattr(w, true.pass_unit) * per_byte * 1e3)
+            for d, per_byte in (("forward", true.state_pass), ("backward", true.state_grad_pass))]
     scans = []
     for mib, P in ((0.25, 2), (1.0, 2), (4.0, 2), (1.0, 4)):  # hops and blocks apart: two P
         s = cm.Workload(P=P, tokens=0, heads=round(mib * 16), k_dim=128, v_dim=128, op_ms=0.0)
@@ -96,12 +101,12 @@ def test_calibration_recovers_known_costs_from_json(tmp_path, seed):
                    layout="zigzag", tokens_per_s_per_gpu=T / (layers * (other_ms + ms)) * 1e3)
               for P, ms in ((1, op_ms), (2, zeco2))]
     for name, rows in (("op", ops), ("scan", scans), ("model", models)):  # one measurement per file, as they come
-        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": {"build": true.build}, "rows": rows}))
+        (tmp_path / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}))
 
-    cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster, build=true.build)
+    cal = cm.calibrate(cm.load_rows(str(tmp_path / "*.json")), cluster, build=build)
     for field in ("message", "hop", "scan_call", "gather_call", "state_pass", "state_grad_pass", "a2a_copy",
                   "a2a_wire"):
-        assert getattr(cal.builds[true.build], field) == pytest.approx(getattr(true, field), rel=1e-9), field
+        assert getattr(cal.builds[build], field) == pytest.approx(getattr(true, field), rel=1e-9), field
     assert cal.nccl_call == pytest.approx(nccl_call, rel=1e-9)
     assert cal.other_ms[(T, H, D, layers)] == pytest.approx(other_ms, rel=1e-9)
     assert len(cal.residuals) == 2 + len(scans) + len(ops) - 3 + 1  # op rows: one run per configuration
@@ -235,6 +240,28 @@ def test_hierarchical_steps_are_those_of_the_code():
                 assert cm.chain_hops(P, layout.value, nodes) == cm.chain_hops(P, layout.value, node_size)
 
 
+# Groups, node-major, whose chain and hierarchical scan take the same hops inside and between nodes
+# (P = 3; 4 ranks on 2 nodes, contiguous): (P, node size, layout).
+TIES = {(3, 1, "contiguous"), (3, 2, "contiguous"), (3, 2, "zigzag"), (4, 2, "contiguous")}
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_shape_choice_is_set_by_the_hops(layout):
+    """Over send/recv the hierarchical scan's critical path never takes more hops, inside or between
+    nodes, than the chain's: at the stated hop cost and NVLink the choice is the hierarchical scan
+    for every node-major group of 3 to 24 ranks, whatever the latency between nodes (0 to 1 ms),
+    but where both take the same hops: the chain (which rounding used to turn at some latencies)."""
+    for P in range(3, 25):
+        for node_size in range(1, P):
+            nodes = tuple(r // node_size for r in range(P))
+            choices = {cm.scan_choice(layout, nodes, 2 ** 20, "send_recv", cm.Cluster(inter=cm.Link(alpha, 50e9)))
+                       for alpha in (0.0, 5e-6, 1e-4, 1e-3)}
+            assert choices == {"chain" if (P, node_size, layout) in TIES else "hierarchical"}, (P, node_size)
+    # one rank alone on its node, the others together: the same hops either way, at any latency
+    for alpha in (0.0, 1e-5, 1e-4, 1e-3):
+        assert cm.scan_choice("zigzag", (0, 0, 1), 96, "send_recv", cm.Cluster(inter=cm.Link(alpha, 50e9))) == "chain"
+
+
 def test_limits():
     c = cm.Cluster()
     for sw in _softwares().values():  # one rank: every strategy is the local op
@@ -331,6 +358,24 @@ def test_command_line_help_documents_every_flag():
             cm.main(["--gpus", "0"])
 
 
+def test_result_files_say_what_they_measured(tmp_path):
+    """A result file's meta names its build and, for another build than the current one, what that
+    build measured (cost_model.META); a file of the current build may name the build alone."""
+    row = {"part": "op", "mode": "steady", "tokens_per_gpu": 16384, "heads": 16, "dim": 128, "strategy": "none",
+           "cp": 1, "layout": "contiguous", "ms": 2.6}
+    cases = [({}, "must name the build measured"),
+             ({"build": "fused"}, "transport, scan_code, passes missing"),
+             ({"build": "fused", "transport": "send_recv", "scan_code": {"send_recv": "v2"}, "passes": "fused"},
+              "meta passes must be null or"),
+             ({"build": cm.BUILD, "transport": "ring"}, "meta transport 'ring'")]
+    for meta, message in cases:
+        (tmp_path / "op.json").write_text(json.dumps({"meta": meta, "rows": [row]}))
+        with pytest.raises(ValueError, match=message):
+            cm.load_rows(str(tmp_path / "op.json"))
+    (tmp_path / "op.json").write_text(json.dumps({"meta": {"build": cm.BUILD}, "rows": [row]}))
+    assert cm.load_rows(str(tmp_path / "op.json"))[0]["build_meta"] == cm.BUILD_META
+
+
 def test_rows_of_another_operator_stay_out_of_the_fit(tmp_path):
     """bench_op.py --op gdn writes op rows beside GLA's: the GLA model must not calibrate on them."""
     from megatron_zeco.cost_model import load_rows
@@ -341,3 +386,143 @@ def test_rows_of_another_operator_stay_out_of_the_fit(tmp_path):
     path.write_text(json.dumps({"meta": {"build": "peer memory"}, "rows": [row, dict(row, op="gdn", ms=9.9),
                                                                             dict(row, op="gla", ms=2.7)]}))
     assert [r["ms"] for r in load_rows(str(path))] == [2.6, 2.7]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results"
+SHIPPED = ROOT / "megatron_zeco" / "cost_model" / cm.DATA
+
+
+def test_shipped_calibration_data_are_the_result_files():
+    """The calibration data shipped with the package are copies of the result files in docs/results
+    that hold calibration rows: every such file, with the same rows and meta, and nothing else; the
+    calibration reads them and not docs/results. Each copy's meta says in full what it measured
+    (cost_model.META), where docs/results' may leave out what the benchmarks did not write then."""
+    results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in RESULTS.glob("*.json")}
+    shipped = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in SHIPPED.glob("*.json")}
+    needed = {name for name, data in results.items() if cm.calibration_rows(data)}
+    missing, extra = sorted(needed - set(shipped)), sorted(set(shipped) - needed)
+    assert not missing, f"docs/results files with calibration rows not shipped: {missing}; copy them into {SHIPPED}"
+    assert not extra, f"shipped calibration files with no calibration rows in docs/results: {extra}"
+    for name in sorted(needed):
+        copy, source = shipped[name], results[name]
+        assert copy["rows"] == source["rows"], f"{name}: the shipped rows differ from docs/results'"
+        added = {k: v for k, v in copy["meta"].items() if k not in source["meta"]}
+        assert {**source["meta"], **added} == copy["meta"], f"{name}: the shipped meta differs from docs/results'"
+        assert set(added) <= set(cm.META) <= set(copy["meta"]), f"{name}: meta adds {sorted(added)}"
+    assert {r["file"] for r in cm.default_rows()} == needed
+
+
+def test_command_line_runs_from_an_installed_copy(tmp_path):
+    """The package as a wheel installs it (setup.py build_py: no docs/results beside it) calibrates on
+    its shipped data and prints what the checkout prints."""
+    lib = tmp_path / "lib"
+    built = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(lib)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert sorted(p.name for p in (lib / "megatron_zeco" / "cost_model" / cm.DATA).glob("*.json")) == sorted(
+        p.name for p in SHIPPED.glob("*.json"))
+    args = ["--gpus", "16", "--node-size", "8"]
+    done = subprocess.run([sys.executable, "-m", "megatron_zeco.cost_model", *args], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(lib)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == _cli(*args)
+
+
+def test_the_run_time_choice_stands_alone():
+    """comm/shape.py, what all_scan(shape="auto") asks, loads on the standard library alone (no
+    torch, no result files), and nothing in comm imports the cost model."""
+    path = ROOT / "megatron_zeco" / "comm" / "shape.py"
+    code = ("import importlib.util, sys; sys.modules['torch'] = None; before = set(sys.modules); "
+            f"spec = importlib.util.spec_from_file_location('shape', {str(path)!r}); "
+            "m = sys.modules['shape'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+            "print(m.scan_choice('contiguous', (0, 0, 1, 1, 2, 2), 2 ** 20, 'send_recv')); "
+            "print(*sorted({n.split('.')[0] for n in set(sys.modules) - before}"
+            " - set(sys.stdlib_module_names) - {'shape'}))")
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["hierarchical", ""], done.stdout  # and no module beyond the standard library
+    for path in sorted((ROOT / "megatron_zeco" / "comm").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [getattr(node, "module", None) or "", *(a.name for a in node.names)]
+                assert not any("cost_model" in name for name in names), f"comm/{path.name} imports {names}"
+
+
+# ---------------------------------------------------------------------------------------------- stated figures
+# The model's stated constants, each against its source (docs/scaling.md, "What each transport's numbers
+# rest on"), and the projections recorded in docs/scaling.md against the model: a test computing its
+# expectation from the model's own constants cannot tell a wrong constant.
+
+MiB = 2 ** 20
+SCALING = ROOT / "docs" / "scaling.md"
+
+
+def test_stated_links_are_their_sources():
+    # InfiniBand NDR: 400 Gb/s, i.e. 50 GB/s per GPU with one NIC per GPU; 5 us per message (stated)
+    assert cm.INFINIBAND.time(0) == pytest.approx(5e-6, rel=1e-12)
+    assert cm.INFINIBAND.time(MiB) == pytest.approx(5e-6 + MiB / 50e9, rel=1e-12)
+    # NVLink: 268 GB/s per GPU, the bandwidth NCCL's all-to-all reached on 2 H200; 1 us per message (stated)
+    assert cm.NVLINK.time(0) == pytest.approx(1e-6, rel=1e-12)
+    assert cm.NVLINK.time(MiB) == pytest.approx(1e-6 + MiB / 268e9, rel=1e-12)
+    # the cluster of the projections and of the run-time choice: 8 GPUs per node (an H200 node)
+    c = cm.Cluster()
+    assert c.gpus_per_node == 8
+    assert c.link(0, 7).time(MiB) == pytest.approx(1e-6 + MiB / 268e9, rel=1e-12)
+    assert c.link(7, 8).time(MiB) == pytest.approx(5e-6 + MiB / 50e9, rel=1e-12)
+
+
+def test_stated_hop_costs_are_the_fitted_hops():
+    # What the run-time choice charges per hop beyond the wire: the GPU time of a hop fitted on the
+    # measured scan rows, rounded to the microsecond (send/recv 20.7 us, peer memory 5.8 us); NVSHMEM,
+    # not measured, as peer memory.
+    assert cm.HOP_COST == {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
+    cal = _calibration()
+    for transport, stated in cm.HOP_COST.items():
+        assert abs(cal.sw(transport, "steady").hop - stated) <= 0.5e-6, (transport, cal.sw(transport, "steady").hop)
+
+
+def test_recorded_runs_are_what_the_command_line_prints():
+    """The runs of the command line docs/scaling.md records (256 GPUs on 32 nodes, 16 GPUs on two)
+    print what the page says, line for line."""
+    runs = re.findall(r"^```\n\$ python -m megatron_zeco\.cost_model ([^\n]*)\n(.*?)^```",
+                      SCALING.read_text(encoding="utf-8"), flags=re.S | re.M)
+    assert {args for args, _ in runs} >= {"--gpus 256 --tokens-per-gpu 16384", "--gpus 16 --node-size 8"}, runs
+    for args, printed in runs:
+        assert _cli(*args.split()) == printed.splitlines(), args
+
+
+def test_recorded_efficiencies_are_the_models(monkeypatch):
+    """docs/scaling.md's table of projected efficiencies (16K and 32K tokens per GPU, 256 and 1024
+    GPUs, contiguous / zigzag), row by row."""
+    table = {m.group(1): [float(x) for x in m.group(2, 3, 4, 5)] for m in re.finditer(
+        r"^\| (.+?) \| (\d\.\d{3}) / (\d\.\d{3}) \| (\d\.\d{3}) / (\d\.\d{3}) \|$", SCALING.read_text(encoding="utf-8"),
+        flags=re.M)}
+    cal = _calibration()
+
+    def efficiencies(tokens, strategy):
+        return [round(next(ch for ch in cm.project(cal, P, tokens, layout) if ch.strategy == strategy).efficiency, 3)
+                for P in (256, 1024) for layout in cm.LAYOUTS]
+
+    rows = {"as built: hierarchical over send/recv (NCCL; measured costs)": (16384, "zeco"),
+            "as built: chain over NVSHMEM (*projected* transport costs)": (16384, "zeco-chain"),
+            "same as built at 32K tokens per GPU (hierarchical over send/recv)": (32768, "zeco"),
+            "LASP-2 (all-gather), 16K": (16384, "lasp2")}
+    for label, (tokens, strategy) in rows.items():
+        assert table[label] == efficiencies(tokens, strategy), label
+    # the row of a shape not built: the device kernels over NVSHMEM running the hierarchical shape
+    monkeypatch.setitem(cm.TRANSPORTS, "nvshmem", dataclasses.replace(cm.TRANSPORTS["nvshmem"], shapes=cm.SHAPES))
+    label = "not built: the hierarchical shape run by the device kernels over NVSHMEM (*projected*)"
+    assert table[label] == efficiencies(16384, "zeco-hierarchical"), label
+
+
+def test_recorded_transport_costs_are_the_calibrations():
+    """docs/scaling.md's table of each transport's fitted (or projected) costs, in microseconds."""
+    rows = re.findall(r"^\| (send_recv|peer_memory|nvshmem) \| (steady|eager) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|",
+                      SCALING.read_text(encoding="utf-8"), flags=re.M)
+    assert len(rows) == len(cm.TRANSPORTS) * len(cm.REGIMES), rows
+    cal = _calibration()
+    for transport, regime, *recorded in rows:
+        sw = cal.sw(transport, regime)
+        assert [f"{x * 1e6:.1f}" for x in (sw.scan_call, sw.message, sw.hop)] == recorded, (transport, regime)
+

@@ -42,6 +42,7 @@ from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
 from .peer import DEVICE_TRANSPORTS, peer_all_scan
+from .shape import scan_choice
 from .transition import transition_of
 
 Tensor = torch.Tensor
@@ -248,8 +249,6 @@ def scan_shape(route: Route, like: Tensor) -> str:
     nodes = _nodes(route)
     if len(set(nodes)) == 1:
         return "chain"
-    from ..cost_model import scan_choice  # standard library only
-
     return scan_choice(route.layout.value, tuple(nodes), like.numel() * like.element_size(), route.transport)
 
 

@@ -1,0 +1,194 @@
+"""Which shape an All-Scan takes: the chain or the hierarchical scan, by their critical paths.
+
+``all_scan(shape="auto")`` asks :func:`scan_choice` which shape has the shorter critical path for
+the group's nodes. This module replays both shapes as built: the chain's hops through every piece
+(:func:`chain_hops`, as ``all_scan`` walks them) and the hierarchical scan's messages step by step
+(:func:`hierarchical_steps`, as ``comm.hierarchical`` sends them), and times a path of messages
+(:func:`critical_path`) on stated links (:class:`Link`, :class:`Cluster`) and a per-hop cost per
+transport (:data:`HOP_COST`). The cost model (``megatron_zeco.cost_model``) times a whole layer
+with the same functions.
+
+Standard library only: the choice needs no result files, and this file loads without torch.
+"""
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence, Tuple, Union
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of one GPU's link: a message of n bytes takes ``latency + n / bandwidth``."""
+
+    latency: float  # s
+    bandwidth: float  # B/s
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+# Stated link figures (docs/scaling.md, "What each transport's numbers rest on"):
+NVLINK = Link(latency=1e-6, bandwidth=268e9)  # bandwidth: what NCCL's all-to-all reached on 2 H200
+INFINIBAND = Link(latency=5e-6, bandwidth=50e9)  # NDR 400 Gb/s, one NIC per GPU
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Ranks placed node-major: rank r on node r // gpus_per_node (the last node may hold fewer)."""
+
+    intra: Link = NVLINK
+    inter: Link = INFINIBAND
+    gpus_per_node: int = 8
+
+    def link(self, a: int, b: int) -> Link:
+        return self.intra if a // self.gpus_per_node == b // self.gpus_per_node else self.inter
+
+    def slowest(self, P: int) -> Link:
+        return self.inter if P > self.gpus_per_node else self.intra
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How All-Scan moves states (``comm.all_scan``'s ``transport``), its structure as built."""
+
+    name: str
+    one_node: bool = False  # every rank of the group on one node (peer memory)
+    block_messages: bool = True  # the chain's blocks are separate host-issued messages (else tiles of one kernel)
+    two_legs: bool = False  # a zigzag walk runs as two legs of P - 1 hops at once (the peer-memory kernels)
+    shapes: tuple = ("chain",)
+
+
+TRANSPORTS = {
+    "send_recv": Transport("send_recv", shapes=("chain", "hierarchical")),
+    "peer_memory": Transport("peer_memory", one_node=True, block_messages=False, two_legs=True),
+    # the device kernels run the chain (and two legs under zigzag); the hierarchical shape is built over
+    # messages only
+    "nvshmem": Transport("nvshmem", block_messages=False, two_legs=True),
+}
+
+# Per-hop cost beyond the wire (receive -> combine -> send), by transport, for the choice at run time:
+# the GPU time of a hop fitted on the measured scan rows (send/recv 20.7 us, peer memory 5.8 us;
+# docs/scaling.md, "What each transport's numbers rest on"), rounded; NVSHMEM, not measured, as peer
+# memory. Stated here so that the choice needs no result files.
+HOP_COST = {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
+
+Nodes = Union[int, Sequence[int]]
+
+
+def walk_ranks(P: int, layout: str) -> list[int]:
+    """The rank holding each piece, in scan order (``comm.Layout``): contiguous 0..P-1; zigzag up
+    the ranks and back down."""
+    if layout == "contiguous":
+        return list(range(P))
+    if layout == "zigzag":
+        return list(range(P)) + list(range(P - 1, -1, -1))
+    raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+
+
+def _node_of(nodes: Nodes) -> Callable[[int], int]:
+    """Rank -> node: ``nodes`` is a node size (consecutive ranks) or each rank's node."""
+    if isinstance(nodes, int):
+        return lambda r: r // nodes
+    return lambda r: nodes[r]
+
+
+def chain_hops(P: int, layout: str, nodes: Nodes, two_legs: bool = False) -> Tuple[int, int, int]:
+    """(inside nodes, between nodes, same rank) hops of the chain through every piece: the
+    ``_chain_hops`` of ``comm.all_scan``. ``nodes``: ranks per node (consecutive), or each rank's
+    node. ``two_legs``: a zigzag walk's two legs run at once, so a rank waits for P - 1 hops (the
+    contiguous walk's)."""
+    node = _node_of(nodes)
+    ranks = walk_ranks(P, "contiguous" if two_legs else layout)
+    pairs = list(zip(ranks, ranks[1:]))
+    inter = sum(node(a) != node(b) for a, b in pairs)
+    same = sum(a == b for a, b in pairs)
+    return len(pairs) - inter - same, inter, same
+
+
+@functools.lru_cache(maxsize=256)
+def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False) -> tuple:
+    """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
+    rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
+    tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
+    ``"map"`` (a state and its decays) or ``"state"``, phase ``"A"`` (along each node's run of
+    pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run)."""
+    node = _node_of(nodes)
+    ranks = walk_ranks(P, layout)
+    if reverse:
+        ranks = ranks[::-1]
+    segments: list[list[int]] = []
+    for i, r in enumerate(ranks):
+        if i == 0 or node(r) != node(ranks[i - 1]):
+            segments.append([])
+        segments[-1].append(i)
+    steps = []
+    longest = max(len(s) for s in segments)
+    for t in range(longest - 1):  # A: prefix maps along each run
+        steps.append(tuple((ranks[s[t]], ranks[s[t + 1]], "map", "A") for s in segments
+                           if t + 1 < len(s) and ranks[s[t]] != ranks[s[t + 1]]))
+    M = len(segments)
+    leader = [ranks[s[-1]] for s in segments]
+    first = [ranks[s[0]] for s in segments]
+    for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
+        d = 1 << r
+        steps.append(tuple((leader[j], leader[j + d], "map", "B") for j in range(M - 1 - d)
+                           if leader[j] != leader[j + d]))
+    steps.append(tuple((leader[j], first[j + 1], "state", "C") for j in range(M - 1) if leader[j] != first[j + 1]))
+    steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
+                       for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
+    return tuple(step for step in steps if step)
+
+
+def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> float:
+    """Seconds until the last rank has what it waits for, ``steps`` issued in order by every rank
+    (:func:`hierarchical_steps`): a rank sends a step's messages once it has received the earlier
+    steps' and spent ``per_step`` on each step it takes part in; a message from a to b arrives
+    ``cost(a, b, what, phase)`` later. ``drain``: ``{phase: seconds}`` added to every rank when a
+    phase ends (a pipeline's last blocks)."""
+    clock = [0.0] * P
+    for n, step in enumerate(steps):
+        start = list(clock)
+        for r in {r for a, b, *_ in step for r in (a, b)}:
+            clock[r] = start[r] + per_step
+        for a, b, what, phase in step:
+            clock[b] = max(clock[b], start[a] + per_step + cost(a, b, what, phase))
+        ends = n + 1 == len(steps) or steps[n + 1][0][3] != step[0][3]
+        if drain and ends and drain.get(step[0][3]):
+            clock = [t + drain[step[0][3]] for t in clock]
+    return max(clock)
+
+
+@functools.lru_cache(maxsize=256)
+def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> str:
+    """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
+    backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
+    cluster's links; the chain where both take as long (the same hops inside and between nodes: it
+    sends fewer messages). What ``all_scan(shape="auto")`` runs over send/recv
+    (remembered per arguments: a layer's scans ask the same question every step)."""
+    P = len(nodes)
+    node = _node_of(tuple(nodes))
+    link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter  # noqa: E731
+    hop = HOP_COST[transport]
+    intra, inter, same = chain_hops(P, layout, tuple(nodes), TRANSPORTS[transport].two_legs)
+    chain = 2 * (intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes)))
+    # (a map is a state and one more column: counted as a state here)
+    tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse), P,
+                             lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
+    # equal paths add the same hop times in another order: they may differ in the last bits
+    return "hierarchical" if tree < chain and not math.isclose(tree, chain, rel_tol=1e-9) else "chain"
+
+
+def scan_path(hops: Tuple[int, int], state_bytes: float, transport: str, cluster: Cluster = Cluster()) -> float:
+    """Seconds on the critical path of ``hops`` = (inside nodes, between nodes) hops of one state."""
+    intra, inter = hops
+    hop = HOP_COST[transport]
+    return intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes))
+
+
+def prefer_hierarchical(chain_hops: Tuple[int, int], tree_hops: Tuple[int, int], state_bytes: float,
+                        transport: str) -> bool:
+    """Whether the hierarchical All-Scan (``comm/hierarchical.py``) beats the chain for these hop counts
+    (inside, between nodes; e.g. ``Walk.depth()``): the coarse form of :func:`scan_choice`, which
+    replays the schedule."""
+    return scan_path(tree_hops, state_bytes, transport) < scan_path(chain_hops, state_bytes, transport)

@@ -1,0 +1,448 @@
+"""The cost model's calibration: the costs of the implementation (:class:`~.model.Software`) fitted
+on measured result files, every other measured point predicted (:func:`calibrate`), and the files'
+rows (:func:`load_rows`, :func:`default_rows`: the data shipped with the package)."""
+
+import glob
+import json
+import os
+import re
+from dataclasses import dataclass, replace
+from importlib import resources
+
+from ..comm.shape import TRANSPORTS, Cluster, chain_hops
+from .model import (ACT_BYTES, FOLD_LAUNCH, REGIMES, STRATEGIES, Software, Workload, _a2a_wire, _hop_times,
+                    chain_time, gather_time, layer_time)
+
+# What a result file measured, in its ``meta`` (the calibration reads it there, row by row):
+#   build      the build of the package it measured: a name (runs of one build are averaged together)
+#   transport  the All-Scan's transport of its zeco op and model rows (TRANSPORTS)
+#   scan_code  {transport: version}: the version of the scan code each transport ran; the scans' call,
+#              per-message and per-hop costs are fitted per version, over the scan rows of every file
+#              (a row "all_scan <transport> K=*" ran that transport's code; the others, the file's
+#              transport's). A transport the file does not list ran code of its own build.
+#   passes     ZeCO's passes beyond the local op: {"forward": ..., "backward": ...} the kernel rows that
+#              time them and "per_byte_of" what each is charged per byte of (PASS_UNITS); or null where
+#              the build has none (the state term inside the output and gradient kernels).
+META = ("build", "transport", "scan_code", "passes")
+PASS_UNITS = ("pass_bytes", "chunk_state_bytes")  # Workload sizes a pass can be charged per byte of
+# The build as it is now: what the benchmarks write in meta["build"], and what a result file of it
+# measured where its meta says no more (the shipped calibration data say it all themselves).
+BUILD = "peer memory"
+BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer_memory": "v3"}, "passes": None}
+PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
+DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
+_CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
+
+
+# NVSHMEM (device-initiated put + signal) is not measured yet: until scan rows named
+# "all_scan nvshmem K=*" exist in the calibration data (then they are fitted like the others), its
+# costs are those of the transport named here, measured on one node (a device-side store and flag
+# per hop, the same kind of work), and between nodes the Cluster's stated InfiniBand link.
+NVSHMEM_PROJECTION = {"transport": "nvshmem", "priced_as": "peer_memory"}
+
+
+@dataclass(frozen=True)
+class Residual:
+    what: str
+    measured_ms: float
+    model_ms: float
+    fitted: bool  # the row was used to fit a parameter (else it is a prediction)
+
+    @property
+    def rel(self) -> float:
+        return self.model_ms / self.measured_ms - 1
+
+
+@dataclass(frozen=True)
+class Calibration:
+    software: Software  # the code as built (BUILD), eager, over its default transport
+    builds: dict[str, Software]  # each build measured (eager), with its passes' and scan code's costs
+    transports: dict[tuple[str, str], Software]  # (transport, regime) -> the code as built over that transport
+    nccl_call: float  # NCCL's own all-gather call at P = 2 (eager)
+    op_ms: dict[str, dict[tuple[int, int, int], float]]  # regime -> (tokens, heads, dim) -> one-GPU fwd+bwd
+    other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
+    residuals: list[Residual]
+
+    def sw(self, transport: str, regime: str = "steady") -> Software:
+        """The code as built with its All-Scan over ``transport``, in ``regime``."""
+        if regime not in REGIMES:
+            raise ValueError(f"regime must be one of {REGIMES}, got {regime!r}")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
+        return self.transports[transport, regime]
+
+    def projected(self, transport: str) -> bool:
+        """Whether ``transport``'s costs are projected (priced from another transport's measurements)."""
+        return transport == NVSHMEM_PROJECTION["transport"] and self.transports[transport, "steady"] == replace(
+            self.transports.get((NVSHMEM_PROJECTION["priced_as"], "steady")), transport=transport)
+
+
+def load_rows(pattern: str) -> list[dict]:
+    """The calibration rows of every JSON result file matching ``pattern`` (see :func:`file_rows`)."""
+    files = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            files.append((os.path.basename(path), json.load(f)))
+    rows = [r for name, data in files for r in file_rows(name, data)]
+    if not rows:
+        raise ValueError(f"no measured rows in {pattern!r}")
+    return rows
+
+
+def default_rows() -> list[dict]:
+    """The calibration rows shipped with the package (``data/*.json``: copies of the result files in
+    the repository's ``docs/results`` that hold such rows)."""
+    data = resources.files(__package__).joinpath(DATA)
+    files = sorted((p for p in data.iterdir() if p.name.endswith(".json")), key=lambda p: p.name)
+    return [r for p in files for r in file_rows(p.name, json.loads(p.read_text(encoding="utf-8")))]
+
+
+def calibration_rows(data: dict) -> list[dict]:
+    """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
+    written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
+    accuracy, memory or profile rows)."""
+    return [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
+
+
+def file_rows(name: str, data: dict) -> list[dict]:
+    """The calibration rows of one result file ``{"meta": {...}, "rows": [...]}``, each with ``file``
+    (``name``) and the file's defaults.
+
+    The rows are :func:`calibration_rows`; each gets its file's ``build`` and ``build_meta`` (what
+    the file measured, :data:`META`: a file of :data:`BUILD` that says no more is :data:`BUILD_META`);
+    ``kernel`` rows without heads/dim take them from the file's ``op`` rows; rows without ``dtype``
+    are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
+    (timed one call from an empty queue).
+    """
+    rows = calibration_rows(data)
+    if not rows:
+        return []
+    build, built = data["meta"].get("build"), _build_meta(name, data["meta"])
+    shapes = {(r["heads"], r["dim"]) for r in rows if "heads" in r}
+    out = []
+    for r in rows:
+        if "heads" not in r and r["part"] == "kernel":
+            if len(shapes) != 1:
+                raise ValueError(f"{name}: a {r['part']} row without heads/dim needs one op shape in its file")
+            r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
+        out.append(dict(r, file=name, build=build, build_meta=built, mode=r.get("mode", "eager")))
+    return out
+
+
+def _build_meta(name: str, meta: dict) -> dict:
+    """What a result file measured (:data:`META` but the build), from its ``meta``; checked."""
+    if not isinstance(meta.get("build"), str):
+        raise ValueError(f"{name}: meta must name the build measured (meta['build']), and say what it measured: "
+                         f"{', '.join(META)} (docs/scaling.md, 'Adding a measured point')")
+    built = {k: meta[k] for k in META[1:] if k in meta}
+    if meta["build"] == BUILD:
+        built = {**BUILD_META, **built}
+    missing = [k for k in META[1:] if k not in built]
+    if missing:
+        raise ValueError(f"{name}: meta of build {meta['build']!r} (not the current {BUILD!r}) must say what it "
+                         f"measured: {', '.join(missing)} missing (docs/scaling.md, 'Adding a measured point')")
+    transport, codes, passes = built["transport"], built["scan_code"], built["passes"]
+    if transport not in TRANSPORTS or not isinstance(codes, dict) or not set(codes) <= set(TRANSPORTS):
+        raise ValueError(f"{name}: meta transport {transport!r} and scan_code {codes!r} must name transports among "
+                         f"{', '.join(TRANSPORTS)}")
+    if passes is not None and (not isinstance(passes, dict) or set(passes) != {"forward", "backward", "per_byte_of"}
+                               or passes["per_byte_of"] not in PASS_UNITS):
+        raise ValueError(f"{name}: meta passes must be null or {{'forward': kernel row, 'backward': kernel row, "
+                         f"'per_byte_of': one of {', '.join(PASS_UNITS)}}}, got {passes!r}")
+    return built
+
+
+def _workload(r: dict, op_ms: float) -> Workload:
+    """The workload a measured row describes (its op time given)."""
+    return Workload(P=r.get("cp", 1), tokens=r["tokens_per_gpu"], heads=r["heads"], k_dim=r["dim"],
+                    v_dim=r["dim"], op_ms=op_ms, act_bytes=ACT_BYTES[r.get("dtype", "bf16")],
+                    layout=r.get("layout", "contiguous"))
+
+
+def _scan_workload(r: dict) -> Workload:
+    """bench_op's scan part: one fp32 state [heads, 128, 128] of ``state_mib`` between ``cp`` ranks."""
+    heads = round(r["state_mib"] * 2 ** 20 / (128 * 128 * 4))
+    return Workload(P=r["cp"], tokens=0, heads=heads, k_dim=128, v_dim=128, op_ms=0.0)
+
+
+def _weighted_fit(xs: list[list[float]], ys: list[float]) -> list[float]:
+    """Least squares of ``y ~ sum_j p_j x_j`` in relative error (weights 1/y^2), by normal equations."""
+    n = len(xs[0])
+    a = [[sum(x[i] * x[j] / y ** 2 for x, y in zip(xs, ys)) for j in range(n)] for i in range(n)]
+    b = [sum(x[i] * y / y ** 2 for x, y in zip(xs, ys)) for i in range(n)]
+    for i in range(n):  # Gauss-Jordan; n <= 3
+        for k in range(n):
+            if k != i:
+                f = a[k][i] / a[i][i]
+                a[k] = [u - f * v for u, v in zip(a[k], a[i])]
+                b[k] -= f * b[i]
+    return [b[i] / a[i][i] for i in range(n)]
+
+
+def _fit_scan(chain, cluster: Cluster, sw: Software, key: str, hop=None) -> dict:
+    """The scan code's ``scan_call``, ``message`` and ``hop`` from its rows' ``key``.
+
+    ``chain``: (row, workload, K) of ``all_scan`` rows; the model is ``scan_call + (K - 1) message
+    + hops * hop + wire`` (stated links). The per-hop cost is identifiable only from rows at two
+    or more P: otherwise it is ``hop`` if given (the device's hop under a host-issued call), or,
+    for GPU time (``key="gpu_ms"``), what one hop takes beyond its fixed call (no call term).
+    Costs that fit below 0 are set to 0 and the rest refitted.
+    """
+    two_legs = TRANSPORTS[sw.transport].two_legs
+    xs = [[1.0, K - 1, sum(chain_hops(w.P, w.layout, cluster.gpus_per_node, two_legs)[:2])] for _, w, K in chain]
+    ys = [r[key] * 1e-3 - sum(n * tau for n, tau in _hop_times(w, cluster, replace(sw, message=0.0, hop=0.0), K))
+          for r, w, K in chain]
+    several = len({x[2] for x in xs}) > 1
+    if several:
+        cols = [0, 1, 2]
+    elif hop is not None:
+        ys = [y - hop * x[2] for x, y in zip(xs, ys)]
+        cols = [0, 1]
+    elif key == "gpu_ms":
+        cols = [2, 1]
+    else:
+        cols = [0, 1]
+    fit = dict(zip(cols, _weighted_fit([[x[c] for c in cols] for x in xs], ys)))
+    for c in (2, 1, 0):  # drop what fits below 0 (nothing measurable) and refit the rest
+        if fit.get(c, 0.0) < 0 and len(fit) > 1:
+            cols = [k for k in cols if k != c]
+            fit = dict(zip(cols, _weighted_fit([[x[k] for k in cols] for x in xs], ys)))
+    return dict(scan_call=max(fit.get(0, 0.0), 0.0), message=max(fit.get(1, 0.0), 0.0),
+                hop=max(fit.get(2, 0.0), 0.0) if (several or hop is None) else hop)
+
+
+def _fit_gather(gather, cluster: Cluster, sw: Software, key: str) -> dict:
+    """The all-gather scan's ``gather_call`` from its rows' ``key`` (its wire and fold known)."""
+    known = lambda r: sum(gather_time(_scan_workload(r), cluster, replace(sw, gather_call=0.0)))
+    return dict(gather_call=_weighted_fit([[1.0] for _ in gather], [r[key] * 1e-3 - known(r) for r in gather])[0])
+
+
+def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD) -> Calibration:
+    """Fit the as-built costs on the measured rows; predict every other row; return both.
+    ``build``: the build whose costs ``Calibration.software`` holds (the code as it is now).
+
+    Fitted, each on its own rows: the state passes' cost per byte (``kernel`` rows), each scan
+    code's call, per-message and per-hop costs (``scan`` rows ``all_scan K=*``: host-issued from
+    ``ms``, device from ``gpu_ms``), the all-gather scan's call (``gather_scan``), NCCL's
+    all-gather call (``nccl all_gather``) and the a2a copies (``a2a`` op rows). Inputs: the
+    ``none`` op rows (one-GPU op time per shape and regime) and the CP = 1 ``model`` rows
+    (per-layer time outside GLA). Predicted: the other ``op`` rows (eager, and steady: issued
+    back to back), the ``nccl send/recv hop`` rows and the CP > 1 ``model`` rows. Each row is
+    modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
+    version of the scan code over each transport, zeco's transport.
+    """
+    def by(**kv):
+        return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
+
+    op_ms: dict[str, dict[tuple[int, int, int], float]] = {}
+    own: dict[tuple, float] = {}
+    for regime in REGIMES:
+        times: dict[tuple[int, int, int], list[float]] = {}
+        for r in by(part="op", strategy="none", mode=regime):
+            times.setdefault(_shape(r), []).append(r["ms"])
+            own[(regime, r["file"], *_shape(r))] = r["ms"]
+        op_ms[regime] = {k: sum(v) / len(v) for k, v in times.items()}
+
+    def t_op(r, regime="eager"):  # the one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean
+        if _shape(r) not in op_ms[regime]:
+            raise ValueError(f"{r['file']}: no {regime} 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
+        return own.get((regime, r["file"], *_shape(r)), op_ms[regime][_shape(r)])
+
+    def fit_constant(rs, known):  # y = constant + known(row)
+        return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
+
+    # What each build measured (its files' meta); the build whose costs are wanted, if it has no rows,
+    # as it is now.
+    measured: dict[str, dict] = {}
+    for r in rows:
+        if measured.setdefault(r["build"], r["build_meta"]) != r["build_meta"]:
+            raise ValueError(f"{r['file']}: build {r['build']!r} measured {r['build_meta']} here and "
+                             f"{measured[r['build']]} in another file: one build, one meta")
+    if build not in measured:
+        if build != BUILD:
+            raise ValueError(f"no rows of build {build!r} (measured: {', '.join(measured)})")
+        measured[build] = BUILD_META
+
+    # The passes of each build measured, each fitted per byte of what it touches.
+    kernels, passes = {}, {}
+    for b, meta in measured.items():
+        if meta["passes"] is None:  # no separate pass: its cost is inside the op rows
+            passes[b] = dict(pass_unit="", state_pass=0.0, state_grad_pass=0.0)
+            continue
+        fwd, bwd, unit = meta["passes"]["forward"], meta["passes"]["backward"], meta["passes"]["per_byte_of"]
+        rows_of = {name: by(part="kernel", name=name, build=b) for name in (fwd, bwd)}
+        if not any(rows_of.values()):
+            continue
+        if not all(rows_of.values()):
+            raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
+        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
+                                        [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
+        passes[b] = dict(pass_unit=unit, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
+        kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
+    base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
+                             a2a_copy=0.0, **passes[build]) for regime in REGIMES}
+
+    # Per version of the scan code and regime: All-Scan = scan_call + (K - 1) * message + hops * hop
+    # + wire (stated links), the all-gather scan = gather_call + its wire and fold. Device costs
+    # (steady) first: a host-issued call's hops are the device's.
+    def code_of(b, transport):  # the version of the scan code build b ran over transport
+        return measured[b]["scan_code"].get(transport, f"{b}/{transport}")
+
+    def scan_transport(r):  # a scan row's: the one its method names, else its file's
+        m = _CHAIN.match(r["method"])
+        if m and m.group(1) and m.group(1) not in TRANSPORTS:
+            raise ValueError(f"{r['file']}: scan row {r['method']!r} names no transport among {', '.join(TRANSPORTS)}")
+        return m.group(1) if m and m.group(1) else measured[r["build"]]["transport"]
+
+    def scan_code(r):
+        return code_of(r["build"], scan_transport(r))
+
+    version_transport = {}  # the transport each version of the scan code moves states over
+    used = [(b, t) for b, meta in measured.items() for t in (meta["transport"], *meta["scan_code"])]
+    for b, transport in used + [(r["build"], scan_transport(r)) for r in by(part="scan")]:
+        version = code_of(b, transport)
+        if version_transport.setdefault(version, transport) != transport:
+            raise ValueError(f"scan code {version!r} runs over {version_transport[version]!r} and {transport!r}")
+    scan_fits, gather_fits, scans, gathers = {}, {}, [], []
+
+    def method(r):  # the same for one code's chain in every file: "all_scan K=4"
+        m = _CHAIN.match(r["method"])
+        return f"all_scan K={m.group(2)}" if m else r["method"]
+
+    for version in dict.fromkeys(scan_code(r) for r in by(part="scan")):
+        mine = [dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version]
+        hop = None
+        for regime, key in (("steady", "gpu_ms"), ("eager", "ms")):
+            pooled = _pooled(mine, key)
+            chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
+                     for r in pooled if _CHAIN.match(r["method"])]
+            gather = [r for r in pooled if r["method"] == "gather_scan"]
+            sw = replace(base[regime], transport=version_transport[version])
+            if chain:
+                scan_fits[version, regime] = fit = _fit_scan(chain, cluster, sw, key, hop)
+                hop = fit["hop"] if regime == "steady" else hop
+                scans += [(r, w, K, version, regime, key) for r, w, K in chain]
+            if gather:
+                gather_fits[version, regime] = _fit_gather(gather, cluster, sw, key)
+                gathers += [(r, version, regime, key) for r in gather]
+    build_code = code_of(build, measured[build]["transport"])
+    if (build_code, "eager") not in scan_fits or (build_code, "eager") not in gather_fits:
+        raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code "
+                         f"({build_code!r})")
+
+    def fits(version, regime):  # the scan code's chain and all-gather costs in regime
+        return {**scan_fits.get((version, regime), {}), **gather_fits.get((version, regime), {})}
+
+    def built(r, regime="eager"):  # the Software a row was measured with: its build's passes and scan code
+        if r["build"] not in passes:
+            raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
+        transport = measured[r["build"]]["transport"]
+        code = code_of(r["build"], transport)
+        if (code, regime) not in scan_fits or (code, regime) not in gather_fits:
+            raise ValueError(f"{r['file']}: no {regime} 'scan' rows of scan code {code!r} (build {r['build']!r})")
+        return replace(sw_of[regime], **passes[r["build"]], **fits(code, regime), transport=transport)
+
+    sw_of = {regime: replace(base[regime], **fits(build_code, regime)) for regime in REGIMES}
+    ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
+    nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"), "ms")
+    nccl_call = fit_constant(nccl_gathers, ring)
+    a2a = [r for r in by(part="op", strategy="a2a", mode="eager") if r["cp"] > 1]
+    if a2a:
+        # copies (the same at every P) and the wire ((P - 1) / P of the bytes cross links): both fitted
+        # where rows at two or more P allow it, else the wire at the stated bandwidth.
+        xs = [[_workload(r, 0.0).a2a_bytes, _a2a_wire(_workload(r, 0.0), cluster)] for r in a2a]
+        ys = [(r["ms"] - t_op(r)) * 1e-3 for r in a2a]
+        fit = _weighted_fit(xs, ys) if len({r["cp"] for r in a2a}) > 1 else None
+        if fit is None or min(fit) <= 0:
+            fit = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
+        copy, wire = fit
+        sw_of = {regime: replace(sw, a2a_copy=copy, a2a_wire=wire) for regime, sw in sw_of.items()}
+
+    res = [Residual(f"kernel {name} ({build}) T={r['tokens_per_gpu']}", r["ms"],
+                    per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
+           for (build, name), (rs, per_byte, unit) in kernels.items() for r in rs]
+    gpu = {"eager": "", "steady": ", GPU"}
+    res += [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v}{gpu[regime]})", r[key],
+                     chain_time(w, cluster, replace(sw_of[regime], **scan_fits[v, regime],
+                                                    transport=version_transport.get(v, "send_recv")), K) * 1e3,
+                     True) for r, w, K, v, regime, key in scans]
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v}{gpu[regime]})", r[key],
+                     sum(gather_time(_scan_workload(r), cluster, replace(sw_of[regime], **gather_fits[v, regime])))
+                     * 1e3, True) for r, v, regime, key in gathers]
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3,
+                     True) for r in nccl_gathers]
+    # one hop: NCCL's call (as its all-gathers cost) + one message
+    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
+                     (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
+            for r in _pooled(by(part="scan", method="nccl send/recv hop"), "ms")]
+    # One point per configuration, regime and build: the mean of its runs (files), each modelled from
+    # its own run's one-GPU time, as the same configuration measured in separate runs differs by up
+    # to ~17%. The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool
+    # across builds. Eager rows from an empty queue; steady rows back to back (the host ahead).
+    runs: dict[tuple, list[dict]] = {}
+    for r in by(part="op"):
+        if r["strategy"] in STRATEGIES[1:] and r["mode"] in REGIMES:
+            if r["mode"] == "steady" and (_shape(r) not in op_ms["steady"] or r["build"] not in passes):
+                continue
+            build_of = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
+            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build_of, r["mode"], *_shape(r)),
+                            []).append(r)
+    for (strategy, P, layout, build_of, regime, T, *_), rs in runs.items():
+        n = len(rs)
+        label = f"op {strategy} CP={P} {layout} T={T} ({build_of})" + (" steady" if regime == "steady" else "")
+        res.append(Residual(label + (f" (mean of {n} runs)" if n > 1 else ""), sum(x["ms"] for x in rs) / n,
+                            sum(layer_time(strategy, _workload(x, t_op(x, regime)), cluster, built(x, regime))
+                                for x in rs) / n * 1e3,
+                            strategy == "a2a" and regime == "eager"))
+
+    # Per-layer time outside GLA from each file's CP = 1 run (its own GPUs and data-parallel size);
+    # Calibration.other_ms is their mean per shape, for projections.
+    models = by(part="model")
+    per_file = {(r["file"], *_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r)
+                for r in models if r["cp"] == 1}
+    by_shape: dict[tuple[int, int, int, int], list[float]] = {}
+    for (_, *key), ms in per_file.items():
+        by_shape.setdefault(tuple(key), []).append(ms)
+    other_ms = {k: sum(v) / len(v) for k, v in by_shape.items()}
+    for r in models:
+        if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
+            key = (r["file"], *_shape(r), r["layers"])
+            if key not in per_file:
+                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in "
+                                 f"its file")
+            layer = layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r))
+            model = r["layers"] * (per_file[key] + layer * 1e3)
+            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
+                                f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
+
+    builds = {b: replace(sw_of["eager"], **p, **fits(code_of(b, measured[b]["transport"]), "eager"),
+                         transport=measured[b]["transport"]) for b, p in passes.items()}
+    transports = {}
+    for name in TRANSPORTS:  # the code as built over each transport: the scan code build ``build`` runs over it
+        fitted = all((code_of(build, name), regime) in scan_fits for regime in REGIMES)
+        projected = name == NVSHMEM_PROJECTION["transport"] and not fitted
+        code = code_of(build, NVSHMEM_PROJECTION["priced_as"] if projected else name)
+        for regime in REGIMES:
+            if (code, regime) in scan_fits:
+                transports[name, regime] = replace(sw_of[regime], **scan_fits[code, regime], transport=name)
+    return Calibration(builds[build], builds, transports, nccl_call, op_ms, other_ms, res)
+
+
+def _pooled(scan_rows: list[dict], key: str) -> list[dict]:
+    """One scan row per method, P and size with a ``key`` time: the mean of its runs."""
+    # These micro-benchmarks are timed from an empty queue: host jitter moves a point by up to 2x from
+    # run to run (docs/results).
+    groups: dict[tuple, list[dict]] = {}
+    for r in scan_rows:
+        if key in r:
+            groups.setdefault((r["method"], r["cp"], r["state_mib"]), []).append(r)
+    return [dict(rs[0], **{key: sum(r[key] for r in rs) / len(rs)}, runs=len(rs)) for rs in groups.values()]
+
+
+def _shape(r: dict) -> tuple[int, int, int]:
+    return r["tokens_per_gpu"], r["heads"], r["dim"]
+
+
+def _model_ms(r: dict) -> float:
+    """ms per tokens_per_gpu tokens on one GPU, from a model row's measured tokens/s/GPU."""
+    return r["tokens_per_gpu"] / r["tokens_per_s_per_gpu"] * 1e3

@@ -1,0 +1,212 @@
+"""The time of one GLA layer, forward + backward, under each context-parallel strategy: a
+:class:`Workload` on a :class:`~megatron_zeco.comm.shape.Cluster`, at the costs of an
+implementation beyond the wire (:class:`Software`). The equations are summed up in the package's
+docstring and set out in ``docs/scaling.md``."""
+
+import math
+from dataclasses import dataclass, replace
+
+from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps
+
+STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
+SHAPES = ("chain", "hierarchical")
+LAYOUTS = ("contiguous", "zigzag")
+REGIMES = ("steady", "eager")
+
+# Stated hardware figures (docs/scaling.md says why).
+HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
+FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200
+ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
+CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GLA layer on each of P GPUs: q, k, g [tokens, heads, k_dim], v [tokens, heads, v_dim]."""
+
+    P: int
+    tokens: int  # per GPU
+    heads: int
+    k_dim: int
+    v_dim: int
+    op_ms: float  # measured one-GPU fwd+bwd of the local op at these tokens, heads and dims
+    act_bytes: int = 2
+    layout: str = "contiguous"
+    other_ms: float = 0.0  # per-layer time outside GLA (model level); 0 = the operator alone
+
+    @property
+    def pieces(self) -> int:
+        return 1 if self.layout == "contiguous" else 2
+
+    @property
+    def state_bytes(self) -> int:  # one fp32 state
+        return self.heads * self.k_dim * self.v_dim * 4
+
+    @property
+    def map_bytes(self) -> int:  # one fp32 map (state and decays): what the hierarchical scan moves
+        return self.heads * self.k_dim * (self.v_dim + 1) * 4
+
+    @property
+    def pass_bytes(self) -> int:  # read by one state pass: k, v, g (or q, g, dO)
+        return self.tokens * self.heads * (2 * self.k_dim + self.v_dim) * self.act_bytes
+
+    @property
+    def chunk_state_bytes(self) -> int:  # one fp32 state per chunk: what the add_state passes update
+        return math.ceil(self.tokens / CHUNK) * self.state_bytes
+
+    @property
+    def a2a_bytes(self) -> int:  # q, k, v, g, o and their gradients: what a2a reorders
+        return 2 * self.tokens * self.heads * (3 * self.k_dim + 2 * self.v_dim) * self.act_bytes
+
+
+@dataclass(frozen=True)
+class Software:
+    """Costs of an implementation beyond the wire, in one regime: seconds, seconds per byte, shares."""
+
+    message: float  # per message a rank issues (a chain block; a hierarchical step): paces the blocks
+    scan_call: float  # fixed per All-Scan (or ring) call
+    gather_call: float  # fixed per all-gather scan call, the collective's own call included
+    fold_launch: float  # per piece folded after the all-gather, beyond reading its state
+    state_pass: float  # per byte of the build's forward pass beyond the local op (0: fused into it)
+    state_grad_pass: float  # per byte of its backward pass
+    a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
+    a2a_wire: float = 1.0  # NCCL's all-to-all time over the stated links' (1: at their bandwidth)
+    hop: float = 0.0  # per hop beyond the wire on the critical path: receive -> combine -> send
+    overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
+    extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
+    pass_unit: str = ""  # the Workload size the passes are charged per byte of ("pass_bytes", ...); "": none
+    transport: str = "send_recv"  # the All-Scan's transport (TRANSPORTS)
+
+
+# ---------------------------------------------------------------------------------------------- scan shapes
+
+def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
+    """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
+    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
+    block = w.state_bytes / K
+    wires = [block / link.bandwidth for n, link in ((intra, c.intra), (inter, c.inter)) if n]
+    return sw.scan_call + sum(n * tau for n, tau in _hop_times(w, c, sw, K)) + (K - 1) * max(sw.message, *wires, 0.0)
+
+
+def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int, float]]:
+    """(number, seconds) of the chain's hops inside nodes, between nodes and on the same rank, for one
+    block (the same-rank turn of a zigzag chain: a combine, no wire)."""
+    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
+    block = w.state_bytes / K
+    taus = [(intra, sw.hop + c.intra.time(block)), (inter, sw.hop + c.inter.time(block)), (local, sw.hop)]
+    return [(n, tau) for n, tau in taus if n]
+
+
+def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: bool):
+    """The hierarchical scan's steps, the cost of one of its hops and the pipeline's drain per phase
+    (:func:`critical_path`'s inputs); over send/recv every message carries all blocks (K = 1)."""
+    if TRANSPORTS[sw.transport].block_messages:
+        K = 1
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
+
+    def cost(a, b, what, phase):
+        nbytes = w.map_bytes if what == "map" else w.state_bytes
+        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
+
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    return steps, cost, drain
+
+
+def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
+    """One hierarchical All-Scan (``reverse``: the backward's, over the mirror walk). Over send/recv
+    each step is one message carrying every block (K does not apply) and costs each rank taking
+    part ``message``; over device transports the prefix maps inside nodes are pipelined in K
+    blocks (the first block's path, then K - 1 blocks at the pace of their transfer)."""
+    steps, cost, drain = _hierarchical_costs(w, c, sw, K, reverse)
+    return sw.scan_call + (critical_path(steps, w.P, cost, sw.message, drain) if steps else 0.0)
+
+
+def hierarchical_phases(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> dict:
+    """Seconds of :func:`hierarchical_time` by the end of each phase (``A``, ``B``, ``C``; the call
+    counted in ``A``): where the scan's time goes."""
+    steps, cost, drain = _hierarchical_costs(w, c, sw, K, reverse)
+    ends, done = {}, 0.0
+    for phase in "ABC":
+        upto = tuple(s for s in steps if s[0][3] <= phase)
+        done = critical_path(upto, w.P, cost, sw.message, drain) if upto else done
+        ends[phase] = sw.scan_call + done
+    return ends
+
+
+def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
+    """One All-Scan of ``shape`` (forward, or the backward's mirror walk)."""
+    if shape == "chain":
+        return chain_time(w, c, sw, K)
+    if shape == "hierarchical":
+        return hierarchical_time(w, c, sw, K, reverse)
+    raise ValueError(f"shape must be one of {SHAPES}, got {shape!r}")
+
+
+# ---------------------------------------------------------------------------------------------- a layer
+
+def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
+    """(communication, fold) of LASP-2's all-gather scan: every piece's (state | gamma) to all."""
+    nbytes = w.pieces * w.heads * w.k_dim * (w.v_dim + 1) * 4
+    comm = sw.gather_call + (w.P - 1) * c.slowest(w.P).time(nbytes)
+    fold = w.pieces * w.P * (sw.fold_launch + 3 * nbytes / w.pieces / HBM_BANDWIDTH)
+    return comm, fold
+
+
+def _a2a_wire(w: Workload, c: Cluster) -> float:
+    """Four all-to-alls (q,k,v,g | o | dO | dq,dk,dv,dg); on- and off-node parts run together."""
+    on_node = min(w.P, c.gpus_per_node)
+    return 4 * c.slowest(w.P).latency + max((on_node - 1) / w.P * w.a2a_bytes / c.intra.bandwidth,
+                                            (w.P - on_node) / w.P * w.a2a_bytes / c.inter.bandwidth)
+
+
+def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1, shape: str = "chain") -> float:
+    """Seconds of one GLA layer, fwd + bwd, under ``strategy`` (zeco: an All-Scan of ``shape`` in K
+    blocks over ``sw.transport``)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if w.k_dim % K:
+        raise ValueError(f"K (All-Scan blocks, {K}) must divide k_dim ({w.k_dim})")
+    if w.layout not in LAYOUTS:
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {w.layout!r}")
+    t_op = w.op_ms * 1e-3
+    if strategy == "none" or w.P == 1:
+        return t_op
+    if strategy == "lasp1":  # its ring passes whole states over send/recv
+        return w.P * t_op + 2 * chain_time(w, c, replace(sw, transport="send_recv"), 1)
+    if strategy == "a2a":
+        if w.heads % w.P:
+            raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")
+        return t_op + w.a2a_bytes * sw.a2a_copy + sw.a2a_wire * _a2a_wire(w, c)
+    passes = getattr(w, sw.pass_unit) * (sw.state_pass + sw.state_grad_pass) if sw.pass_unit else 0.0
+    if strategy == "zeco":
+        transport = TRANSPORTS[sw.transport]
+        if shape not in transport.shapes:
+            raise ValueError(f"All-Scan shape {shape!r} does not run over transport {sw.transport!r}")
+        if transport.one_node and w.P > c.gpus_per_node:
+            raise ValueError(f"transport {sw.transport!r} needs the CP group on one node (P = {w.P} > "
+                             f"{c.gpus_per_node} GPUs per node)")
+        comm = [(scan_time(shape, w, c, sw, K, reverse), 0.0) for reverse in (False, True)]
+    else:
+        comm = [gather_time(w, c, sw)] * 2
+    windows = (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op)
+    exposed = sum(max(0.0, scan - sw.overlap * t) + after for (scan, after), t in zip(comm, windows))
+    return t_op * (1 + sw.extra) + passes + exposed
+
+
+def blocks(w: Workload) -> list[int]:
+    """The All-Scan block counts a layer can take: the divisors of the key dim."""
+    return [K for K in range(1, w.k_dim + 1) if w.k_dim % K == 0]
+
+
+def best_blocks(w: Workload, c: Cluster, sw: Software, shape: str = "chain") -> tuple[int, float]:
+    """(K, seconds): the All-Scan block count with the fastest zeco layer (the fewest where K does not matter)."""
+    times = {K: layer_time("zeco", w, c, sw, K, shape) for K in blocks(w)}
+    K = min(times, key=lambda k: (times[k] * (1 + 1e-12), k))
+    return K, times[K]
+
+
+def efficiency(strategy: str, w: Workload, c: Cluster, sw: Software, shape: str = "chain") -> float:
+    """``t(none) / t(strategy)`` at the same tokens per GPU (zeco at its best K), ``w.other_ms`` added to both."""
+    t = best_blocks(w, c, sw, shape)[1] if strategy == "zeco" else layer_time(strategy, w, c, sw)
+    return (w.op_ms * 1e-3 + w.other_ms * 1e-3) / (t + w.other_ms * 1e-3)

@@ -1,0 +1,137 @@
+"""Projections of the calibrated model to P GPUs (:func:`project`) and the command line
+(:func:`main`, ``python -m megatron_zeco.cost_model``)."""
+
+import argparse
+import math
+from dataclasses import dataclass, replace
+
+from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
+from .calibration import Calibration, calibrate, default_rows, load_rows
+from .model import LAYOUTS, REGIMES, SHAPES, Workload, best_blocks, layer_time
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A strategy's projected layer: for zeco, the All-Scan's transport, shape and blocks."""
+
+    strategy: str
+    seconds: float
+    efficiency: float
+    transport: str = ""
+    shape: str = ""
+    K: int = 0
+    projected: bool = False  # rests on projected (not measured) transport costs
+    why_not: str = ""  # set where the strategy cannot run this workload (seconds = inf)
+
+
+def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "contiguous", heads: int = 16,
+                        head_dim: int = 128, regime: str = "steady") -> Workload:
+    """A layer at ``tokens`` per GPU: the one-GPU op time measured in ``regime`` at the fewest tokens
+    with this head dim, scaled linearly in tokens and heads (docs/scaling.md, "Limits")."""
+    measured = {(t, h): ms for (t, h, d), ms in cal.op_ms[regime].items() if d == head_dim}
+    if not measured:
+        raise ValueError(f"no measured one-GPU op time with head dim {head_dim} (measured: "
+                         f"{sorted({d for *_, d in cal.op_ms[regime]})}); choose --head-dim among them")
+    t0, h0 = min(measured)
+    op_ms = measured[t0, h0] * tokens / t0 * heads / h0
+    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout)
+
+
+def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "steady", shapes=SHAPES,
+                 transports=None) -> list[Choice]:
+    """ZeCO at its best K over each transport and shape that can run this group (peer memory on one
+    node only), fastest first."""
+    out = []
+    for name in transports or TRANSPORTS:
+        transport = TRANSPORTS[name]
+        if transport.one_node and w.P > c.gpus_per_node:
+            continue
+        sw = cal.sw(name, regime)
+        for shape in (s for s in shapes if s in transport.shapes):
+            if shape == "hierarchical" and transport.block_messages:
+                K, t = 1, layer_time("zeco", w, c, sw, 1, shape)  # one message per step: K does not apply
+            else:
+                K, t = best_blocks(w, c, sw, shape)
+            out.append(Choice("zeco", t, w.op_ms * 1e-3 / t, name, shape, K, cal.projected(name)))
+    return sorted(out, key=lambda ch: ch.seconds)
+
+
+def project(cal: Calibration, P: int, tokens: int, layout: str, node_size: int = 8, regime: str = "steady",
+            heads: int = 16, head_dim: int = 128, cluster: Cluster = Cluster(), transports=None) -> list[Choice]:
+    """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
+    (each at its best transport), lasp2, lasp1, a2a."""
+    c = replace(cluster, gpus_per_node=node_size)
+    w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime)
+    t_op = w.op_ms * 1e-3
+    zeco = zeco_choices(w, c, cal, regime, transports=transports)
+    out = [zeco[0]]
+    for shape in SHAPES:
+        best = [ch for ch in zeco if ch.shape == shape]
+        out.append(replace(best[0], strategy=f"zeco-{shape}") if best else
+                   Choice(f"zeco-{shape}", math.inf, 0.0, why_not="no transport runs it here"))
+    sw = cal.sw("send_recv", regime)
+    for strategy in ("lasp2", "lasp1", "a2a"):
+        if strategy == "a2a" and heads % P:
+            out.append(Choice(strategy, math.inf, 0.0, why_not=f"needs the {heads} heads divisible by {P} GPUs"))
+            continue
+        t = layer_time(strategy, w, c, sw)
+        out.append(Choice(strategy, t, t_op / t))
+    return out
+
+
+def _format(ch: Choice, layout: str) -> str:
+    if ch.why_not:
+        return f"{ch.strategy:<18} layout={layout:<10} cannot run: {ch.why_not} efficiency=0.000"
+    scan = ""
+    if ch.transport:
+        scan = (f" transport={ch.transport}{' (projected)' if ch.projected else ''} shape={ch.shape} "
+                f"K={ch.K}")
+    return f"{ch.strategy:<18} layout={layout:<10}{scan} time_ms={ch.seconds * 1e3:.3f} efficiency={ch.efficiency:.3f}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_zeco.cost_model",
+        description="Projected efficiency t(one GPU) / t(strategy) of one GLA layer (forward + backward) under "
+                    "each context-parallel strategy, from the measured points shipped with the package "
+                    "(megatron_zeco/cost_model/data: the repository's docs/results files that hold them) and the "
+                    "stated link figures (docs/scaling.md). One line per strategy and layout, ending in "
+                    "efficiency=. Transports marked (projected) are not measured.")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs in the context-parallel group (P)")
+    parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU (default 16384)")
+    parser.add_argument("--layout", choices=LAYOUTS, action="append",
+                        help="sequence layout over the GPUs: contiguous or zigzag (Megatron's); repeat for both "
+                             "(default: both)")
+    parser.add_argument("--node-size", type=int, default=8, help="GPUs per node, consecutive in rank order (default 8)")
+    parser.add_argument("--regime", choices=REGIMES, default="steady",
+                        help="steady: layers issued back to back as in training, the host ahead of the GPU "
+                             "(default); eager: each layer timed from an empty queue, host costs visible")
+    parser.add_argument("--transport", choices=tuple(TRANSPORTS), action="append",
+                        help="restrict zeco's All-Scan to this transport; repeat for several (default: all)")
+    parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16, GLA-1B)")
+    parser.add_argument("--head-dim", type=int, default=128,
+                        help="key and value head dim; needs a measured one-GPU op time at it (default 128)")
+    parser.add_argument("--ib-latency-us", type=float, default=INFINIBAND.latency * 1e6,
+                        help=f"latency of a message between nodes, us (default {INFINIBAND.latency * 1e6:g}, stated)")
+    parser.add_argument("--ib-bandwidth-gbs", type=float, default=INFINIBAND.bandwidth / 1e9,
+                        help=f"bandwidth per GPU between nodes, GB/s (default {INFINIBAND.bandwidth / 1e9:g}, stated)")
+    parser.add_argument("--results", default=None,
+                        help="glob of measured result files to calibrate on instead, e.g. 'docs/results/*.json' "
+                             "of a checkout (default: the package's calibration data)")
+    args = parser.parse_args(argv)
+    for name, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
+                        ("--node-size", args.node_size), ("--heads", args.heads)):
+        if value < 1:
+            parser.error(f"{name} must be a positive integer, got {value}")
+    cal = calibrate(load_rows(args.results) if args.results else default_rows())
+    cluster = Cluster(inter=Link(args.ib_latency_us * 1e-6, args.ib_bandwidth_gbs * 1e9), gpus_per_node=args.node_size)
+    w = projection_workload(cal, args.gpus, args.tokens_per_gpu, heads=args.heads, head_dim=args.head_dim,
+                            regime=args.regime)
+    print(f"# {args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, {args.heads} "
+          f"heads of {args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd); links: NVLink "
+          f"{cluster.intra.latency * 1e6:g} us {cluster.intra.bandwidth / 1e9:g} GB/s, between nodes "
+          f"{cluster.inter.latency * 1e6:g} us {cluster.inter.bandwidth / 1e9:g} GB/s")
+    for layout in args.layout or LAYOUTS:
+        for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, args.node_size, args.regime, args.heads,
+                          args.head_dim, cluster, args.transport):
+            print(_format(ch, layout))
