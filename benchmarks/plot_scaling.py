@@ -169,7 +169,7 @@ def projection_table(cal, cluster, tokens, regime="steady"):
           "|---|---|---|---|---|---|---|---|")
     for P in PS[2:]:
         for layout in cm.LAYOUTS:
-            lines = cm.project(cal, P, tokens, layout, cluster.gpus_per_node, regime, HEADS, DIM, cluster)
+            lines = cm.project(cal, P, tokens, layout, cluster, regime, (HEADS, DIM))
             by = {ch.strategy: ch for ch in lines}
 
             def cell(ch, full=False):

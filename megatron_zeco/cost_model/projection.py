@@ -56,11 +56,13 @@ def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "stead
     return sorted(out, key=lambda ch: ch.seconds)
 
 
-def project(cal: Calibration, P: int, tokens: int, layout: str, node_size: int = 8, regime: str = "steady",
-            heads: int = 16, head_dim: int = 128, cluster: Cluster = Cluster(), transports=None) -> list[Choice]:
+def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster = Cluster(), regime: str = "steady",
+            heads: tuple = (16, 128), transports=None) -> list[Choice]:
     """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
-    (each at its best transport), lasp2, lasp1, a2a."""
-    c = replace(cluster, gpus_per_node=node_size)
+    (each at its best transport), lasp2, lasp1, a2a; ``heads``: (heads, head dim) of the layer, on
+    ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
+    c = cluster
+    heads, head_dim = heads
     w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime)
     t_op = w.op_ms * 1e-3
     zeco = zeco_choices(w, c, cal, regime, transports=transports)
@@ -132,6 +134,6 @@ def main(argv=None) -> None:
           f"{cluster.intra.latency * 1e6:g} us {cluster.intra.bandwidth / 1e9:g} GB/s, between nodes "
           f"{cluster.inter.latency * 1e6:g} us {cluster.inter.bandwidth / 1e9:g} GB/s")
     for layout in args.layout or LAYOUTS:
-        for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, args.node_size, args.regime, args.heads,
-                          args.head_dim, cluster, args.transport):
+        for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
+                          (args.heads, args.head_dim), args.transport):
             print(_format(ch, layout))
