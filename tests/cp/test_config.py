@@ -1,0 +1,85 @@
+"""One home for the CP knobs: every bad value fails with the same message whichever entry point it
+comes through (the operator's keywords, a layer spec, a layer, the main job's flags), and each
+operator's rules say which strategies and knobs it takes."""
+
+import pytest
+import torch
+
+from megatron_zeco.cp import RULES, CPConfig
+
+# knob -> (a bad value, what the message says), for every knob of CPConfig
+BAD = {
+    "strategy": ("ring", "cp_strategy 'ring' is not one of zeco, lasp1, lasp2, a2a for GLA"),
+    "layout": ("diagonal", "cp_layout 'diagonal' is not one of contiguous, zigzag"),
+    "num_blocks": (0, "cp_num_blocks 0 must be a positive integer"),
+    "transport": ("nvlink", "cp_transport 'nvlink' is not one of auto, send_recv, peer_memory, nvshmem"),
+    "overlap": ("yes", "cp_overlap_scan 'yes' must be True, False or None"),
+    "piece_split": (0, "cp_piece_split 0 must be a positive integer or None"),
+    "packed_split": ("docs", "cp_packed_split 'docs' is not one of auto, document, sequence"),
+    "node_size": (-2, "cp_node_size -2 must be a positive integer"),
+}
+# The main job's flags for the knobs it has.
+FLAGS = {"strategy": "strategy", "layout": "layout", "num_blocks": "num_blocks", "transport": "transport",
+         "piece_split": "piece_split"}
+
+
+@pytest.mark.parametrize("knob", sorted(BAD))
+def test_a_bad_knob_fails_the_same_way_through_every_entry_point(knob):
+    """The config itself, the operator, a spec and the layer's keywords give the knob's one message; so does
+    the main job where it has a flag for the knob."""
+    bad, message = BAD[knob]
+    with pytest.raises(ValueError) as config_error:
+        CPConfig(**{knob: bad})
+    assert message in str(config_error.value)
+    x = torch.zeros(1, 4, 2, 4, dtype=torch.float64)
+    keyword = {"overlap": "overlap", "packed_split": None}.get(knob, knob)
+    if keyword is not None:  # the operator takes every knob but the packed split (it takes cu_seqlens)
+        from megatron_zeco import zeco_gla
+
+        with pytest.raises(ValueError) as op_error:
+            zeco_gla(x, x, x, -x.abs(), **{keyword: bad})
+        assert message in str(op_error.value), op_error.value
+    from megatron_zeco.cp.config import KEYWORDS
+    from megatron_zeco.specs import gla_layer_spec
+
+    with pytest.raises(ValueError) as spec_error:
+        gla_layer_spec(**{KEYWORDS[knob]: bad})
+    assert message in str(spec_error.value), spec_error.value
+    from megatron_zeco.cp.config import config_of, split_keywords
+
+    with pytest.raises(ValueError) as layer_error:  # what the layer does with its cp_* keywords
+        config_of("gla", None, split_keywords({KEYWORDS[knob]: bad, "cp_comm_type": "p2p"})[0],
+                  "GatedLinearAttention")
+    assert message in str(layer_error.value), layer_error.value
+    if knob in FLAGS:
+        from megatron_zeco import train as T
+
+        with pytest.raises(ValueError) as job_error:
+            T.resolve(T.TrainConfig(**{FLAGS[knob]: bad}), 2)
+        assert message in str(job_error.value), job_error.value
+
+
+def test_knobs_an_operator_does_not_take_are_named():
+    """The gated delta rule takes no sub-pieces and no node size: set, they are named, not ignored."""
+    with pytest.raises(ValueError, match="cp_piece_split applies to GLA only; keep its default"):
+        CPConfig(operator="gated_delta_rule", piece_split=2)
+    with pytest.raises(ValueError, match="cp_strategy 'lasp1' is not one of zeco, lasp2, a2a for the gated delta"):
+        CPConfig(operator="gated_delta_rule", strategy="lasp1")
+    assert CPConfig(operator="gated_delta_rule", overlap=True).overlap is True
+
+
+def test_every_operator_has_rules_and_a_folder():
+    """A rules entry names its strategies (none of them 'none'), the axis its blocks cut and what auto means."""
+    import importlib
+
+    for key, rules in RULES.items():
+        assert rules.strategies and "none" not in rules.strategies, key
+        assert rules.blocks in ("rows", "columns") and rules.auto_transport in ("device", "send_recv"), key
+        importlib.import_module(f"megatron_zeco.{key}.op")
+
+
+def test_a_config_is_frozen_and_normalised():
+    config = CPConfig(layout="contiguous")
+    assert config.layout.value == "contiguous"
+    with pytest.raises(Exception):
+        config.strategy = "lasp2"
