@@ -1,0 +1,82 @@
+"""The local KDA operations the context-parallel strategies are built from, on the PyTorch forms of
+``chunk.py`` (the CPU path; fla's kernels for CUDA come later).
+
+* ``kda_local``: KDA over a piece from a given initial state, differentiable.
+* ``TorchKDAPiece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
+  summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
+  ``A`` first, then the inputs' gradients from the gradient of the state leaving it.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from ..ops.backend import record, replay
+from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
+
+Tensor = torch.Tensor
+
+
+def kda_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+              initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Optional[Tensor]]:
+    """KDA on this device (differentiable in every input and the initial state).
+
+    Args:
+        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``; one
+            floating dtype.
+        initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) float32 (float64 for
+            float64 inputs), or None.
+        cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); ``cu_seqlens_cpu``: the same on the host, for
+            fla's kernels (the PyTorch form reads ``cu_seqlens`` on the host itself).
+    Returns:
+        ``o [B, T, HV, V]`` (input dtype) and the final state (or None).
+    """
+    return chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+
+
+class TorchKDAPiece:
+    """A piece of a sequence whose entering state comes later (from a scan), on ``chunk.py``: the summary
+    and ``A`` as their own passes, the output and the gradients through autograd of the chunked form
+    started from ``S_in``.
+
+    Inputs as :func:`kda_local`. The piece holds its summary ``E [N, HV, K, V]`` and ``M [N, HV, K, K]``
+    (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with ``cu_seqlens``), ``transition``
+    (= ``M``), and, called in this order:
+
+    * ``before_output()``: work that needs no entering state (a no-op here);
+    * ``output(S_in) -> o [B, T, HV, V]``: the output given the entering state ``[N, HV, K, V]``;
+    * ``entering_grad(do) -> A [N, HV, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
+      (that of the whole loss is ``A + M^T D``);
+    * ``before_grads()``: likewise (a no-op here);
+    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
+      state leaving the piece.
+    """
+
+    def __init__(self, q, k, v, g, beta, scale, cu_seqlens=None):
+        self.inputs, self.scale, self.cu = (q, k, v, g, beta), scale, cu_seqlens
+        self.E, self.M = chunk_kda_state(k, v, g, beta, cu_seqlens=cu_seqlens)
+
+    @property
+    def transition(self) -> Tensor:
+        return self.M
+
+    def before_output(self) -> None:
+        pass
+
+    def before_grads(self) -> None:
+        pass
+
+    def output(self, S_in: Tensor) -> Tensor:
+        o, _, self.saved = record(chunk_kda, self.inputs, S_in, scale=self.scale, output_final_state=True,
+                                  cu_seqlens=self.cu)
+        return o
+
+    def entering_grad(self, do: Tensor) -> Tensor:
+        q, k, _, g, beta = self.inputs
+        self.do = do
+        return chunk_kda_state_grad(q, k, g, beta, do, self.scale, cu_seqlens=self.cu)
+
+    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
+        return replay(self.saved, self.do, D)[0]
