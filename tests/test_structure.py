@@ -134,7 +134,7 @@ def test_nothing_imports_the_main_job():
 # Functions with many parameters by design: the public operator functions (fla's and Megatron's
 # conventions, every keyword a user sets) and the Triton kernels and their launchers (one argument
 # per kernel argument).
-PUBLIC_OPS = {"zeco_gla", "zeco_gated_delta_rule", "chunk_gla", "chunk_gated_delta_rule"}
+PUBLIC_OPS = {"zeco_gla", "zeco_gated_delta_rule", "zeco_kda", "chunk_gla", "chunk_gated_delta_rule", "chunk_kda"}
 KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels"}
 
 

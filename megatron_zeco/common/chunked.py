@@ -43,3 +43,9 @@ def chunked(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     if pad:
         x = F.pad(x, (0, 0, 0, 0, 0, pad))
     return x.view(B, (T + pad) // chunk_size, chunk_size, H, D).permute(0, 3, 1, 2, 4)
+
+
+def unchunked(x: torch.Tensor, T: int) -> torch.Tensor:
+    """``[B, H, N, C, D]`` -> ``[B, T, H, D]``."""
+    B, H = x.shape[:2]
+    return x.permute(0, 2, 3, 1, 4).reshape(B, -1, H, x.shape[-1])[:, :T]

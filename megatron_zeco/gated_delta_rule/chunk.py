@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..common.chunked import Segments, chunked, state_dtype
+from ..common.chunked import Segments, chunked, state_dtype, unchunked
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK_SIZE = 16
@@ -70,12 +70,6 @@ def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
     U = None if vc is None else solve(bc.unsqueeze(-1) * vc)
     W = solve((bc * G.exp()).unsqueeze(-1) * kc)
     return _Chunks(qc, kc, G, decay, U, W, kc * after.exp().unsqueeze(-1), gc.sum(-1).exp())
-
-
-def _unchunk(x: Tensor, T: int) -> Tensor:
-    """``[B, H, N, C, D]`` -> ``[B, T, H, D]``."""
-    B, H = x.shape[:2]
-    return x.permute(0, 2, 3, 1, 4).reshape(B, -1, H, x.shape[-1])[:, :T]
 
 
 def chunk_gated_delta_rule(
@@ -115,7 +109,7 @@ def chunk_gated_delta_rule(
     S_in, nu = torch.stack(S_in, dim=2), torch.stack(nu, dim=2)
     attn = (c.q @ c.k.transpose(-1, -2)) * (c.decay + torch.eye(c.decay.shape[-1], dtype=S.dtype, device=S.device))
     o = scale * ((c.q * c.G.exp().unsqueeze(-1)) @ S_in + attn @ nu)
-    return _unchunk(o, T).to(v.dtype), (S if output_final_state else None)
+    return unchunked(o, T).to(v.dtype), (S if output_final_state else None)
 
 
 def chunk_gated_delta_rule_state(

@@ -5,7 +5,7 @@ PyTorch form and a piece's summary (``S_out = M S_in + E``, ``M`` a dense K x K 
 gradient; ``backend.py`` the local operation and the piece the context-parallel strategies call.
 """
 
-from .backend import TorchKDAPiece, kda_local
+from .local import TorchKDAPiece, kda_local
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 from .naive import naive_recurrent_kda
 

@@ -44,8 +44,7 @@ from typing import NamedTuple, Optional, Tuple
 
 import torch
 
-from ..ops.chunk import _chunked, _Segments, state_dtype
-from ..ops.delta_chunk import _unchunk
+from ..common.chunked import Segments, chunked, state_dtype, unchunked
 from .naive import to_value_heads
 
 Tensor = torch.Tensor
@@ -66,8 +65,8 @@ class _Chunks(NamedTuple):
 def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
     """The terms of every chunk; ``q`` and ``k`` already per value head, ``q`` or ``v`` may be None."""
     dt = state_dtype(k.dtype)
-    qc, kc, vc, gc = (None if x is None else _chunked(x.to(dt), chunk_size) for x in (q, k, v, g))
-    bc = _chunked(beta.to(dt).unsqueeze(-1), chunk_size)  # [.., C, 1]
+    qc, kc, vc, gc = (None if x is None else chunked(x.to(dt), chunk_size) for x in (q, k, v, g))
+    bc = chunked(beta.to(dt).unsqueeze(-1), chunk_size)  # [.., C, 1]
     C = kc.shape[-2]
     G = gc.cumsum(-2)
     below = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1).unsqueeze(-1)
@@ -115,7 +114,7 @@ def chunk_kda(
         (``[N, HV, K, V]``) in :func:`state_dtype`, or None.
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         o, ht = chunk_kda(*(segments.split(x) for x in (q, k, v, g, beta)), scale, initial_state,
                           output_final_state, chunk_size)
         return segments.merge(o), ht
@@ -132,7 +131,7 @@ def chunk_kda(
         S = c.last[:, :, n].unsqueeze(-1) * S + c.kd[:, :, n].transpose(-1, -2) @ nu[-1]
     S_in, nu = torch.stack(S_in, dim=2), torch.stack(nu, dim=2)
     o = scale * (c.qg @ S_in + c.attn @ nu)
-    return _unchunk(o, T).to(v.dtype), (S if output_final_state else None)
+    return unchunked(o, T).to(v.dtype), (S if output_final_state else None)
 
 
 def chunk_kda_state(
@@ -151,7 +150,7 @@ def chunk_kda_state(
         (``[N, ...]`` with ``cu_seqlens``).
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, k.shape[1], k.shape[0])
+        segments = Segments(cu_seqlens, k.shape[1], k.shape[0])
         return chunk_kda_state(*(segments.split(x) for x in (k, v, g, beta)), chunk_size)
     c = _chunk_terms(None, to_value_heads(k, v.shape[2]), v, g, beta, chunk_size)
     M_c = _transitions(c)
@@ -180,13 +179,13 @@ def chunk_kda_state_grad(
         ``[B, HV, K, V]`` (``[N, HV, K, V]``) in :func:`state_dtype`.
     """
     if cu_seqlens is not None:
-        segments = _Segments(cu_seqlens, q.shape[1], q.shape[0])
+        segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         return chunk_kda_state_grad(*(segments.split(x) for x in (q, k, g, beta, do)), scale, chunk_size)
     HV = g.shape[2]
     if scale is None:
         scale = q.shape[-1] ** -0.5
     c = _chunk_terms(to_value_heads(q, HV), to_value_heads(k, HV), None, g, beta, chunk_size)
-    doc = _chunked(do.to(c.W.dtype), chunk_size)
+    doc = chunked(do.to(c.W.dtype), chunk_size)
     local = scale * (c.qg - c.attn @ c.W).transpose(-1, -2) @ doc  # [B, HV, N, K, V]
     M_c = _transitions(c)
     A = local[:, :, -1]

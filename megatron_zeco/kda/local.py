@@ -11,21 +11,20 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..ops.backend import record, replay
+from ..common.backend import record, replay
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
 
 
-def kda_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-              initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None
-              ) -> Tuple[Tensor, Optional[Tensor]]:
+def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
+              output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
+              cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """KDA on this device (differentiable in every input and the initial state).
 
     Args:
-        q, k: ``[B, T, H, K]``; v: ``[B, T, HV, V]``; g: ``[B, T, HV, K]``; beta: ``[B, T, HV]``; one
-            floating dtype.
+        inputs: ``(q, k, v, g, beta)``: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``;
+            beta ``[B, T, HV]``; one floating dtype.
         initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) float32 (float64 for
             float64 inputs), or None.
         cu_seqlens: ``[N+1]`` int64 segment offsets (B = 1); ``cu_seqlens_cpu``: the same on the host, for
@@ -33,7 +32,7 @@ def kda_local(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     Returns:
         ``o [B, T, HV, V]`` (input dtype) and the final state (or None).
     """
-    return chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+    return chunk_kda(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 
 class TorchKDAPiece:
