@@ -144,7 +144,7 @@ def _run(case, cp, seed, pg_collection=None):
         dist.all_reduce(g, group=cp_group)
         grads[name] = g
     alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
-    transports = [m._plan.transport for m in model.modules() if hasattr(m, "cp_transport") and m._plan is not None]
+    transports = [m.cp.plan.transport for m in model.modules() if hasattr(m, "cp_config") and m.cp.plan is not None]
     return float(loss), grads, alone, ps.get_tensor_model_parallel_rank(), transports
 
 

@@ -299,7 +299,7 @@ def test_shape_is_chosen_by_the_cost_model_the_environment_or_the_caller(pool, P
     assert "runs over transport 'send_recv'" in errors["hierarchical over peer memory"]
     assert "node_size must be a positive integer" in errors["bad node size"]
     assert NODE_SIZE_ENV in errors["bad env node size"]
-    assert "node_size must be a positive integer" in errors["bad zeco_gla node size"]
+    assert "cp_node_size -1 must be a positive integer" in errors["bad zeco_gla node size"]
 
 
 # ---------------------------------------------------------------------------------------------- the layer
@@ -333,7 +333,7 @@ def _layer_grads(rank, world, seed, node_size, shape):
             if world > 1:
                 dist.all_reduce(g, group=parallel_state.get_context_parallel_group())
             grads[name] = g
-        plan = layer._plan
+        plan = layer.cp.plan
         return (Layout.ZIGZAG.shard(torch.arange(32), cp_rank, world, dim=0), y.detach(), x_local.grad, grads,
                 plan.node_size, len(calls))
 

@@ -258,7 +258,9 @@ def test_layer_packed_split_follows_megatron_lm_arguments(monkeypatch):
 
     cu = torch.tensor([0, 4, 8])
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    layer = types.SimpleNamespace(cp_packed_split="auto", _validated=False)
+    from megatron_zeco.cp import CPConfig
+
+    layer = types.SimpleNamespace(cp_config=CPConfig(packed_split="auto"), cp=types.SimpleNamespace(plan=None))
     global_vars = types.ModuleType("megatron.training.global_vars")
     monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)

@@ -214,7 +214,7 @@ def all_scan(
     if scan_shape(route, delta[0]) == "hierarchical":
         if aside is not None:
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
-        return hierarchical_scan(gamma, delta, init, route, _nodes(route), reverse=reverse, out=out,
+        return hierarchical_scan(gamma, delta, init, route, nodes=_nodes(route), reverse=reverse, out=out,
                                  while_waiting=while_waiting)
     if route.transport in DEVICE_TRANSPORTS:
         return peer_all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=while_waiting,
