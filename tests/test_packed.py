@@ -7,6 +7,8 @@ at piece boundaries. Both splits: the layout over the whole packed sequence, and
 document (Megatron's THD split with zigzag). Outputs and all gradients to 1e-10.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -172,7 +174,8 @@ def _mixer_spec(kind, split):
     if kind == "attention":
         return softmax_layer_spec(cp_packed_split=split).submodules.self_attention
     base = gla_local_spec.submodules.self_attention
-    return ModuleSpec(module=base.module, params={**base.params, "cp_packed_split": split}, submodules=base.submodules)
+    config = dataclasses.replace(base.params["cp_config"], packed_split=split)
+    return ModuleSpec(module=base.module, params={**base.params, "cp_config": config}, submodules=base.submodules)
 
 
 def _mixer(rank, world, seed, kind):

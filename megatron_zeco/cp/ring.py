@@ -5,6 +5,8 @@ state on; backward walks back the same way. Exact, but the ranks work one after 
 the latency of one piece.
 """
 
+from dataclasses import replace
+
 import torch
 
 from ..comm import chain_scan
@@ -32,7 +34,7 @@ class RingOp(torch.autograd.Function):
             return final
 
         h0 = None if h0 is None else h0.to(like.dtype)
-        S_in, last = chain_scan(step, h0, like, plan.route(f"{plan.name}: lasp1 ring (forward)"))
+        S_in, last = chain_scan(step, h0, like, _ring(plan, "forward"))
         ctx.save_for_backward(*S_in)
         ctx.ring, ctx.plan, ctx.call, ctx.n = ring, plan, call, n
         return torch.cat(outs, dim=1), (last if last is not None else torch.zeros_like(like))
@@ -49,7 +51,11 @@ class RingOp(torch.autograd.Function):
             return d_in
 
         init = dht.to(S_in[0].dtype) if ctx.call.output_final_state else None
-        _, dh0 = chain_scan(step, init, S_in[0], ctx.plan.route(f"{ctx.plan.name}: lasp1 ring (backward)"),
-                            reverse=True)
+        _, dh0 = chain_scan(step, init, S_in[0], _ring(ctx.plan, "backward"), reverse=True)
         inputs = tuple(torch.cat(parts, dim=1) for parts in zip(*grads))
         return (None, None, None, initial_state_grad(ctx, dh0, S_in[0], index=3), *inputs)
+
+
+def _ring(plan, direction: str):
+    """The ring's route: a piece runs whole once its state has arrived, so the state travels in one block."""
+    return replace(plan.route(f"{plan.name}: lasp1 ring ({direction})"), num_blocks=1)
