@@ -1,90 +1,139 @@
-"""ZeCO's local gated delta rule on CUDA: fla's kernels, cut around the scan.
+"""ZeCO's local gated delta rule on CUDA: one GPU's own work, plus a correction for the entering state.
 
-fla's ``chunk_gated_delta_rule`` runs as: the in-chunk log-decay cumsum, the WY transform (``w``,
-``u``), the chunk states ``h`` (one sequential pass from the initial state), the output; backward
-recomputes ``w``, ``u`` and ``h``, walks the state gradients ``dh`` backwards from the final-state
-gradient, then forms every input's gradient. A piece of a ZeCO sequence gets its entering state
-``S_in`` and the gradient of its leaving state ``D`` from the scans, which need the piece's map
-first. So, per piece:
+A piece of a ZeCO sequence gets its entering state ``S_in`` and the gradient of its leaving state ``D``
+from the scans, which need the piece's map ``S_out = M S_in + E`` first. The piece runs fla's ordinary
+forward from a zero state at once (what one GPU computes anyway: the output ``o^0``, the chunk
+states, and the final state, which is ``E``) and adds what ``S_in`` contributes afterwards, a term
+linear in ``S_in`` (``kernels.py``):
 
-forward: cumsum and WY transform; the summary ``[E | M]`` (fla's context-parallel pre-processing
-    kernel ``chunk_cp_fwd_h``, one program per column block and head, every segment at once)
-    -- scan -- ``h`` from ``S_in`` and the output (fla's kernels, as fla's forward runs them);
-backward: ``A``, the entering state's gradient from the outputs alone (fla's ``dh`` pass with no
-    final-state gradient) -- reverse scan -- fla's whole backward from ``S_in`` with final-state
-    gradient ``D``.
+    o_c = o^0_c + Qt_c (M_{<c} S_in),   Qt_c = scale (q_c exp(G)) - Aqk_c w_c,   M_{<c} = T_{c-1} ... T_0
+
+so, per piece:
+
+forward: fla's cumsum and WY transform; then, side by side, fla's state pass from a zero state
+    (``E``) and this package's maps (``Qt``, the transformed queries ``R_c = Qt_c M_{<c}`` over
+    sub-pieces of the piece computed in parallel, their prefix products ``P`` and ``M``: on a
+    second CUDA stream, beside fla's state pass, which leaves most SMs idle) -- while the scan is in
+    flight, fla's output kernel (``o^0``) -- once ``S_in`` is there, ``o = o^0 + R (P S_in)``, every
+    chunk at once;
+backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradient from the outputs
+    alone, every chunk at once -- reverse scan -- fla's whole backward from ``initial_state=S_in``
+    with final-state gradient ``D``: one GPU's backward.
 
 Results are those of fla's ``chunk_gated_delta_rule`` with ``initial_state=S_in`` and final-state
-gradient ``D``; the backward runs fla's ``dh`` pass twice (once for ``A``, once inside fla's
-backward), as fla's own context parallelism does. Dense input (B sequences of T tokens) runs as one
-packed row of B segments, so every kernel takes the varlen path.
+gradient ``D``, up to rounding. For 16-bit inputs the maps' products round their float32 operands to
+the input dtype, as fla's own state pass rounds its states; for float32 inputs they keep float32
+accuracy (``kernels.py``, "Precision"). Dense input (B sequences of T tokens) runs as one packed row
+of B segments, so every kernel takes the varlen path.
 
-Built on fla-core's internal functions (signatures of fla-core 0.6); imported on first use.
+Built on fla-core's internal functions (signatures of fla-core 0.6, ``common.backend.FLA_VERSION``);
+imported on first use.
 """
 
 import functools
 from types import SimpleNamespace
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 
 from ..common.backend import require_fla
+from . import kernels
+from .correction import SubPieces
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for the gated delta rule
+_SIDE_STREAMS: Dict[torch.device, torch.cuda.Stream] = {}
 
 
 @functools.lru_cache(maxsize=None)
 def _fla() -> SimpleNamespace:
     require_fla("a ZeCO piece of the gated delta rule on CUDA")
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_bwd_dv_local, chunk_fwd_o
-    from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.gated_delta_rule.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
     return SimpleNamespace(**{f.__name__: f for f in (
-        chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h, chunk_bwd_dv_local, chunk_fwd_o, chunk_cp_fwd_h,
-        chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd_intra, recompute_w_u_fwd, chunk_local_cumsum,
-        prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
+        chunk_gated_delta_rule_fwd_h, chunk_fwd_o, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd_intra,
+        chunk_local_cumsum, prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
+
+
+class _Segments(NamedTuple):
+    """What a piece's launches need of its segments' offsets, kept per shape (a layer's pieces have the same
+    segments every step of an unpacked batch): the offsets on the device and fla's chunk indices (each
+    made from the host copy once: a copy from pageable host memory, or fla's read-back, waits for the
+    device), and the sub-pieces of the correction kernels, enough of them to fill the device's SMs."""
+
+    cu: Tensor
+    indices: Tensor
+    plan: SubPieces
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(offsets: Tuple[int, ...], heads: int, K: int, device: torch.device) -> _Segments:
+    host = torch.tensor(offsets, dtype=torch.long)
+    cu = host.pin_memory().to(device, non_blocking=True)
+    indices = _fla().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
+    return _Segments(cu, indices, kernels.plan_sub_pieces(host, CHUNK, heads, K, device))
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
 
 
 class FlaDeltaPiece:
-    """One rank's piece of the sequence through fla's kernels (see the module docstring and
-    ``delta_backend.gdn_piece`` for the protocol). ``E [N, H, K, V]``, ``M [N, H, K, K]`` float32."""
+    """One rank's piece of the sequence on fla's kernels and this package's correction kernels (see the
+    module docstring, and ``local.gdn_piece`` for the protocol). ``E [N, H, K, V]``, ``M [N, H, K, K]``
+    float32."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
         fla = _fla()
         B, T, H, K = q.shape
-        V = v.shape[-1]
         self.shape, self.dtypes, self.scale = (B, T), (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), scale
         if cu_seqlens is None:  # B sequences of T tokens: B segments of one row
-            cu_seqlens_cpu = torch.arange(B + 1) * T
-            cu_seqlens = cu_seqlens_cpu.to(q.device)
+            offsets = tuple(range(0, (B + 1) * T, T))
             q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+        else:
+            offsets = tuple(int(x) for x in cu_seqlens_cpu)
+        segments = _segments(offsets, H, K, q.device)
         self.q, self.k, self.v, self.beta = (x.contiguous() for x in (q, k, v, beta))
-        self.cu, self.cu_cpu = cu_seqlens.long(), cu_seqlens_cpu
-        self.indices = fla.prepare_chunk_indices(self.cu, CHUNK, cu_seqlens_cpu=cu_seqlens_cpu)
-        self.kw = dict(cu_seqlens=self.cu, chunk_indices=self.indices)
+        self.plan, cu_seqlens_cpu = segments.plan, torch.tensor(offsets)
+        self.kw = dict(cu_seqlens=segments.cu, chunk_indices=segments.indices)
         self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
-        self.w, self.u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
-                                                                         chunk_size=CHUNK, **self.kw)
-        hm = self.k.new_zeros(len(self.cu) - 1, H, K, V + K, dtype=torch.float32)
-        fla.chunk_cp_fwd_h(k=self.k, w=self.w, u=self.u, hm=hm, g=self.g, cu_seqlens=self.cu, chunk_size=CHUNK,
-                           multi_seqs=True)
-        self.E, self.M = hm[..., :V].contiguous(), hm[..., V:].contiguous()
+        w, u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
+                                                               chunk_size=CHUNK, **self.kw)
+        # 16-bit inputs: the maps' products round as fla's state pass does; float32: float32 accuracy
+        self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
+        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # the maps beside fla's state pass
+            self.R, self.P, self.M = kernels.piece_transition(
+                self.q, self.k, w, self.g, scale, self.plan, r_dtype=q.dtype, precision=self.precision)
+        self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
+            k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
+            cu_seqlens_cpu=cu_seqlens_cpu, **self.kw)
+        main.wait_stream(side)
+        for t in (self.R, self.P, self.M):  # made on the side stream, used on this one
+            t.record_stream(main)
+        w.record_stream(side)  # read on the side stream; fla's backward recomputes it
+        self.o0 = None
 
     @property
     def transition(self) -> Tensor:
         return self.M
 
-    def before_output(self) -> None:  # nothing of the forward's rest runs without S_in
-        pass
+    def before_output(self) -> None:
+        """fla's output kernel from the zero-state chunk states: runs while the scan is in flight."""
+        if self.o0 is None:
+            self.o0 = _fla().chunk_fwd_o(q=self.q, k=self.k, v=self.v_new, h=self.h, g=self.g, scale=self.scale,
+                                         chunk_size=CHUNK, **self.kw)
+            del self.h, self.v_new
 
-    def before_grads(self) -> None:
+    def before_grads(self) -> None:  # fla's backward needs D
         pass
 
     def _dense(self, x: Tensor) -> Tensor:
@@ -93,25 +142,16 @@ class FlaDeltaPiece:
 
     def output(self, S_in: Tensor) -> Tensor:
         """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
-        fla = _fla()
+        self.before_output()
         self.S_in = S_in.contiguous()
-        h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=self.k, w=self.w, u=self.u, g=self.g, initial_state=self.S_in,
-                                                       output_final_state=False, chunk_size=CHUNK,
-                                                       cu_seqlens_cpu=self.cu_cpu, **self.kw)
-        o = fla.chunk_fwd_o(q=self.q, k=self.k, v=v_new, h=h, g=self.g, scale=self.scale, chunk_size=CHUNK, **self.kw)
-        del self.w, self.u  # backward recomputes them from A_wy, as fla does
+        o = kernels.output_correction(self.o0, self.R, self.P, self.S_in, self.plan, precision=self.precision)
+        self.o0 = None
         return self._dense(o)
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
-        fla = _fla()
         self.do = do.reshape(self.q.shape[:3] + do.shape[-1:]).contiguous()
-        w, _ = fla.recompute_w_u_fwd(k=self.k, v=self.v, beta=self.beta, A=self.A_wy, g=self.g, **self.kw)
-        dv = fla.chunk_bwd_dv_local(q=self.q, k=self.k, do=self.do, g=self.g, scale=self.scale, chunk_size=CHUNK,
-                                    **self.kw)
-        _, A, _ = fla.chunk_gated_delta_rule_bwd_dhu(q=self.q, k=self.k, w=w, do=self.do, dv=dv, g=self.g, h0=self.S_in,
-                                                     dht=None, scale=self.scale, chunk_size=CHUNK, **self.kw)
-        return A
+        return kernels.entering_grad(self.R, self.P, self.do, self.plan, precision=self.precision)
 
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """dq, dk, dv, dg, dbeta (dtypes of the inputs) given ``D [N, H, K, V]``, the gradient of the

@@ -1,0 +1,573 @@
+"""Triton kernels: what the state entering a gated-delta-rule piece adds to it, computed without that state.
+
+fla's forward run from a zero entering state gives a piece's output ``o^0`` and leaving state ``E``
+(one GPU's ordinary work). The entering state ``S_in [K, V]`` (per segment and head) that ZeCO's scan
+delivers later acts on the piece linearly, through maps computed here (fla's conventions, chunks of
+BT tokens; G the in-chunk cumulative log decay, ``w = (I + L)^-1 (beta exp(G) k)`` fla's WY factor):
+
+    T_c  = exp(G_last) I - (k_c exp(G_last - G))^T w_c                    the chunk's map of the state, K x K
+    Qt_c = scale (q_c exp(G)) - Aqk_c w_c,  Aqk_c = scale tril_incl(q_c k_c^T exp(G_i - G_j))    [BT, K]
+    o_c  = o^0_c + Qt_c M_{<c} S_in,        S_out = M S_in + E,   M_{<c} = T_{c-1} ... T_0,   M = M_{<end}
+
+Each segment's chunks are cut into sub-pieces (runs of whole chunks; ``SubPieces``), so the one
+sequential product runs on ``sub-pieces x heads x column blocks`` programs:
+
+    K1 ``delta_reads_kernel``     Qt_c, every chunk at once                              grid (chunks, H)
+    K2 ``delta_maps_kernel``      per sub-piece j from M = I: R_c = Qt_c M; M <- T_c M; L_j = M
+                                  (M: a [K, BV] column block in float32 registers)      grid (K/BV, sub-pieces, H)
+    K3 ``delta_prefix_kernel``    P_j = L_{j-1} ... L_0 (P_0 = I), the segment's M       grid (K/BC, segments, H)
+  after the scan delivered S_in:
+    K4 ``delta_entering_kernel``  X_j = P_j S_in, the sub-piece's share of S_in          grid (V/BV, sub-pieces, H)
+       ``delta_output_kernel``    o_c = o^0_c + R_c X_j, every chunk at once (float32,
+                                  rounded once)                                          grid (V/BV, chunks, H)
+  backward, from the outputs' gradient do:
+    K5 ``delta_grad_kernel``      Z_j = P_j^T sum_{c in j} R_c^T do_c                    grid (V/BV, sub-pieces, H)
+       ``delta_grad_sum_kernel``  A_n = sum_{j in n} Z_j (in order: deterministic)       grid (KV/BLOCK, segments, H)
+
+``A`` is the gradient of ``<do, o>`` with respect to ``S_in``; the entering state's full gradient is
+``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's
+``chunk_gated_delta_rule_bwd`` from ``initial_state=S_in`` with ``dht=D``. The math, the plan and the
+float64 reference (also the CPU path): ``megatron_zeco.gated_delta_rule.correction``; the Python wrappers
+here take the same arguments and return the same tensors.
+
+Layouts (token-major, as fla): q, k, w, Qt, R ``[B, T, H, K]``; g (G) ``[B, T, H]`` float32; o, do
+``[B, T, H, V]``; L, P ``[sub-pieces, H, K, K]``, M ``[N, H, K, K]``, S_in, A ``[N, H, K, V]`` float32,
+``K x V`` states with ``M`` acting on their K rows. Packed input is one row of N segments (``cu_seqlens``);
+dense ``[B, T]`` input is B segments. Launch tables come from the plan's host copy of the offsets, so no
+launch reads the device.
+
+Precision (``precision``, a constexpr of every kernel): every product accumulates in float32. ``"input"``
+multiplies as fla's own state passes do: a float32 tile (M, w M, the states) meets a 16-bit input tile
+(q, k, w, Qt, R, do) rounded to the input's dtype, on 16-bit tensor cores (one pass); two float32 tiles
+in one TF32 pass. The other modes keep float32 operands: ``"ieee"`` (CUDA-core FMAs: the tests' mode,
+slow on the GPU), ``"tf32"`` (one TF32 pass: the float32 operand truncated to 10 explicit mantissa bits)
+or ``"tf32x3"`` (three TF32 passes, float32 accuracy; a float32 tile against a bfloat16 input is split
+into three bfloat16 terms instead, ``hi + mid + lo`` within 2^-24 of it, three bfloat16 passes). The
+piece (``fla_piece.py``) runs ``"input"`` for 16-bit inputs, whose roundings are then those of fla's
+own state pass on one GPU, and ``"tf32x3"`` for float32 inputs, whose caller asked for float32
+accuracy: the chunk recurrence of K2 compounds its roundings over a sub-piece, and its maps enter the
+scan.
+
+On the GPU, K2 and K3 keep 64 columns of M per program (``block_cols``): Triton 3.7.1 miscomputed K2 on
+sm_90 with 32 columns of a K = 128 map, so fewer are refused there for K > 64.
+
+Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bit tiles wrongly, so
+16-bit products are computed from the same values in float32 (exact products, as on tensor cores).
+"""
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .correction import SubPieces, choose_sub_pieces
+
+Tensor = torch.Tensor
+PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
+
+__all__ = [
+    "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
+    "prefix_maps", "output_correction", "entering_grad", "piece_transition",
+]
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _configs():
+    """One configuration under the interpreter; on the GPU the warps and stages are tuned per shape."""
+    if _interpreted():
+        return [triton.Config({}, num_warps=4, num_stages=1)]
+    return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+@triton.jit
+def _exp(x, G_LOG2: tl.constexpr):
+    """exp of a log decay: base 2 (fla's G) or natural."""
+    if G_LOG2:
+        y = tl.exp2(x)
+    else:
+        y = tl.exp(x)
+    return y
+
+
+@triton.jit
+def _dot16(a, b, acc, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` for two 16-bit tiles: exact products, float32 accumulation."""
+    if INTERPRETED:  # the interpreter's 16-bit tl.dot is wrong: the same exact products in float32
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _split3(x):
+    """float32 ``x`` as ``hi + mid + lo`` in bfloat16 (each the rounding of what is left; exact to 2^-24 |x|)."""
+    hi = x.to(tl.bfloat16)
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """``acc + a @ b`` in float32 (acc float32; a, b float32 or an input's 16-bit dtype), see the module
+    docstring for ``PRECISION``."""
+    if PRECISION == "input":  # the float32 operand rounded to the other's 16-bit dtype, as fla's state passes
+        if a.dtype == tl.float32 and b.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision="tf32")
+        elif a.dtype == tl.float32:
+            acc = _dot16(a.to(b.dtype), b, acc, INTERPRETED)
+        elif b.dtype == tl.float32:
+            acc = _dot16(a, b.to(a.dtype), acc, INTERPRETED)
+        else:
+            acc = _dot16(a, b, acc, INTERPRETED)
+    elif a.dtype == tl.float32:
+        if b.dtype == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        elif b.dtype == tl.bfloat16 and PRECISION == "tf32x3":
+            hi, mid, lo = _split3(a)
+            acc = _dot16(hi, b, acc, INTERPRETED)
+            acc = _dot16(mid, b, acc, INTERPRETED)
+            acc = _dot16(lo, b, acc, INTERPRETED)
+        else:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
+    elif b.dtype == tl.float32:
+        if a.dtype == tl.bfloat16 and PRECISION == "tf32x3":
+            hi, mid, lo = _split3(b)
+            acc = _dot16(a, hi, acc, INTERPRETED)
+            acc = _dot16(a, mid, acc, INTERPRETED)
+            acc = _dot16(a, lo, acc, INTERPRETED)
+        else:
+            acc = tl.dot(a.to(tl.float32), b, acc, input_precision=PRECISION)
+    else:
+        acc = _dot16(a, b, acc, INTERPRETED)
+    return acc
+
+
+@triton.jit
+def _chunk_rows(bos, eos, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
+    """Chunk ``i_t`` of the segment ``[bos, eos)``: its tokens' row offsets into ``[rows, H, *]`` tensors
+    (``(bos + t) * H + i_h``, int64), their mask, and the row of its last token."""
+    o_t = i_t.to(tl.int64) * BT + tl.arange(0, BT)
+    T = eos - bos
+    last = tl.minimum(i_t.to(tl.int64) * BT + BT, T) - 1
+    return (bos + o_t) * H + i_h, o_t < T, (bos + last) * H + i_h
+
+
+# ------------------------------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _delta_reads_kernel(q, k, w, g, qt, chunks, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                        BK: tl.constexpr, G_LOG2: tl.constexpr, PRECISION: tl.constexpr,
+                        INTERPRETED: tl.constexpr):
+    """K1, one chunk and head: ``Qt = scale (q exp(G)) - Aqk w``, ``Aqk = scale tril_incl(q k^T exp(G_i - G_j))``.
+    q, k, w ``[rows, H, K]``, g ``[rows, H]`` (G), qt ``[rows, H, K]``; BK: a block of K."""
+    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    bos = tl.load(chunks + i_c * 4).to(tl.int64)
+    eos = tl.load(chunks + i_c * 4 + 1).to(tl.int64)
+    i_t = tl.load(chunks + i_c * 4 + 2)
+    rows, m_t, _ = _chunk_rows(bos, eos, i_t, H, i_h, BT)
+    b_A = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_kT = tl.load(k + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+        b_A = _dot(b_q, b_kT, b_A, PRECISION, INTERPRETED)
+    b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+    o_i = tl.arange(0, BT)
+    m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+    b_A = b_A * tl.where(m_A, _exp(b_g[:, None] - b_g[None, :], G_LOG2), 0.) * scale
+    b_qg = tl.where(m_t, _exp(b_g, G_LOG2), 0.) * scale
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m = m_t[:, None] & (o_k < K)[None, :]
+        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m, other=0.)
+        b_qt = b_q * b_qg[:, None] - _dot(b_A, b_w, tl.zeros([BT, BK], dtype=tl.float32), PRECISION, INTERPRETED)
+        tl.store(qt + rows[:, None] * K + o_k[None, :], b_qt.to(qt.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _eye_rows(o_v, m_v, OFF: tl.constexpr, BK: tl.constexpr):
+    """Rows ``OFF .. OFF+BK`` of the identity's columns ``o_v``."""
+    o_k = OFF + tl.arange(0, BK)
+    return tl.where((o_k[:, None] == o_v[None, :]) & m_v[None, :], 1., 0.)
+
+
+@triton.jit
+def _maps_read(qt, w, rows, m_t, b_M, b_r, b_wm, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+               PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """What rows ``OFF .. OFF+BK`` of M (``b_M``) add to ``R = Qt M`` and to ``w M``."""
+    o_k = OFF + tl.arange(0, BK)
+    m = m_t[:, None] & (o_k < K)[None, :]
+    b_qt = tl.load(qt + rows[:, None] * K + o_k[None, :], mask=m, other=0.)
+    b_r = _dot(b_qt, b_M, b_r, PRECISION, INTERPRETED)
+    b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m, other=0.)
+    b_wm = _dot(b_w, b_M, b_wm, PRECISION, INTERPRETED)
+    return b_r, b_wm
+
+
+@triton.jit
+def _maps_update(k, rows, m_t, b_M, b_wm, b_last, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """Rows ``OFF .. OFF+BK`` of ``exp(G_last) M + k^T b_wm`` (b_wm: ``-exp(G_last - G) w M``)."""
+    o_k = OFF + tl.arange(0, BK)
+    b_kT = tl.load(k + rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
+    return _dot(b_kT, b_wm, b_M * b_last, PRECISION, INTERPRETED)
+
+
+@triton.jit
+def _maps_store(L, base, b_M, o_v, m_v, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    o_k = OFF + tl.arange(0, BK)
+    tl.store(L + (base + o_k[:, None]) * K + o_v[None, :], b_M, mask=(o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, G_LOG2: tl.constexpr, PRECISION: tl.constexpr,
+                       INTERPRETED: tl.constexpr):
+    """K2, one sub-piece, head and block of BV columns of M: from ``M = I``, per chunk ``R = Qt M``
+    (stored), ``M <- exp(G_last) M - k^T (exp(G_last - G) (w M))``; then ``L_j = M``. M is held in
+    float32 as up to four tiles of BK rows (``K <= 4 BK``), so no tile outgrows the registers.
+    r ``[rows, H, K]``, L ``[sub-pieces, H, K, K]`` float32."""
+    i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(pieces + i_j * 5 + 1).to(tl.int64)
+    eos = tl.load(pieces + i_j * 5 + 2).to(tl.int64)
+    first = tl.load(pieces + i_j * 5 + 3)
+    count = tl.load(pieces + i_j * 5 + 4)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < K
+    b_M1 = _eye_rows(o_v, m_v, 0, BK)
+    if K > BK:
+        b_M2 = _eye_rows(o_v, m_v, BK, BK)
+    if K > 2 * BK:
+        b_M3 = _eye_rows(o_v, m_v, 2 * BK, BK)
+    if K > 3 * BK:
+        b_M4 = _eye_rows(o_v, m_v, 3 * BK, BK)
+    for i in range(count):
+        rows, m_t, last = _chunk_rows(bos, eos, first + i, H, i_h, BT)
+        b_r = tl.zeros([BT, BV], dtype=tl.float32)
+        b_wm = tl.zeros([BT, BV], dtype=tl.float32)
+        b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M1, b_r, b_wm, 0, K, BK, PRECISION, INTERPRETED)
+        if K > BK:
+            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M2, b_r, b_wm, BK, K, BK, PRECISION, INTERPRETED)
+        if K > 2 * BK:
+            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M3, b_r, b_wm, 2 * BK, K, BK, PRECISION, INTERPRETED)
+        if K > 3 * BK:
+            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M4, b_r, b_wm, 3 * BK, K, BK, PRECISION, INTERPRETED)
+        tl.store(r + rows[:, None] * K + o_v[None, :], b_r.to(r.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        b_gl = tl.load(g + last).to(tl.float32)
+        b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+        b_wm = b_wm * tl.where(m_t, -_exp(b_gl - b_g, G_LOG2), 0.)[:, None]
+        b_last = _exp(b_gl, G_LOG2)
+        b_M1 = _maps_update(k, rows, m_t, b_M1, b_wm, b_last, 0, K, BK, PRECISION, INTERPRETED)
+        if K > BK:
+            b_M2 = _maps_update(k, rows, m_t, b_M2, b_wm, b_last, BK, K, BK, PRECISION, INTERPRETED)
+        if K > 2 * BK:
+            b_M3 = _maps_update(k, rows, m_t, b_M3, b_wm, b_last, 2 * BK, K, BK, PRECISION, INTERPRETED)
+        if K > 3 * BK:
+            b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 3 * BK, K, BK, PRECISION, INTERPRETED)
+    base = (i_j.to(tl.int64) * H + i_h) * K
+    _maps_store(L, base, b_M1, o_v, m_v, 0, K, BK)
+    if K > BK:
+        _maps_store(L, base, b_M2, o_v, m_v, BK, K, BK)
+    if K > 2 * BK:
+        _maps_store(L, base, b_M3, o_v, m_v, 2 * BK, K, BK)
+    if K > 3 * BK:
+        _maps_store(L, base, b_M4, o_v, m_v, 3 * BK, K, BK)
+
+
+@triton.jit
+def _delta_prefix_kernel(L, P, M, piece_offsets, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                         BC: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K3, one segment, head and block of BC columns: ``P_j = L_{j-1} ... L_0`` over the segment's
+    sub-pieces (``P_0 = I``, stored), then ``M = L_{S-1} ... L_0`` (the identity if it has none).
+    L, P ``[sub-pieces, H, K, K]``, M ``[N, H, K, K]``, float32."""
+    i_c, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j0 = tl.load(piece_offsets + i_n)
+    j1 = tl.load(piece_offsets + i_n + 1)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_c = i_c * BC + tl.arange(0, BC)
+    m_c = o_c < K
+    b_P = tl.where((o_k[:, None] == o_c[None, :]) & m_c[None, :], 1., 0.)
+    for j in range(j0, j1):
+        base = (i_h + j * H).to(tl.int64) * K * K
+        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])
+        b_L = tl.load(L + base + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.)
+        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)
+    p_M = M + (i_n.to(tl.int64) * H + i_h) * K * K + o_k[:, None] * K + o_c[None, :]
+    tl.store(p_M, b_P, mask=m_k[:, None] & m_c[None, :])
+
+
+@triton.jit
+def _delta_entering_kernel(P, s_in, X, pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K4 (first part), one sub-piece j, head and block of BV value columns: ``X_j = P_j S_in[n]``, the part of
+    the state entering sub-piece j that comes from the segment's entering state. P ``[sub-pieces, H, K, K]``,
+    s_in ``[N, H, K, V]``, X ``[sub-pieces, H, K, V]``, float32; BK >= K."""
+    i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n = tl.load(pieces + i_j * 5).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_P = tl.load(P + (i_j.to(tl.int64) * H + i_h) * K * K + o_k[:, None] * K + o_k[None, :],
+                  mask=m_k[:, None] & m_k[None, :], other=0.)
+    b_S = tl.load(s_in + (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                  other=0.)
+    b_X = _dot(b_P, b_S.to(tl.float32), tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
+    tl.store(X + (i_j.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_X,
+             mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _delta_output_kernel(o0, r, X, out, chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
+                         INTERPRETED: tl.constexpr):
+    """K4 (second part), one chunk c of sub-piece j, head and block of BV value columns: ``out = o0 + R_c X_j``,
+    summed in float32 and rounded once. o0, out ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]``
+    float32; BK >= K. Every chunk is a program of its own: no chunk waits for another."""
+    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(chunks + i_c * 4).to(tl.int64)
+    eos = tl.load(chunks + i_c * 4 + 1).to(tl.int64)
+    i_t = tl.load(chunks + i_c * 4 + 2)
+    i_j = tl.load(chunks + i_c * 4 + 3).to(tl.int64)
+    rows, m_t, _ = _chunk_rows(bos, eos, i_t, H, i_h, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_o = m_t[:, None] & m_v[None, :]
+    b_X = tl.load(X + (i_j * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                  other=0.)
+    b_r = tl.load(r + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+    b_o = tl.load(o0 + rows[:, None] * V + o_v[None, :], mask=m_o, other=0.).to(tl.float32)
+    b_o = _dot(b_r, b_X, b_o, PRECISION, INTERPRETED)
+    tl.store(out + rows[:, None] * V + o_v[None, :], b_o.to(out.dtype.element_ty), mask=m_o)
+
+
+@triton.jit
+def _delta_grad_kernel(r, do, P, Z, pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                       BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K5 (first part), one sub-piece, head and block of BV columns: ``Z_j = P_j^T sum_{c in j} R_c^T do_c``.
+    r ``[rows, H, K]``, do ``[rows, H, V]``, P ``[sub-pieces, H, K, K]``, Z ``[sub-pieces, H, K, V]`` float32."""
+    i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(pieces + i_j * 5 + 1).to(tl.int64)
+    eos = tl.load(pieces + i_j * 5 + 2).to(tl.int64)
+    first = tl.load(pieces + i_j * 5 + 3)
+    count = tl.load(pieces + i_j * 5 + 4)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    b_Y = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(count):
+        rows, m_t, _ = _chunk_rows(bos, eos, first + i, H, i_h, BT)
+        b_rT = tl.load(r + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+        b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+        b_Y = _dot(b_rT, b_do, b_Y, PRECISION, INTERPRETED)
+    base = i_j.to(tl.int64) * H + i_h
+    b_PT = tl.load(P + base * K * K + o_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_k[None, :], other=0.)
+    b_Z = _dot(b_PT, b_Y, tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
+    tl.store(Z + base * K * V + o_k[:, None] * V + o_v[None, :], b_Z, mask=m_k[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _delta_grad_sum_kernel(Z, A, piece_offsets, H: tl.constexpr, KV: tl.constexpr, BLOCK: tl.constexpr):
+    """K5 (second part), one segment, head and block of the state: ``A_n = sum_{j in n} Z_j`` in order
+    (zero for a segment without chunks). Z ``[sub-pieces, H, K, V]``, A ``[N, H, K, V]`` float32."""
+    i_b, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    j0 = tl.load(piece_offsets + i_n)
+    j1 = tl.load(piece_offsets + i_n + 1)
+    o = i_b * BLOCK + tl.arange(0, BLOCK)
+    m = o < KV
+    b_A = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(j0, j1):
+        b_A += tl.load(Z + (i_h + j * H).to(tl.int64) * KV + o, mask=m, other=0.)
+    tl.store(A + (i_n.to(tl.int64) * H + i_h) * KV + o, b_A, mask=m)
+
+
+def _tuned(fn, key):
+    return triton.autotune(configs=_configs(), key=key)(fn)
+
+
+delta_reads_kernel = _tuned(_delta_reads_kernel, ["H", "K", "BT", "BK", "PRECISION"])
+delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "K", "BT", "BK", "BV", "PRECISION"])
+delta_prefix_kernel = _tuned(_delta_prefix_kernel, ["H", "K", "BK", "BC", "PRECISION"])
+delta_entering_kernel = _tuned(_delta_entering_kernel, ["H", "K", "V", "BK", "BV", "PRECISION"])
+delta_output_kernel = _tuned(_delta_output_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
+delta_grad_kernel = _tuned(_delta_grad_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
+delta_grad_sum_kernel = _tuned(_delta_grad_sum_kernel, ["H", "KV", "BLOCK"])
+KERNELS = {  # name -> the jit function (for compile checks)
+    "reads": _delta_reads_kernel, "maps": _delta_maps_kernel, "prefix": _delta_prefix_kernel,
+    "entering": _delta_entering_kernel, "output": _delta_output_kernel, "grad": _delta_grad_kernel,
+    "grad_sum": _delta_grad_sum_kernel,
+}
+
+
+# ------------------------------------------------------------------------------------------ wrappers
+
+
+def default_block_cols(K: int) -> int:
+    """Columns of M per K2 (and K3) program: 64 (fewer for K < 64)."""
+    return min(triton.next_power_of_2(K), 64)
+
+
+def _block_cols(K: int, block_cols: Optional[int], device: torch.device) -> int:
+    BV = block_cols or default_block_cols(K)
+    if device.type == "cuda" and K > 64 and BV < 64:
+        # Triton 3.7.1 on sm_90 miscomputes K2 with 32 columns of a K = 128 map at every num_warps and
+        # num_stages tried (wrong values, NaN, illegal addresses); 64 columns are exact
+        raise ValueError(f"block_cols = {BV} < 64 for K = {K} is refused on the GPU (miscompiled); use 64")
+    return BV
+
+
+def plan_sub_pieces(cu_seqlens_cpu: Tensor, chunk_size: int, heads: int, K: int, device: torch.device,
+                    block_cols: Optional[int] = None, waves: float = 2.0, min_chunks: int = 4) -> SubPieces:
+    """A plan whose K2 launch fills ``waves`` times the device's SMs (``choose_sub_pieces``)."""
+    props = torch.cuda.get_device_properties(device) if torch.device(device).type == "cuda" else None
+    processors = props.multi_processor_count if props is not None else 1
+    blocks = triton.cdiv(K, block_cols or default_block_cols(K))
+    return SubPieces(cu_seqlens_cpu, chunk_size,
+                     choose_sub_pieces(cu_seqlens_cpu, chunk_size, heads, blocks, processors, waves, min_chunks))
+
+
+def _check(plan: SubPieces, precision: str, **tensors: Tensor) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    BT = plan.chunk_size
+    if BT < 16 or BT & (BT - 1):
+        raise ValueError(f"the kernels need a power-of-two chunk size of at least 16, got {BT}")
+    for name, x in tensors.items():
+        if x.dtype == torch.float64:
+            raise ValueError(f"{name}: float64 runs on the reference (megatron_zeco.gated_delta_rule.correction)")
+        if x.dim() >= 3 and name in ("q", "k", "w", "g", "qt", "R", "o0", "do") and \
+                x.shape[0] * x.shape[1] != plan.tokens:
+            raise ValueError(f"{name} {tuple(x.shape)} holds {x.shape[0] * x.shape[1]} tokens, the plan {plan.tokens}")
+
+
+def _heads_dim(x: Tensor) -> Tuple[int, int]:
+    return x.shape[2], x.shape[3]
+
+
+def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+                     g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
+                     precision: str = "tf32x3") -> Tensor:
+    """K1: ``Qt [B, T, H, K]`` (``out_dtype``) of q, k, w ``[B, T, H, K]`` and G ``[B, T, H]``
+    (float32, base 2 when ``g_log2``: fla's ``chunk_local_cumsum(g, scale=1/ln 2)``)."""
+    _check(plan, precision, q=q, k=k, w=w, g=g)
+    H, K = _heads_dim(q)
+    qt = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    if plan.num_chunks:
+        BK = min(triton.next_power_of_2(K), 64)
+        delta_reads_kernel[(plan.num_chunks, H)](
+            q.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), qt, plan.tables(q.device)["chunks"],
+            float(scale), H=H, K=K, BT=plan.chunk_size, BK=BK, G_LOG2=g_log2, PRECISION=precision,
+            INTERPRETED=_interpreted())
+    return qt
+
+
+def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces, *, g_log2: bool = True,
+                   r_dtype: torch.dtype = torch.float32, precision: str = "tf32x3", block_cols: Optional[int] = None,
+                   block_rows: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """K2: ``R [B, T, H, K]`` (``r_dtype``) and ``L [sub-pieces, H, K, K]`` (float32); ``block_cols``
+    columns of M per program (default :func:`default_block_cols`), held as tiles of ``block_rows`` rows
+    (default ``min(K, 64)``; at most four)."""
+    _check(plan, precision, qt=qt, k=k, w=w, g=g)
+    H, K = _heads_dim(k)
+    BV = _block_cols(K, block_cols, k.device)
+    BK = block_rows or min(triton.next_power_of_2(K), 64)
+    if triton.cdiv(K, BK) > 4:
+        raise ValueError(f"K = {K}: K2 holds M as at most four tiles of {BK} rows (K <= {4 * BK})")
+    R = torch.empty(k.shape, dtype=r_dtype, device=k.device)
+    L = torch.empty(plan.num_pieces, H, K, K, dtype=torch.float32, device=k.device)
+    if plan.num_pieces:
+        delta_maps_kernel[(triton.cdiv(K, BV), plan.num_pieces, H)](
+            qt.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), R, L, plan.tables(k.device)["pieces"],
+            H=H, K=K, BT=plan.chunk_size, BK=BK, BV=BV, G_LOG2=g_log2, PRECISION=precision,
+            INTERPRETED=_interpreted())
+    return R, L
+
+
+def prefix_maps(L: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
+                block_cols: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """K3: ``P [sub-pieces, H, K, K]`` and every segment's ``M [N, H, K, K]`` (float32)."""
+    _check(plan, precision)
+    H, K = L.shape[1], L.shape[-1]
+    BC = _block_cols(K, block_cols, L.device)
+    P = torch.empty_like(L, dtype=torch.float32)
+    M = torch.empty(plan.num_segments, H, K, K, dtype=torch.float32, device=L.device)
+    delta_prefix_kernel[(triton.cdiv(K, BC), plan.num_segments, H)](
+        L.contiguous(), P, M, plan.tables(L.device)["piece_offsets"], H=H, K=K, BK=triton.next_power_of_2(K),
+        BC=BC, PRECISION=precision, INTERPRETED=_interpreted())
+    return P, M
+
+
+def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubPieces, *,
+                      precision: str = "tf32x3", out_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """K4: ``o [B, T, H, V]`` = o0 + R_c (P_j S_in[n]) per chunk, in float32, rounded once to
+    ``out_dtype`` (default o0's). o0 ``[B, T, H, V]``, R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``,
+    S_in ``[N, H, K, V]``. A new tensor (o0 is not written)."""
+    _check(plan, precision, o0=o0, R=R)
+    H, V = _heads_dim(o0)
+    K = R.shape[-1]
+    if tuple(S_in.shape) != (plan.num_segments, H, K, V):
+        raise ValueError(f"S_in {tuple(S_in.shape)}: expected {(plan.num_segments, H, K, V)}")
+    out = torch.empty(o0.shape, dtype=out_dtype or o0.dtype, device=o0.device)
+    if plan.num_pieces:
+        tables = plan.tables(o0.device)
+        BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 64)
+        X = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=o0.device)
+        delta_entering_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
+            P.contiguous(), S_in.contiguous(), X, tables["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
+            PRECISION=precision, INTERPRETED=_interpreted())
+        delta_output_kernel[(triton.cdiv(V, BV), plan.num_chunks, H)](
+            o0.contiguous(), R.contiguous(), X, out, tables["chunks"], H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
+            BV=BV, PRECISION=precision, INTERPRETED=_interpreted())
+    return out
+
+
+def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precision: str = "tf32x3") -> Tensor:
+    """K5: ``A [N, H, K, V]`` (float32), the gradient of ``<do, o>`` with respect to each segment's
+    entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``."""
+    _check(plan, precision, R=R, do=do)
+    H, K = _heads_dim(R)
+    V = do.shape[-1]
+    A = torch.empty(plan.num_segments, H, K, V, dtype=torch.float32, device=R.device)
+    tables = plan.tables(R.device)
+    BV = min(triton.next_power_of_2(V), 64)
+    Z = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=R.device)
+    if plan.num_pieces:
+        delta_grad_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
+            R.contiguous(), do.contiguous(), P.contiguous(), Z, tables["pieces"], H=H, K=K, V=V, BT=plan.chunk_size,
+            BK=triton.next_power_of_2(K), BV=BV, PRECISION=precision, INTERPRETED=_interpreted())
+    BLOCK = min(triton.next_power_of_2(K * V), 1024)
+    delta_grad_sum_kernel[(triton.cdiv(K * V, BLOCK), plan.num_segments, H)](
+        Z, A, tables["piece_offsets"], H=H, KV=K * V, BLOCK=BLOCK)
+    return A
+
+
+def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+                     g_log2: bool = True, r_dtype: torch.dtype = torch.float32, precision: str = "tf32x3",
+                     block_cols: Optional[int] = None, block_rows: Optional[int] = None,
+                     ) -> Tuple[Tensor, Tensor, Tensor]:
+    """K1..K3, what the forward needs before the scan: ``R [B, T, H, K]``, ``P [sub-pieces, H, K, K]``
+    and the segments' ``M [N, H, K, K]`` (Qt is freed on return)."""
+    qt = correction_reads(q, k, w, g, scale, plan, g_log2=g_log2, precision=precision)
+    R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision,
+                          block_cols=block_cols, block_rows=block_rows)
+    del qt
+    P, M = prefix_maps(L, plan, precision=precision, block_cols=block_cols)
+    return R, P, M
