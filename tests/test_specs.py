@@ -37,8 +37,8 @@ def test_spec_imports_as_pretrain_gpt_does(name):
     mixer = spec.submodules.self_attention
     assert mixer.module is GatedLinearAttention
     strategy = name.split("_")[2] if name.count("_") == 3 else "zeco"
-    assert (mixer.params["cp_strategy"], mixer.params["cp_piece_split"]) == (strategy, None)
-    assert mixer.params["cp_layout"] == "zigzag"
+    config = mixer.params["cp_config"]
+    assert (config.strategy, config.piece_split, config.layout.value) == (strategy, None, "zigzag")
     assert "input_layernorm." not in spec.submodules.sharded_state_dict_keys_map
 
 
@@ -100,14 +100,16 @@ FLA = importlib.util.find_spec("fla") is not None
 
 
 def _build(params=None, **config):
-    """Build the GLA mixer of gla_local_spec (spec params overridden) on Megatron's groups."""
+    """Build the GLA mixer of gla_local_spec on Megatron's groups, its CP knobs given as the layer's cp_*
+    keywords (``params``) instead of the spec's CPConfig."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
     from megatron_zeco.specs import gla_local_spec
 
     base = gla_local_spec.submodules.self_attention
-    spec = ModuleSpec(module=base.module, params={**base.params, **(params or {})}, submodules=base.submodules)
+    others = {k: v for k, v in base.params.items() if k != "cp_config"}
+    spec = ModuleSpec(module=base.module, params={**others, **(params or {})}, submodules=base.submodules)
     return build_module(spec, config=_config(**config), layer_number=1,
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
@@ -148,9 +150,10 @@ MISUSE = {
     "heads not divisible by the TP group": (2, 1, lambda: _build(num_attention_heads=3, hidden_size=30),
                                             ValueError, ["--num-attention-heads (3)", "--tensor-model-parallel-size (2)"]),
     "blocks do not divide the head dim": (1, 1, lambda: _build({"cp_num_blocks": 3}),
-                                          ValueError, ["cp_num_blocks (3) must divide --kv-channels (8)"]),
+                                          ValueError, ["cp_num_blocks 3 must divide the key head dim (8)"]),
     "unknown strategy": (1, 1, lambda: _build({"cp_strategy": "ring"}), ValueError, ["cp_strategy 'ring'"]),
-    "unknown layout": (1, 1, lambda: _build({"cp_layout": "diagonal"}), ValueError, ["unknown context-parallel layout"]),
+    "unknown layout": (1, 1, lambda: _build({"cp_layout": "diagonal"}), ValueError,
+                       ["cp_layout 'diagonal' is not one of contiguous, zigzag"]),
     "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError, ["cp_packed_split 'docs'"]),
     "unknown transport": (1, 1, lambda: _build({"cp_transport": "nvlink"}), ValueError,
                           ["cp_transport 'nvlink' is not one of auto, send_recv, peer_memory"]),

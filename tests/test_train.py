@@ -153,15 +153,16 @@ def test_rope_on_the_cpu_is_refused():
 MISCONFIGURED = {
     "seq-len": (["--seq-len", "50"], ["--seq-len 50 must be a multiple of 4"]),  # train.resolve
     "world": (["--tp", "3"], ["--tp 3 x --dp 1 must divide the 2 processes"]),  # train.resolve
-    "strategy": (["--strategy", "ring"], ["invalid choice: 'ring'"]),  # argparse choices
-    "a2a heads": (["--strategy", "a2a", "--heads", "3", "--hidden", "48"],  # layer._check_config
+    "strategy": (["--strategy", "ring"], ["cp_strategy 'ring' is not one of zeco, lasp1, lasp2, a2a",  # CPConfig
+                                          "cp_strategy is --strategy"]),
+    "a2a heads": (["--strategy", "a2a", "--heads", "3", "--hidden", "48"],  # the layer's LayerCP
                   ["a2a strategy", "--context-parallel-size (2)", "--context-parallel-size is --cp",
                    "--num-attention-heads is --heads"]),
     "tp heads": (["--tp", "2", "--cp", "1", "--heads", "3", "--hidden", "48"],  # megatron-core TransformerConfig
                  ["num_attention_heads (3) must be a multiple of tensor_model_parallel_size (2)",
                   "num_attention_heads is --heads"]),
-    "blocks": (["--num-blocks", "3"], ["cp_num_blocks (3) must divide", "cp_num_blocks is --num-blocks"]),
-    "pattern": (["--pattern", "GX"], ["hybrid layer pattern 'GX'"]),  # hybrid.check_pattern
+    "blocks": (["--num-blocks", "3"], ["cp_num_blocks 3 must divide", "cp_num_blocks is --num-blocks"]),
+    "pattern": (["--pattern", "GX"], ["hybrid layer pattern 'GX'"]),  # mcore.gpt_hybrid.check_pattern
     "pairs": (["--pairs", "9"], ["9 pairs need at least as many keys"]),  # RecallTask, at the first step
     "rope": (["--pattern", "G*", "--position-embedding", "rope", "--device", "cpu"],  # train.check_device
              ["--position-embedding rope needs a GPU"]),
@@ -210,15 +211,19 @@ def test_misconfiguration_prints_one_message_from_rank_0_and_exits_2(tmp_path):
 
 
 def test_misconfigured_command_under_torchrun_prints_one_message():
-    """torchrun --nproc-per-node 2 -m megatron_zeco.train --seq-len 50: the message once, no traceback
-    through this package, a non-zero exit (torchrun's own failure report follows)."""
+    """torchrun --nproc-per-node 2 -m megatron_zeco.train --seq-len 50: the message from rank 0, no traceback
+    through this package, a non-zero exit, and the message again at the end of torchrun's own failure
+    report (its root cause: the line a user reads last)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
            "--seq-len", "50"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode != 0
-    assert output.count("--seq-len 50 must be a multiple of 4") == 1, output
+    message = "megatron_zeco.train: error: --seq-len 50 must be a multiple of 4"
+    assert done.stderr.startswith(message) or f"\n{message}" in done.stderr, output
+    root_cause = output[output.index("Root Cause"):]
+    assert message in root_cause, output
     assert "megatron_zeco/train.py" not in output and "Warning" not in output, output
 
 
