@@ -3,7 +3,8 @@
     python benchmarks/profile_gdn_piece.py --tokens 16384 32768 --out results/profile-gdn-piece.json
     python benchmarks/profile_gdn_piece.py --a2a-world 2 --cases fla "a2a P=2" --out results/a2a.json
 
-(Results of 2026-11-26 on one H200: docs/results/profile-gdn-piece-h200x1-2026-11-26.json.)
+(Results: docs/results/profile-gdn-piece-*.json, each with the package's commit; docs/gated-deltanet.md
+says what they show.)
 
 One GPU, no process group; B = 1 sequence of T tokens, H heads of K = V = ``--dim``; q, k, v, beta
 in bf16, g in float32 (``logsigmoid(randn) / 16``), k L2-normalised, beta = sigmoid. Cases, each
@@ -12,15 +13,16 @@ forward alone (``fwd``) and forward + backward (``fwd+bwd``):
 * ``fla``: fla's ``chunk_gated_delta_rule`` (no initial state, no final state), dense inputs;
   ``fla varlen``: the same tokens as one segment (``cu_seqlens = [0, T]``), the path every kernel
   of a piece takes.
-* ``piece first|middle|last``: one ZeCO piece on fla's kernels (``ops/fla_delta_piece.py``) with
-  the exchange between ranks stubbed: forward = the constructor (summary ``[E | M]``) +
+* ``piece first|middle|last``: one ZeCO piece on fla's kernels (``gated_delta_rule/fla_piece.py``)
+  with the exchange between ranks stubbed: forward = the constructor (the summary ``(E, M)``) +
   ``output(S_in)``; backward = ``entering_grad(do)`` + ``grads(D)``. First: ``S_in = 0``, ``D``
-  random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece
-  today: a zero tensor, not None).
-* ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around
-  ``gdn_local``, as ``cp/delta.py`` calls it) with each all-to-all replaced by a same-size device
-  copy (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll``
-  feeds NCCL): this rank's T tokens in, fla's op over p*T tokens of H/p heads, T tokens out.
+  random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece:
+  a zero tensor, not None).
+* ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
+  gated delta rule's local op) with each all-to-all replaced by a same-size device copy
+  (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
+  NCCL): this rank's T tokens in, fla's op over p*T tokens of H/p heads, T tokens out.
+  ``a2a P=1 stubbed``: the exchange a no-op (what the code around the all-to-alls costs).
   ``a2a P=p g=bf16`` draws g in bf16, as ``bench_op.py --op gdn`` does.
 * ``fla H/p x pT``: fla's op alone on the shape a2a's local op runs (contiguous inputs): what
   trading heads for tokens costs apart from the all-to-alls and casts around it.
@@ -130,7 +132,7 @@ def piece_case(ops, x, where, backward):
 
     def run(mark=_unmarked):
         piece = ops.piece(*inputs, x["scale"])
-        mark("summary [E|M]")
+        mark("summary (E, M)")
         o = piece.output(S_in)
         mark("output(S_in)")
         if not backward:
@@ -168,25 +170,30 @@ def copy_all_to_all(xs, group):
     return list(CopyAllToAll.apply(*xs))
 
 
-def a2a_case(ops, x, world, backward):
-    """This rank's work in strategy a2a at CP=``world``: ``cp/a2a.py: head_all_to_all`` around the
-    local op of ``cp/delta.py`` (``gdn_local``), the all-to-alls replaced by copies."""
+def no_all_to_all(xs, group):
+    """The exchange stubbed: every part stays where it is (what the code around an all-to-all costs)."""
+    return list(xs)
+
+
+def a2a_case(ops, x, world, backward, exchange=copy_all_to_all):
+    """This rank's work in strategy a2a at CP=``world``: ``cp/a2a.py: head_all_to_all`` around the gated
+    delta rule's local op, each all-to-all replaced by ``exchange`` (a copy of the same size, or nothing)."""
     from megatron_zeco.comm import as_layout
     from megatron_zeco.cp import a2a
+    from megatron_zeco.cp.operator import Call
+    from megatron_zeco.gated_delta_rule import GATED_DELTA_RULE
 
     group = SimpleNamespace(size=lambda: world, rank=lambda: 0)
-    layout = as_layout("contiguous")
+    plan = SimpleNamespace(group=group, layout=as_layout("contiguous"), pieces_per_rank=1)
+    call = Call(x["scale"])
     leaves = [x[n].detach().requires_grad_(backward) for n in NAMES]
 
-    def local(q, k, v, g, beta, h0, *documents):  # cp/delta.py: planned_gated_delta_rule's local
-        return ops.gdn_local((q, k, v, g, beta), x["scale"], h0, False, *documents)
-
     def run(mark=_unmarked):
-        exchange, a2a.all_to_all = a2a.all_to_all, copy_all_to_all
+        real, a2a.all_to_all = a2a.all_to_all, exchange
         try:
-            o, _ = a2a.head_all_to_all(tuple(leaves), None, layout, group, False, None, local)
+            o, _ = a2a.head_all_to_all(GATED_DELTA_RULE, plan, call, tuple(leaves), None)
         finally:
-            a2a.all_to_all = exchange
+            a2a.all_to_all = real
         mark("forward")
         if not backward:
             return o
@@ -213,6 +220,9 @@ def cases_for(args, ops, T, device):
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"
             out.append((group, f"a2a P={P}", direction, lambda b=bwd, P=P: a2a_case(ops, x(), P, b)))
+            if P == 1:
+                out.append((group, "a2a P=1 stubbed", direction,
+                            lambda b=bwd: a2a_case(ops, x(), 1, b, exchange=no_all_to_all)))
             if P > 1:
                 out.append((group, f"a2a P={P} g=bf16", direction,
                             lambda b=bwd, P=P: a2a_case(ops, x(g_dtype=torch.bfloat16), P, b)))
