@@ -211,7 +211,7 @@ def gdn_layer_spec(
         return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "gdn_local_spec"})
     from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
 
-    from .gated_deltanet import ZecoGatedDeltaNet
+    from .gated_delta_rule.layer import ZecoGatedDeltaNet
 
     params = dict(cp_config=config)
     if use_te:  # Megatron's own submodules: the input norm fused into in_proj

@@ -1,4 +1,4 @@
-"""Megatron-Core's Gated DeltaNet with ZeCO context parallelism (megatron_zeco.gated_deltanet) in HybridModel
+"""Megatron-Core's Gated DeltaNet with ZeCO context parallelism (megatron_zeco.gated_delta_rule.layer) in HybridModel
 stacks and a GPTModel, on real gloo processes (megatron-core >= 0.19; skipped, with the reason, on 0.16).
 
 Under CP = 2, 3 and 4 (and TP 2 x CP 2) the loss and every parameter's gradient (summed over CP) equal

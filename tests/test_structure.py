@@ -3,6 +3,7 @@ short signatures. Reads the source; imports nothing of the package."""
 
 import ast
 import os
+import re
 from typing import Dict, Set
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zeco")
@@ -55,6 +56,37 @@ def _imports(module: str) -> Set[str]:
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _imported_package_modules(path: str, package: str):
+    """``(line, dotted name)`` of every import of the package's modules in ``path``."""
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            yield node.lineno, base
+            if base in MODULES and MODULES[base].endswith("__init__.py"):  # a name of the package or a module
+                defined = open(MODULES[base]).read()
+                yield from ((node.lineno, f"{base}.{a.name}") for a in node.names
+                            if f"{base}.{a.name}" in MODULES or not re.search(rf"\b{a.name}\b", defined))
+
+
+def test_every_import_of_the_package_names_a_module_that_exists():
+    """Imports inside functions run only on some paths (a Megatron-Core version, a GPU): a moved module
+    must not leave one behind, in the package, its tests, benchmarks or examples."""
+    root = os.path.dirname(PACKAGE)
+    files = {path: (m if path.endswith("__init__.py") else m.rpartition(".")[0]) for m, path in MODULES.items()}
+    for folder in ("tests", "benchmarks", "examples"):
+        for where, _, names in os.walk(os.path.join(root, folder)):
+            files.update({os.path.join(where, n): "" for n in names if n.endswith(".py")})
+    missing = [f"{os.path.relpath(path, root)}:{line}: {name}" for path, package in sorted(files.items())
+               for line, name in _imported_package_modules(path, package)
+               if name.split(".")[0] == "megatron_zeco" and name not in MODULES]
+    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
 
 
 def _folder(module: str) -> str:
@@ -135,7 +167,10 @@ def test_nothing_imports_the_main_job():
 # conventions, every keyword a user sets) and the Triton kernels and their launchers (one argument
 # per kernel argument).
 PUBLIC_OPS = {"zeco_gla", "zeco_gated_delta_rule", "zeco_kda", "chunk_gla", "chunk_gated_delta_rule", "chunk_kda"}
-KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels"}
+# Triton kernels and their launchers, which take what the kernels take (as fla's do); the gated delta
+# rule's float64 correction mirrors its kernels' signatures.
+KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels", "megatron_zeco.gated_delta_rule.kernels",
+                  "megatron_zeco.gated_delta_rule.correction"}
 
 
 def test_no_function_takes_more_than_eight_parameters():

@@ -1,5 +1,5 @@
-"""The gated delta rule's piece as a zero-state run plus a correction (``ops/delta_correction_ref.py``) against
-the float64 token loop, and its Triton kernels (``kernels/delta_correction.py``, on the CPU under
+"""The gated delta rule's piece as a zero-state run plus a correction (``gated_delta_rule/correction.py``) against
+the float64 token loop, and its Triton kernels (``gated_delta_rule/kernels.py``, on the CPU under
 TRITON_INTERPRET=1) against that reference; the kernels also compile for sm_90."""
 
 import os
