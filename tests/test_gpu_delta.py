@@ -1,4 +1,4 @@
-"""The gated delta rule's CUDA path (fla's kernels through ops/fla_delta_piece.py, NCCL) against the
+"""The gated delta rule's CUDA path (fla's kernels and the correction kernels through gated_delta_rule/fla_piece.py, NCCL) against the
 float64 token loop.
 
 Skipped without CUDA; the two-rank test needs two GPUs. Tolerances are those of the input dtype
@@ -67,9 +67,9 @@ def test_one_gpu_matches_float64(seed, dtype, gate):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [None, [1, 70, 300, 5, 100, 164]], ids=["dense", "packed"])
 def test_piece_matches_float64(seed, dtype, lengths):
-    """gdn_piece on fla's kernels: the summary [E | M] (fla's chunk_cp_fwd_h over every segment at
-    once), the output from a given entering state, A + M^T D, and every input's gradient from D; per
-    sequence or packed segment."""
+    """gdn_piece on CUDA: the summary (E from fla's zero-state pass, M from the correction kernels),
+    the output from a given entering state (fla's zero-state output plus the correction), A + M^T D,
+    and every input's gradient from D (fla's backward from S_in); per sequence or packed segment."""
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     x = delta_problem(seed, B=B, T=T, H=4, K=64, V=64, gate="normal")
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
