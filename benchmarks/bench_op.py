@@ -2,12 +2,19 @@
 
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --out results/op.json
     python benchmarks/plot_op.py results/op.json docs/img/op.png
-    torchrun --nproc-per-node 2 benchmarks/bench_op.py --op gdn --parts op --out results/op-gdn.json
+    torchrun --nproc-per-node 2 benchmarks/bench_op.py --op gdn --out results/op-gdn.json
+    python benchmarks/bench_op.py --op gdn --piece --out results/piece-gdn.json
 
 ``--op gdn`` times the gated delta rule instead (``zeco_gated_delta_rule`` against fla's
-``chunk_gated_delta_rule`` on one GPU; part ``op`` only, eager and steady modes); ``--forward-only``
-times the forward alone (where fla refuses the gated delta rule's backward: Hopper with Triton
-3.4 - 3.7.0, fla's issue #640).
+``chunk_gated_delta_rule`` on one GPU, and fla's own context parallelism, row ``fla-cp``:
+``fla.ops.cp.build_cp_context`` over the same group and layout; part ``op`` only, eager and steady
+modes); ``--forward-only`` times the forward alone (where fla refuses the gated delta rule's
+backward: Hopper with Triton 3.4 - 3.7.0, fla's issue #640).
+
+``--op gdn --piece`` runs on one GPU without torchrun: one rank's local work with the exchange
+stubbed (a piece first, middle and last in the chain, and strategy a2a at a group of one with the
+all-to-alls a device copy or nothing) against fla's op on the same tokens, kernel by kernel:
+``benchmarks/profile_gdn_piece.py``'s cases, whose table gives each case's ratio to fla's op.
 
 Four parts (``--parts``), all in one run so that the figures compare side by side:
 
@@ -92,17 +99,25 @@ def parse_args():
     p.add_argument("--accuracy-tokens", type=int, default=16384, help="tokens per GPU for part 3")
     p.add_argument("--doc-tokens", type=int, default=2048, help="mean document length for part 4")
     p.add_argument("--packed-strategies", nargs="+", default=["zeco"], help="part 4's packed rows, as --strategies")
-    p.add_argument("--parts", nargs="+", default=["op", "scan", "accuracy", "packed"],
-                   choices=["op", "scan", "accuracy", "packed"])
+    p.add_argument("--parts", nargs="+", default=None, choices=["op", "scan", "accuracy", "packed"],
+                   help="default: all four (--op gdn: op)")
+    p.add_argument("--piece", action="store_true",
+                   help="--op gdn on one GPU, no torchrun: one rank's local work (the exchange stubbed) against fla's op")
     p.add_argument("--out", default="op.json")
     args = p.parse_args()
+    if args.piece and args.op != "gdn":
+        p.error("--piece times the gated delta rule's piece: add --op gdn")
     if args.strategies is None:
-        args.strategies = (["zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op == "gdn" else
+        args.strategies = (["fla-cp", "zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op == "gdn" else
                            ["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"])
+    if args.parts is None:
+        args.parts = ["op"] if args.op == "gdn" else ["op", "scan", "accuracy", "packed"]
     if args.op == "gdn" and set(args.parts) != {"op"}:
         p.error("--op gdn times part op only: add --parts op")
-    if args.op == "gdn" and not set(args.strategies) <= {"zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
-        p.error("--op gdn: --strategies from zeco, zeco@<transport>, lasp2, a2a")
+    if args.op == "gdn" and not set(args.strategies) <= {"fla-cp", "zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
+        p.error("--op gdn: --strategies from fla-cp, zeco, zeco@<transport>, lasp2, a2a")
+    if args.op == "gla" and "fla-cp" in args.strategies:
+        p.error("fla-cp: fla's context parallelism is timed for --op gdn")
     return args
 
 
@@ -207,16 +222,24 @@ def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False, op="g
     leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")[:5 if op == "gdn" else 4]]
     if strategy == "fla" and op == "gla":
         from fla.ops.gla import chunk_gla as fla_op
-    elif strategy == "fla":
+    elif strategy in ("fla", "fla-cp"):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     zeco_op = zeco_gated_delta_rule if op == "gdn" else zeco_gla
-    kw = options(strategy)
+    kw = {} if strategy == "fla-cp" else options(strategy)
     if op == "gdn":  # the gated delta rule's operator has no side stream or piece split
         kw = {k: v for k, v in kw.items() if k in ("strategy", "transport")}
+    if strategy == "fla-cp":  # this rank's tokens of one sequence over the group, as fla lays them out
+        from fla.ops.cp import build_cp_context
+
+        whole = leaves[0].shape[1] * dist.get_world_size(group)
+        context = build_cp_context(torch.tensor([0, whole], device=leaves[0].device), group=group,
+                                   cu_seqlens_cpu=torch.tensor([0, whole]), layout=layout)
 
     def run():
         if strategy == "fla":
             o, _ = fla_op(*leaves)
+        elif strategy == "fla-cp":
+            o, _ = fla_op(*leaves, cp_context=context)
         else:
             o, _ = zeco_op(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
                            validate=False, **kw)
@@ -431,6 +454,13 @@ def write(args, world, rows, script="bench_op.py", **extra):
 
 def main():
     args = parse_args()
+    if args.piece:
+        import profile_gdn_piece  # this folder's
+
+        return profile_gdn_piece.main([
+            "--tokens", *map(str, args.tokens), "--heads", str(args.heads), "--dim", str(args.dim),
+            "--a2a-world", "1", "--cases", "fla", "piece", "a2a P=1", "--iters", str(args.iters),
+            "--warmup", str(args.warmup), "--out", args.out] + (["--forward-only"] if args.forward_only else []))
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     world, me = dist.get_world_size(), dist.get_rank()

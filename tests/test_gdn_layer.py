@@ -360,7 +360,8 @@ def _build(params=None, **config):
     from megatron_zeco.specs import gdn_hybrid_stack_local_spec
 
     base = gdn_hybrid_stack_local_spec.submodules.gdn_layer.submodules.self_attention
-    spec = ModuleSpec(module=base.module, params={**base.params, **(params or {})}, submodules=base.submodules)
+    kept = {k: v for k, v in base.params.items() if not (params and k == "cp_config")}  # the layer's cp_* keywords
+    spec = ModuleSpec(module=base.module, params={**kept, **(params or {})}, submodules=base.submodules)
     case = _case("misuse", "G", linear=dict(LINEAR, **{k: config.pop(k) for k in list(config) if k in LINEAR}))
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     return build_module(spec, config=_config(case, pgs.cp.size(), tensor_model_parallel_size=pgs.tp.size(), **config),
