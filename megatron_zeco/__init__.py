@@ -1,7 +1,8 @@
 """megatron_zeco: ZeCO context parallelism for linear attention in Megatron-Core.
 
 Where things live (``docs/design.md`` has the map):
-  gla/, gated_delta_rule/   one folder per operator: its reference loop, chunked PyTorch form,
+  gla/, gated_delta_rule/,  one folder per operator:
+  kda/                      its reference loop, chunked PyTorch form,
                             local op on fla's kernels, the context-parallel function, its Megatron layer
   cp/                       what every operator shares under context parallelism: the knobs
                             (``CPConfig``), plans, strategies, input checks, packed documents
@@ -14,7 +15,8 @@ from .comm import Layout, ScanTimeoutError, check_scans
 from .cp import STRATEGIES, CPConfig, packed_positions
 from .gated_delta_rule.op import zeco_gated_delta_rule
 from .gla.op import zeco_gla
+from .kda.op import zeco_kda
 
-__all__ = ["zeco_gla", "zeco_gated_delta_rule", "CPConfig", "packed_positions", "check_scans", "ScanTimeoutError",
+__all__ = ["zeco_gla", "zeco_gated_delta_rule", "zeco_kda", "CPConfig", "packed_positions", "check_scans", "ScanTimeoutError",
            "Layout", "STRATEGIES"]
 __version__ = "0.1.0"

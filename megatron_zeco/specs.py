@@ -68,6 +68,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from .comm import Layout, as_layout
 from .cp.config import CPConfig, config_of, split_keywords
 from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
+from .kda.layer import KimiDeltaAttention, KimiDeltaAttentionSubmodules
 from .mcore.attention import AllGatherDotProductAttention
 from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
                                check_pattern)
@@ -97,7 +98,7 @@ def _has_module(name: str) -> bool:
 
 # The GatedDeltaNet that ZecoGatedDeltaNet subclasses (megatron/core/ssm/gated_delta_net/, 0.19).
 HAVE_GDN_LAYER = _has_module("megatron.core.ssm.gated_delta_net.common")
-MIXERS = ("gla", "gdn")
+MIXERS = ("gla", "gdn", "kda")
 
 
 class _TransformerEngineMissing:
@@ -232,6 +233,48 @@ def gdn_layer_spec(
     return replace(base, submodules=replace(base.submodules, self_attention=mixer, **layer))
 
 
+def kda_layer_spec(
+    use_te: bool = False,
+    cp_config: Optional[CPConfig] = None,
+    conv_kernel_size: int = 4,
+    gate_timescales=None,
+    normalization: Optional[str] = None,
+    **cp_knobs,
+) -> ModuleSpec:
+    """TransformerLayer spec with Kimi Delta Attention as token mixer
+    (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`).
+
+    Args:
+        use_te: TransformerEngine linears and norms (needs TE) or Megatron-Core's.
+        cp_config: the layers' context parallelism (:class:`~megatron_zeco.cp.CPConfig`, operator ``kda``;
+            used when ``--context-parallel-size`` > 1), or None to make it from ``cp_knobs``.
+        conv_kernel_size: the short convolution's width.
+        gate_timescales: ``(shortest, longest)`` initial memory of the forget-gate channels in tokens,
+            or None for Kimi Linear's initialisation (see KimiDeltaAttention).
+        normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
+            ``--normalization`` by themselves.
+        **cp_knobs: the CP knobs as keywords (``cp_strategy``: ``zeco``, ``lasp2`` or ``a2a``;
+            ``cp_layout``, ``cp_num_blocks``, ``cp_transport``, ``cp_overlap_scan``, ``cp_packed_split``).
+    """
+    params = dict(cp_config=_cp_config("kda", cp_config, cp_knobs, "kda_layer_spec"),
+                  conv_kernel_size=conv_kernel_size, gate_timescales=gate_timescales)
+    if use_te and not HAVE_TE:
+        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "kda_hybrid_local_spec"})
+    if use_te:
+        base = get_gpt_layer_with_transformer_engine_spec()
+        column, row = TEColumnParallelLinear, TERowParallelLinear
+        extra = dict(input_layernorm=TENorm)  # the gates read the normed input too: a norm of its own
+    else:
+        base = get_gpt_layer_local_spec(normalization=normalization)
+        column, row = ColumnParallelLinear, RowParallelLinear
+        extra = {}
+    mixer = ModuleSpec(module=KimiDeltaAttention, params=params, submodules=KimiDeltaAttentionSubmodules(
+        in_proj=column, gate_up=column, out_gate_up=column, out_proj=row))
+    keys_map = {k: v for k, v in base.submodules.sharded_state_dict_keys_map.items() if k != "input_layernorm."}
+    return replace(base, submodules=replace(base.submodules, self_attention=mixer,
+                                            sharded_state_dict_keys_map=keys_map, **extra))
+
+
 def softmax_layer_spec(use_te: bool = False, cp_layout: str = "zigzag", cp_packed_split: str = "auto",
                        normalization: Optional[str] = None) -> ModuleSpec:
     """Megatron's GPT TransformerLayer spec (causal softmax self-attention) that runs under CP.
@@ -359,7 +402,7 @@ def hybrid_stack_spec(
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)  # checks TE against the layout
     if use_te and not HAVE_TE:
-        local_spec = "gdn_hybrid_stack_local_spec" if mixer == "gdn" else "hybrid_stack_local_spec"
+        local_spec = {"gla": "hybrid_stack_local_spec"}.get(mixer, f"{mixer}_hybrid_stack_local_spec")
         return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": local_spec})
     layer_params = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
     mixer_layer = _g_layer_spec(mixer, config, use_te=use_te, gate_low_rank_dim=gate_low_rank_dim,
@@ -402,8 +445,9 @@ def hybrid_stack_spec(
 
 
 # The operator of each mixer (its CPConfig's rules), and the knobs only GLA layers have, with their defaults.
-_OPERATORS = {"gla": "gla", "gdn": "gated_delta_rule"}
+_OPERATORS = {"gla": "gla", "gdn": "gated_delta_rule", "kda": "kda"}
 GLA_ONLY = dict(gate_low_rank_dim=16, gate_timescales=None)
+_MIXER_NAMES = {"gla": "GLA", "gdn": "Gated DeltaNet", "kda": "KDA"}
 
 
 def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str) -> CPConfig:
@@ -415,16 +459,21 @@ def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str)
 
 
 def _g_layer_spec(mixer: str, config: CPConfig, **knobs) -> ModuleSpec:
-    """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s
-    or :func:`gdn_layer_spec`'s. A GLA-only knob set for Gated DeltaNet is an error, not ignored."""
+    """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s,
+    :func:`gdn_layer_spec`'s or :func:`kda_layer_spec`'s. A GLA-only knob set for another mixer is an
+    error, not ignored."""
     if mixer == "gla":
         return gla_layer_spec(cp_config=config, **knobs)
+    if mixer == "kda":  # its gate takes timescales too
+        gate_timescales = knobs.pop("gate_timescales", None)
     gla_only = {name: knobs.pop(name, default) for name, default in GLA_ONLY.items()}
     changed = [name for name, value in gla_only.items() if value != GLA_ONLY[name]]
     if changed:
         raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} "
-                         f"to GLA layers only (mixer='gla'); for Gated DeltaNet (mixer='gdn') keep the defaults "
-                         f"({', '.join(f'{name}={GLA_ONLY[name]!r}' for name in changed)})")
+                         f"to GLA layers only (mixer='gla'); for {_MIXER_NAMES[mixer]} (mixer={mixer!r}) keep the "
+                         f"defaults ({', '.join(f'{name}={GLA_ONLY[name]!r}' for name in changed)})")
+    if mixer == "kda":
+        return kda_layer_spec(cp_config=config, gate_timescales=gate_timescales, **knobs)
     return gdn_layer_spec(cp_config=config, **knobs)
 
 
@@ -455,3 +504,11 @@ gdn_hybrid_stack_local_spec = hybrid_stack_spec(use_te=False, mixer="gdn")
 gdn_hybrid_stack_local_lasp2_spec = hybrid_stack_spec(use_te=False, mixer="gdn", cp_strategy="lasp2")
 gdn_hybrid_stack_local_a2a_spec = hybrid_stack_spec(use_te=False, mixer="gdn", cp_strategy="a2a")
 gdn_hybrid_stack_te_spec = hybrid_stack_spec(use_te=True, mixer="gdn")
+kda_local_spec = kda_layer_spec(use_te=False)
+kda_te_spec = kda_layer_spec(use_te=True)
+kda_hybrid_local_spec = hybrid_layer_spec(use_te=False, mixer="kda")
+kda_hybrid_te_spec = hybrid_layer_spec(use_te=True, mixer="kda")
+kda_hybrid_stack_local_spec = hybrid_stack_spec(use_te=False, mixer="kda")
+kda_hybrid_stack_local_lasp2_spec = hybrid_stack_spec(use_te=False, mixer="kda", cp_strategy="lasp2")
+kda_hybrid_stack_local_a2a_spec = hybrid_stack_spec(use_te=False, mixer="kda", cp_strategy="a2a")
+kda_hybrid_stack_te_spec = hybrid_stack_spec(use_te=True, mixer="kda")

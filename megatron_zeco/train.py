@@ -1,8 +1,9 @@
-"""The main job: train a small GLA model (megatron-core) with ZeCO context parallelism.
+"""The main job: train a small GLA (or KDA) model (megatron-core) with ZeCO context parallelism.
 
     torchrun --nproc-per-node 4 -m megatron_zeco.train                 # CPU, gloo, CP = 4
     torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2          # TP 2 x CP 4
     torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
+    torchrun --nproc-per-node 4 -m megatron_zeco.train --mixer kda     # Kimi Delta Attention layers
     torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid  # HybridModel 'G-G-' (megatron-core >= 0.19)
     torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid --hybrid-layer-pattern 'G-G-G-*-'
     torchrun --nproc-per-node 4 -m megatron_zeco.train --save ckpt --load ckpt   # save, and resume if saved
@@ -43,7 +44,7 @@ SEQ_LEN = 64  # --seq-len's default, rounded up to what the CP layout cuts evenl
 GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pattern's length)
 # --hybrid-layer-pattern's symbols this job builds (Megatron-LM's): the hybrid stack's slots of
 # megatron_zeco.specs.hybrid_stack_spec without TransformerEngine.
-HYBRID_SYMBOLS = {"G": "GLA", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
+HYBRID_SYMBOLS = {"G": "GLA or KDA (--mixer)", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
 
 
 def _flag(default, group: str, help: str, shown: Optional[str] = None, aliases=(), **argparse_kwargs):
@@ -67,8 +68,8 @@ class TrainConfig:
                               shown="the processes / (--tp x --dp)")
     dp: int = _flag(1, PARALLEL, "data-parallel size: each step's sequences split over this many model replicas")
     strategy: str = _flag("zeco", PARALLEL, "how the recurrent state crosses the CP ranks: zeco (All-Scan, one "
-                          "state per rank), lasp2 (all-gather of the states), lasp1 (ring), a2a (all-to-all of "
-                          "heads)", metavar="{" + ",".join(RULES["gla"].strategies) + "}")
+                          "state per rank), lasp2 (all-gather of the states), lasp1 (ring; gla only), a2a "
+                          "(all-to-all of heads)", metavar="{" + ",".join(RULES["gla"].strategies) + "}")
     layout: str = _flag("zigzag", PARALLEL, "how a sequence is cut over the CP ranks: zigzag (Megatron's "
                         "load-balanced split into 2 x CP pieces) or contiguous (CP pieces)",
                         metavar="{" + ",".join(m.value for m in Layout) + "}")
@@ -89,7 +90,10 @@ class TrainConfig:
                        "megatron-core 0.19, which says so at start-up); hybrid: megatron-core's HybridModel, the "
                        "current Megatron model (megatron-core >= 0.19), layers by --hybrid-layer-pattern",
                        choices=["gpt", "hybrid"])
-    pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = GLA, * = causal "
+    mixer: str = _flag("gla", MODEL, "the token mixer of the G layers: gla (gated linear attention) or kda "
+                       "(Kimi Delta Attention: the gated delta rule with a per-channel forget gate and a short "
+                       "convolution)", choices=["gla", "kda"])
+    pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = --mixer, * = causal "
                          "softmax attention ('G*': every second layer softmax)")
     hybrid_layer_pattern: str = _flag("G-G-", MODEL, "--model hybrid: one layer per symbol, as Megatron-LM's "
                                       "flag: G = GLA, * = causal softmax attention, - = MLP, E = mixture of experts "
@@ -373,23 +377,36 @@ def transformer_config(cfg: TrainConfig):
     )
 
 
+# The CP operator of each --mixer (its CPConfig's rules).
+MIXER_OPERATORS = {"gla": "gla", "kda": "kda"}
+
+
 def cp_config(cfg: TrainConfig) -> CPConfig:
-    """The GLA layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
-    return CPConfig(operator="gla", strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks,
-                    transport=cfg.transport, piece_split=cfg.piece_split)
+    """The G layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
+    if cfg.mixer not in MIXER_OPERATORS:
+        raise ValueError(f"--mixer must be one of {', '.join(MIXER_OPERATORS)}, got {cfg.mixer!r}")
+    knobs = dict(strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks, transport=cfg.transport)
+    if cfg.mixer == "gla":
+        knobs["piece_split"] = cfg.piece_split
+    elif cfg.piece_split is not None:
+        raise ValueError(f"--piece-split applies to --mixer gla only; drop it for --mixer {cfg.mixer}")
+    return CPConfig(operator=MIXER_OPERATORS[cfg.mixer], **knobs)
 
 
-def _gla_knobs(cfg: TrainConfig) -> dict:
-    """The GLA layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
-    return dict(cp_config=cp_config(cfg), gate_timescales=(1.0, 4.0 * cfg.seq_len))
+def _mixer_knobs(cfg: TrainConfig) -> dict:
+    """The G layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
+    return dict(mixer=cfg.mixer, cp_config=cp_config(cfg), gate_timescales=(1.0, 4.0 * cfg.seq_len))
 
 
 def layer_spec(cfg: TrainConfig):
-    """This package's layer spec for ``--pattern``: GLA layers, or GLA and softmax layers."""
-    from .specs import gla_layer_spec, hybrid_layer_spec
+    """This package's layer spec for ``--pattern``: G layers alone, or G and softmax layers."""
+    from .specs import gla_layer_spec, hybrid_layer_spec, kda_layer_spec
 
-    gla = _gla_knobs(cfg)
-    return gla_layer_spec(**gla) if cfg.pattern == "G" else hybrid_layer_spec(cfg.pattern, **gla)
+    knobs = _mixer_knobs(cfg)
+    if cfg.pattern == "G":
+        mixer, knobs = knobs.pop("mixer"), knobs
+        return (gla_layer_spec if mixer == "gla" else kda_layer_spec)(**knobs)
+    return hybrid_layer_spec(cfg.pattern, **knobs)
 
 
 def gpt_model(cfg: TrainConfig, config, vocab_size: int):
@@ -404,12 +421,12 @@ def gpt_model(cfg: TrainConfig, config, vocab_size: int):
 
 def hybrid_model(cfg: TrainConfig, config, vocab_size: int):
     """megatron-core's HybridModel (>= 0.19) of ``--hybrid-layer-pattern`` over this package's
-    hybrid stack spec (Megatron-Core linears and norms; the GLA layers as ``--pattern``'s)."""
+    hybrid stack spec (Megatron-Core linears and norms; the G layers as ``--pattern``'s)."""
     from .models import build_hybrid_model
     from .specs import hybrid_stack_spec
 
     return build_hybrid_model(config, cfg.hybrid_layer_pattern, vocab_size, cfg.seq_len,
-                              hybrid_stack_spec(**_gla_knobs(cfg)), position_embedding_type=cfg.position_embedding)
+                              hybrid_stack_spec(**_mixer_knobs(cfg)), position_embedding_type=cfg.position_embedding)
 
 
 # Model kinds (--model): name -> builder(cfg, TransformerConfig, vocab_size).
@@ -654,12 +671,14 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
     rank0 = dist.get_rank() == 0
     if rank0:
         if cfg.model == "hybrid":
-            kind = f"HybridModel {cfg.hybrid_layer_pattern!r},"
+            kind = f"HybridModel {cfg.hybrid_layer_pattern!r}" + ("" if cfg.mixer == "gla" else " (G = KDA)") + ","
         else:
-            kind = ("GLA" if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r})") + " GPTModel"
+            kind = (cfg.mixer.upper() if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}"
+                    + ("" if cfg.mixer == "gla" else ", G = KDA") + ")") + " GPTModel"
         log(f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
-            f"layout {cfg.layout}, piece split {cfg.piece_split or 'auto'} | "
+            f"layout {cfg.layout}" + (f", piece split {cfg.piece_split or 'auto'}" if cfg.mixer == "gla" else "")
+            + " | "
             f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")
     history, step, saved_at = [], first - 1, None

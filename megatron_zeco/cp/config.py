@@ -69,6 +69,7 @@ RULES = {
     # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default
     "gated_delta_rule": Rules("the gated delta rule", ("zeco", "lasp2", "a2a"), blocks="columns",
                               auto_transport="send_recv"),
+    "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport="send_recv"),
 }
 
 

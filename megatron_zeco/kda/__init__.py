@@ -2,18 +2,24 @@
 
 ``naive.py`` is the readable recurrence every other path is tested against; ``chunk.py`` the chunked
 PyTorch form and a piece's summary (``S_out = M S_in + E``, ``M`` a dense K x K matrix) and entering-state
-gradient; ``backend.py`` the local operation and the piece the context-parallel strategies call.
+gradient; ``local.py`` the local operation and the piece the context-parallel strategies call;
+``op.py``: :func:`zeco_kda`; ``layer.py``: a Megatron-Core KDA mixer with ZeCO context parallelism.
 """
 
-from .local import TorchKDAPiece, kda_local
+from .local import TorchKDAPiece, kda_local, kda_piece, require_kda_backend
+from .op import KDA, zeco_kda
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 from .naive import naive_recurrent_kda
 
 __all__ = [
+    "zeco_kda",
+    "KDA",
     "naive_recurrent_kda",
     "chunk_kda",
     "chunk_kda_state",
     "chunk_kda_state_grad",
     "kda_local",
+    "kda_piece",
+    "require_kda_backend",
     "TorchKDAPiece",
 ]

@@ -1,17 +1,22 @@
-"""The local KDA operations the context-parallel strategies are built from, on the PyTorch forms of
-``chunk.py`` (the CPU path; fla's kernels for CUDA come later).
+"""The local KDA operations the context-parallel strategies are built from.
 
-* ``kda_local``: KDA over a piece from a given initial state, differentiable.
-* ``TorchKDAPiece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
+* ``kda_local``: KDA over a piece from a given initial state, differentiable. On CUDA
+  flash-linear-attention's ``chunk_kda`` (fla-core); elsewhere, and for float64, the PyTorch chunked
+  form of ``chunk.py``. Strategies ``none`` and ``a2a`` run it.
+* ``kda_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
-  ``A`` first, then the inputs' gradients from the gradient of the state leaving it.
+  ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On every device
+  the PyTorch chunked form (:class:`TorchKDAPiece`, float32 states and products for 16-bit inputs);
+  fla 0.6 has no kernel for a piece's dense map.
+
+``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import record, replay
+from ..common.backend import fla, record, replay, uses_kernels
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
@@ -32,7 +37,25 @@ def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[
     Returns:
         ``o [B, T, HV, V]`` (input dtype) and the final state (or None).
     """
+    q = inputs[0]
+    if uses_kernels(q.device, q.dtype):
+        varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        return _fla_chunk_kda()(*inputs, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, **varlen)
     return chunk_kda(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
+
+
+def kda_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
+    """The operator's local op (``cp.operator.Operator.local``): KDA over ``inputs = (q, k, v, g, beta)``
+    from ``h0``, its packed documents from ``call``; ``(o, final state or None)``."""
+    o, final = kda_local(inputs, call.scale, h0, call.output_final_state, *call.documents)
+    return o, (final if call.output_final_state else None)
+
+
+def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None) -> "TorchKDAPiece":
+    """The operator's piece (``cp.operator.Operator.piece``): see :class:`TorchKDAPiece`."""
+    return TorchKDAPiece(q, k, v, g, beta, scale, cu_seqlens)
 
 
 class TorchKDAPiece:
@@ -79,3 +102,17 @@ class TorchKDAPiece:
 
     def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
         return replay(self.saved, self.do, D)[0]
+
+
+def _fla_chunk_kda():
+    return fla("KDA on CUDA", "fla.ops.kda.chunk_kda")
+
+
+def require_kda_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+    """Raise ``ImportError`` now if KDA on ``device`` in ``dtype`` needs flash-linear-attention (its KDA,
+    causal-convolution and L2-norm kernels) and it cannot be imported: the layer calls this at model
+    build, not at the first step."""
+    if uses_kernels(device, dtype):
+        from ..common.conv import _fla_causal_conv1d, _fla_l2norm
+
+        _fla_chunk_kda(), _fla_causal_conv1d(), _fla_l2norm()
