@@ -1,6 +1,6 @@
 """Spread of fla's bf16 errors on one GPU over many seeds, for the two-GPU exactness test's problem.
 
-For each seed and gate regime (``normal``, ``tiny``) of ``tests/test_gpu.py``'s exactness problem
+For each seed and gate regime (``normal``, ``tiny``) of ``tests/gla/test_gpu.py``'s exactness problem
 (B = 2, T = 640, H = 4, K = V = 64), runs ``zeco_gla`` on one GPU (fla's ``chunk_gla``) in bf16 and
 compares every result with the float64 loop: the relative error ``||got - ref|| / ||ref||`` (what
 the test bounds), and the error against the magnitude (the same result computed from |q|, |k|, ...:
@@ -17,9 +17,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
-from reference import problem, reference, rel_err  # noqa: E402
-from test_gpu import NAMES, _run  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository: tests.*
+from tests.gla.test_gpu import NAMES, _run  # noqa: E402
+from tests.helpers.reference import problem, reference, rel_err  # noqa: E402
 
 
 def main():

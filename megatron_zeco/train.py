@@ -299,7 +299,7 @@ def resolve_model(cfg: TrainConfig) -> List[str]:
 
 def check_device(cfg: TrainConfig):
     """ValueError for what megatron-core cannot run on the chosen device. (Tests that train RoPE
-    models on the CPU let the host stand in for CUDA: tests/test_hybrid.py; the job does not.)"""
+    models on the CPU let the host stand in for CUDA: tests/helpers/megatron.py; the job does not.)"""
     if cfg.position_embedding == "rope" and not uses_cuda(cfg):
         raise ValueError("--position-embedding rope needs a GPU: megatron-core's rotary embeddings move their "
                          "tables to CUDA; on the CPU use --position-embedding none")
@@ -466,7 +466,7 @@ def local_batch(cfg: TrainConfig, batch: dict) -> dict:
     dp_rank = parallel_state.get_data_parallel_rank()
     rows = slice(dp_rank * cfg.batch // cfg.dp, (dp_rank + 1) * cfg.batch // cfg.dp)
     batch = {k: v[rows] for k, v in batch.items()}
-    # zigzag is exactly Megatron's get_batch_on_this_cp_rank split (tests/test_megatron_model.py),
+    # zigzag is exactly Megatron's get_batch_on_this_cp_rank split (tests/mcore/test_gpt_model.py),
     # whose signature changes between megatron-core releases.
     cp_rank = parallel_state.get_context_parallel_rank()
     return {k: Layout(cfg.layout).shard(v, cp_rank, cfg.cp, dim=1) for k, v in batch.items()}

@@ -1,14 +1,20 @@
+"""Fixtures every test module shares, and the Triton interpreter on machines without CUDA.
+
+Tiers (docs/testing.md): ``python -m pytest -m "not slow" -q`` is the fast tier, one small case of
+every operator path; the tests marked ``slow`` in their own files make up the rest of the full
+suite, ``python -m pytest tests -q``.
+"""
+
 import os
-import random
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # Triton kernels run on the CPU through its interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through its interpreter (set before
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton)
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/distributed.py, tests/reference.py
+from tests.helpers.distributed import RankPool  # noqa: E402
+from tests.helpers.reference import draw_seed  # noqa: E402
 
 
 def pytest_report_header(config):
@@ -21,28 +27,19 @@ def pytest_report_header(config):
         return "megatron-core: not installed"
 
 
-# The fast tier, `python -m pytest -m "not slow" -q` (a few minutes on 2 cores): every op against its
-# float64 reference on one process and at P = 2, the kernels, the cost model, the docs. Everything
-# else is marked slow here, in one place: the multi-rank sweeps (P = 3 .. 16, property-based draws,
-# faults, the hierarchical scan), and the tests that build and train Megatron models. CI runs both.
-SLOW_MODULES = {
-    "test_all_scan", "test_bad_input", "test_determinism", "test_faults", "test_hierarchical", "test_hybrid",
-    "test_hybrid_model", "test_megatron_model", "test_packed", "test_properties", "test_specs", "test_train",
-    "test_zeco_gdn", "test_gdn_layer", "test_halo",
-}
-FAST_WORLDS = (1, 2)  # parametrised group sizes kept in the fast tier
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        world = getattr(item, "callspec", None) and item.callspec.params.get("world")
-        if item.module.__name__ in SLOW_MODULES or (isinstance(world, int) and world not in FAST_WORLDS):
-            item.add_marker(pytest.mark.slow)
-
-
 @pytest.fixture
 def seed():
     """A fresh random seed per test (printed, so a failure can be replayed with ZECO_SEED=...)."""
-    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"ZECO_SEED={value}")
-    return value
+    return draw_seed()
+
+
+@pytest.fixture(scope="module")
+def pool(request):
+    """The module's pool of long-lived gloo processes (``RankPool``), its size and timeouts from the
+    module's ``RANK_POOL`` (the keywords of ``RankPool``: ``world``, ``timeout``, ``pg_timeout``).
+    The processes start at the module's first call of ``pool.run``, as many as it needs."""
+    settings = getattr(request.module, "RANK_POOL", None)
+    if settings is None:
+        raise RuntimeError(f"{request.module.__name__} uses the pool fixture: set RANK_POOL = dict(world=...)")
+    with RankPool(**settings) as p:
+        yield p

@@ -11,7 +11,10 @@ from unittest import mock
 
 import pytest
 
-from distributed import host_as_cuda, run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import host_as_cuda
+
+pytestmark = pytest.mark.slow
 
 TINY = dict(layers=2, hidden=32, heads=4, seq_len=32, batch=4, steps=6, log_interval=10**6)
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -210,6 +213,17 @@ def test_misconfiguration_prints_one_message_from_rank_0_and_exits_2(tmp_path):
         assert "Traceback" not in text0 and text1 == "", (name, text0, text1)
 
 
+@pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+def test_main_job_command_runs():
+    """The README's main job (torchrun -m megatron_zeco.train), a few steps on 2 processes."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
+           "--steps", "3", "--log-interval", "1"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "TP 1 x CP 2 x DP 1" in done.stdout and "step     3/3" in done.stdout and "done: 3 steps" in done.stdout
+
+
 def test_misconfigured_command_under_torchrun_prints_one_message():
     """torchrun --nproc-per-node 2 -m megatron_zeco.train --seq-len 50: the message from rank 0, no traceback
     through this package, a non-zero exit, and the message again at the end of torchrun's own failure
@@ -330,7 +344,7 @@ def _hybrid_runs(rank, world, root):
     except T.ConfigError as e:
         out["gpt error"] = str(e)
     # E layers: megatron-core's MoE router moves its weights to CUDA, which the job refuses on the CPU
-    # (check_device); the host stands in for CUDA here, as in tests/test_hybrid_model.py.
+    # (check_device); the host stands in for CUDA here, as in tests/mcore/test_hybrid_stack.py.
     moe = dict(HYBRID, hybrid_layer_pattern="G-GE", steps=3)
     with host_as_cuda(), mock.patch.object(T, "check_device"):
         out["moe cp2"] = T.train(T.TrainConfig(**moe, cp=2), log=lambda line: None)

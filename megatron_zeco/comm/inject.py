@@ -12,7 +12,7 @@ the host sleeps (the interpreted kernels run on the host).
 transport (``isend``, ``recv``, ``batch_isend_irecv`` here, which the scans call) that goes to a
 rank of another node is handed to the transport a fixed time after it is issued, and every
 message is recorded, so that :func:`critical_path` can count the hops a scan waits for one after
-another (``benchmarks/emulate_latency.py``, ``tests/test_hierarchical.py``).
+another (``benchmarks/emulate_latency.py``, ``tests/comm/test_hierarchical.py``).
 
 Nothing here runs in training: with no delays or latency set, :func:`delay` returns at once and
 the message functions are the ``torch.distributed`` ones.

@@ -11,7 +11,7 @@ import torch
 
 from megatron_zeco.gated_delta_rule import chunk_gated_delta_rule_state
 from megatron_zeco.gated_delta_rule import correction as ref
-from reference import delta_problem, reference, rel_err
+from tests.helpers.reference import delta_problem, reference, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 TOL64 = 1e-12  # float64 decomposition against the float64 loop

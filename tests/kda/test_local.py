@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from megatron_zeco.kda import TorchKDAPiece, chunk_kda, kda_local, naive_recurrent_kda
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
-from reference import GATES, gates, rel_err
+from tests.helpers.reference import GATES, gates, rel_err
 
 TOL = 1e-10
 NAMES = ("q", "k", "v", "g", "beta")

@@ -5,8 +5,13 @@
 It returns every rank's result, or raises with every failing rank's traceback.
 A hang becomes a failure after ``timeout`` seconds: no test can stall CI.
 
-``RankPool(world)`` keeps ``world`` such processes alive and runs many small calls
-on them (property-based tests), without paying a spawn per call.
+``RankPool(world)`` keeps up to ``world`` such processes alive and runs many small calls
+on them (property-based tests), without paying a spawn per call; ``tests/conftest.py``'s
+``pool`` fixture gives each test module one.
+
+``fn`` must be importable by name in a fresh interpreter (a module-level function of a test
+module or of ``tests.helpers``): the processes are spawned, and find it through the
+parent's ``sys.path``.
 """
 
 import datetime
@@ -127,18 +132,20 @@ def _pool_worker(rank, world, store, tasks, results, pg_timeout):
 
 
 class RankPool:
-    """``world`` long-lived processes in one gloo process group.
+    """Up to ``world`` long-lived processes in one gloo process group.
 
     ``pool.run(fn, size, *args)`` runs ``fn(group, *args)`` on ranks ``0 .. size-1``, where
     ``group`` is a gloo group of exactly those ranks (None for size 1), and returns their
     results in rank order; the other ranks wait. A call that fails or hangs on any rank
     raises (with every failing rank's traceback) and restarts the processes, so the next
-    call starts clean. Use as a context manager.
+    call starts clean. The processes start at the first call, as many as it needs; a later
+    call that needs more restarts them, ``world`` of them (so a module whose fast tests need
+    two processes spawns two). Use as a context manager.
     """
 
     def __init__(self, world, timeout=TIMEOUT, pg_timeout=60.0):
         self.world, self.timeout, self.pg_timeout = world, timeout, pg_timeout
-        self._procs = None
+        self._procs, self._size = None, 0
 
     def __enter__(self):
         return self
@@ -146,23 +153,27 @@ class RankPool:
     def __exit__(self, *exc):
         self.close()
 
-    def _start(self):
+    def _start(self, world):
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory()
-        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._tasks = [ctx.Queue() for _ in range(world)]
         self._results = ctx.Queue()
         store = os.path.join(self._tmp.name, "store")
         self._procs = [ctx.Process(target=_pool_worker, daemon=True,
-                                   args=(r, self.world, store, self._tasks[r], self._results, self.pg_timeout))
-                       for r in range(self.world)]
+                                   args=(r, world, store, self._tasks[r], self._results, self.pg_timeout))
+                       for r in range(world)]
         for p in self._procs:
             p.start()
 
     def run(self, fn, size, *args):
         if not 1 <= size <= self.world:
             raise ValueError(f"RankPool of {self.world} processes cannot run on {size}")
+        if self._procs is not None and size > self._size:
+            self.close()
+            self._size = self.world  # outgrown: start all of them
         if self._procs is None:
-            self._start()
+            self._size = max(self._size, size)
+            self._start(self._size)
         for r in range(size):
             self._tasks[r].put((fn, size, args))
         try:
@@ -188,12 +199,3 @@ class RankPool:
         _stop(self._procs)
         self._tmp.cleanup()
         self._procs = None
-
-
-def host_as_cuda():
-    """megatron-core 0.16's dist-checkpointing and sequence-parallel collectives assume CUDA
-    (buffers on torch.cuda.current_device(), host copies followed by torch.cuda.synchronize()).
-    On a CPU-only machine, let the host stand in for the device (the main job's own stand-in)."""
-    from megatron_zeco.mcore.host import host_as_cuda as host
-
-    return host()

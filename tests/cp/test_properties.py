@@ -4,9 +4,9 @@ Hypothesis draws the problem (B, local length T, H, K, V; T often not a multiple
 chunk size), the group size P in 1..4, the layout, the strategy (a2a when P divides H), the
 All-Scan block count (a divisor of K), the gate regime, the dtype (float64; float32, bfloat16,
 float16), the size of the activations and whether initial and final states are used. Each
-example runs on ranks of a long-lived pool of gloo processes (``distributed.RankPool``); the
-parent compares the output, the final state and the gradients of q, k, v, g and the initial
-state with ``reference.reference`` (float64 loop), within the error model of ``_bound``.
+example runs on ranks of a long-lived pool of gloo processes (the ``pool`` fixture); the parent
+compares the output, the final state and the gradients of q, k, v, g and the initial state with
+``tests.helpers.reference.reference`` (float64 loop), within the error model of ``_bound``.
 
 ``ZECO_EXAMPLES`` sets the examples per test (default 200). Replay a failure: the report
 prints ``ZECO_SEED=...`` (set it to draw the same examples) and the falsifying example,
@@ -21,10 +21,11 @@ import torch
 from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 
-from distributed import RankPool
 from megatron_zeco import Layout, zeco_gla
 from megatron_zeco.common.chunked import state_dtype
-from reference import GATES, problem, reference
+from tests.helpers.reference import GATES, problem, reference
+
+pytestmark = pytest.mark.slow
 
 SEED = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
 WORLD = 4
@@ -32,12 +33,7 @@ UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16
 SAFETY = 8  # measured: errors reach at most 1.2x the model (float32) over thousands of draws
 SETTINGS = settings(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow],
                     max_examples=int(os.environ.get("ZECO_EXAMPLES", 200)))
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(WORLD, timeout=60, pg_timeout=30) as p:
-        yield p
+RANK_POOL = dict(world=WORLD, timeout=60, pg_timeout=30)
 
 
 @st.composite

@@ -3,7 +3,7 @@
 Nodes are forced (``node_size``, ``$MEGATRON_ZECO_NODE_SIZE``, the layer's ``cp_node_size``): the
 CPU has one host. Every case is checked in float64 against a sequential fold (scan level) or the
 token-by-token loop (``zeco_gla``: outputs, final states and every gradient, packed input under
-both splits), to 1e-10. One pool of 16 gloo processes serves every group size.
+both splits), to 1e-10. The module's pool of up to 16 gloo processes serves every group size.
 """
 
 import contextlib
@@ -17,13 +17,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool, host_as_cuda, run_ranks
 from megatron_zeco import Layout, packed_positions, zeco_gla
 from megatron_zeco import cost_model as cm
 from megatron_zeco.comm import Route, all_scan
 from megatron_zeco.comm.all_scan import SHAPE_ENV, scan_shape
 from megatron_zeco.comm.nodes import NODE_SIZE_ENV
-from reference import problem, reference, rel_err
+from tests.helpers.checks import above, assert_no_failures
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import host_as_cuda, transformer_config
+from tests.helpers.reference import fold, packed_reference, problem, reference, rel_err
+
+pytestmark = pytest.mark.slow
 
 all_scan_module = importlib.import_module("megatron_zeco.comm.all_scan")
 
@@ -33,12 +37,7 @@ WORLD = 16
 # odd groups (a last node short of ranks), and the whole group on one node (the chain of prefix maps)
 SCAN_NODE_SIZES = {2: (1, 2), 3: (1, 2), 4: (1, 2, 4), 5: (2, 3, 5), 7: (2, 3), 8: (1, 2, 4, 8), 16: (1, 2, 4)}
 OP_NODE_SIZES = {2: (1,), 3: (1, 2), 4: (1, 2, 4), 8: (2, 4)}
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(WORLD, timeout=float(os.environ.get("ZECO_TEST_TIMEOUT", 600)), pg_timeout=120) as p:
-        yield p
+RANK_POOL = dict(world=WORLD, timeout=float(os.environ.get("ZECO_TEST_TIMEOUT", 600)), pg_timeout=120)
 
 
 @contextlib.contextmanager
@@ -77,15 +76,6 @@ def _counting_hierarchical():
         all_scan_module.hierarchical_scan = real
 
 
-def _fold(gammas, deltas, init, order):
-    """The state entering each piece when walking ``order``, and the state leaving the walk."""
-    x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
-    for p in order:
-        entering[p] = x
-        x = gammas[p].unsqueeze(-1) * x + deltas[p]
-    return entering, x
-
-
 def _decays(shape, gen):
     """Decays in [0, 1] with exact zeros (document resets) and ones (no decay) among them."""
     g = torch.rand(shape, generator=gen, dtype=torch.float64)
@@ -118,7 +108,7 @@ def _scan_cases(group, seed, node_sizes):
                 my_deltas = [d.transpose(-1, -2).contiguous().transpose(-1, -2) for d in my_deltas]
             entering, last = all_scan(my_gammas, my_deltas, init, route, **kwargs)
             order = range(pieces - 1, -1, -1) if reverse else range(pieces)
-            want, want_last = _fold(gammas, deltas, init, order)
+            want, want_last = fold(gammas, deltas, init, order)
             errors = [rel_err(entering[s], want[p]) for s, p in enumerate(mine)]
             ends_here = layout.owner(order[-1], P)[0] == me
             if (last is not None) != ends_here:
@@ -139,8 +129,7 @@ def _scan_cases(group, seed, node_sizes):
 
 @pytest.mark.parametrize("P", list(SCAN_NODE_SIZES))
 def test_hierarchical_scan_matches_sequential_fold(pool, seed, P):
-    failures = pool.run(_scan_cases, P, seed, SCAN_NODE_SIZES[P])
-    assert not any(failures), "\n".join(f for fs in failures for f in fs)
+    assert_no_failures(pool.run(_scan_cases, P, seed, SCAN_NODE_SIZES[P]))
 
 
 # ---------------------------------------------------------------------------------------------- zeco_gla
@@ -182,7 +171,7 @@ def _op_cases(group, seed, node_sizes, local_len):
                 for name, grad in grads.items():
                     full = ref["d" + name]
                     errors["d" + name] = rel_err(grad, full if name == "h0" else layout.shard(full, me, P))
-                bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
+                bad = above(errors, TOL)
                 if bad:
                     failures.append(f"P={P} {layout.value} node_size={node_size} (env: {via_env}) blocks={blocks} "
                                     f"h0={with_h0} ht={with_ht}: {bad}")
@@ -192,13 +181,7 @@ def _op_cases(group, seed, node_sizes, local_len):
                 lengths = [3 * unit, 1 * unit, P * local_len - 4 * unit]
                 cu = torch.tensor([0, 3 * unit, 4 * unit, P * local_len], dtype=torch.int32)
                 x = problem(seed + 5000 + n, 1, P * local_len, 2, K, V, "normal", initial_state=False)
-                want = {name: [] for name in ("o", "dq", "dk", "dv", "dg")}
-                for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-                    alone = reference({**{m: x[m][:, a:b] for m in ("q", "k", "v", "g", "do")}, "h0": None},
-                                      output_final_state=False)
-                    for name in want:
-                        want[name].append(alone[name])
-                want = {name: torch.cat(parts, dim=1) for name, parts in want.items()}
+                want = packed_reference(x, cu)
                 mine = packed_positions(cu, layout, P, me, per_document)
                 local = {m: x[m][:, mine].requires_grad_() for m in "qkvg"}
                 o, _ = zeco_gla(*local.values(), group=group, layout=layout, num_blocks=2, cu_seqlens=cu,
@@ -207,7 +190,7 @@ def _op_cases(group, seed, node_sizes, local_len):
                 grads = torch.autograd.grad((o * x["do"][:, mine]).sum(), list(local.values()))
                 errors = {"o": rel_err(o, want["o"][:, mine])}
                 errors.update({"d" + m: rel_err(d, want["d" + m][:, mine]) for m, d in zip(local, grads)})
-                bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
+                bad = above(errors, TOL)
                 if bad:
                     failures.append(f"P={P} {layout.value} node_size={node_size} packed per_document={per_document} "
                                     f"lengths={lengths}: {bad}")
@@ -219,8 +202,7 @@ def _op_cases(group, seed, node_sizes, local_len):
 @pytest.mark.parametrize("P", list(OP_NODE_SIZES))
 def test_zeco_gla_over_the_hierarchical_scan_matches_the_loop(pool, seed, P):
     # 16 tokens per rank: zigzag pieces of 8; per-document pieces from 1 token up
-    failures = pool.run(_op_cases, P, seed, OP_NODE_SIZES[P], 16)
-    assert not any(failures), "\n".join(f for fs in failures for f in fs)
+    assert_no_failures(pool.run(_op_cases, P, seed, OP_NODE_SIZES[P], 16))
 
 
 # ---------------------------------------------------------------------------------------------- shape choice
@@ -308,7 +290,6 @@ def _layer_grads(rank, world, seed, node_size, shape):
     """The GLA mixer of gla_layer_spec(cp_node_size=node_size) at CP = world under Megatron's zigzag
     split: its output, input gradient and parameter gradients (summed over CP), and its plan."""
     from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_zeco.specs import gla_layer_spec
@@ -317,8 +298,7 @@ def _layer_grads(rank, world, seed, node_size, shape):
     with host_as_cuda(), _counting_hierarchical() as calls:
         parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
         torch.manual_seed(0)
-        config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                                   hidden_dropout=0.0, attention_dropout=0.0, context_parallel_size=world)
+        config = transformer_config(context_parallel_size=world)
         spec = gla_layer_spec(cp_node_size=node_size, cp_transport="send_recv")
         layer = build_module(spec.submodules.self_attention, config=config, layer_number=1).double()
         gen = torch.Generator().manual_seed(seed)
@@ -395,7 +375,7 @@ def _latency_runs(group, seed, cases):
                 start = time.monotonic()
                 got, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None, route, reverse=reverse)
                 end = time.monotonic()
-            want, _ = _fold(gammas, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
+            want, _ = fold(gammas, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
             exact = all(rel_err(got[s], want[p]) < TOL for s, p in enumerate(mine))
             out.append((exact, start, end, list(events)))
     return out

@@ -16,8 +16,6 @@ collection). The GPU tests at the end (fla's kernels under the layer, NCCL) skip
 """
 
 import importlib.util
-import os
-import random
 import traceback
 from unittest import mock
 
@@ -26,12 +24,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distributed import run_ranks
-from reference import rel_err, token_batch
-from test_hybrid import _host_rope
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import (check_loss_and_grads, cp_summed_grads, cross_entropy, documents_alone, host_rope,
+                                    transformer_config)
+from tests.helpers.reference import draw_seed, rel_err, token_batch
 
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 needs_gdn = pytest.mark.skipif(not HAVE_HYBRID_MODEL, reason="the Gated DeltaNet layer subclasses megatron-core "
                                "0.19's GatedDeltaNet (Python >= 3.12 wheels; .ci/run runs these tests in its "
                                "megatron-core 0.19 pass)")
@@ -76,20 +75,11 @@ CASES = [
 RUNS = [(c, cp) for c in CASES for cp in c["cps"]]
 
 
-def _seed():
-    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"ZECO_SEED={value}")
-    return value
-
-
 def _config(case, cp, **extra):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(**{**dict(
+    return transformer_config(**{**dict(
         num_layers=len(case["pattern"]), hidden_size=HIDDEN, num_attention_heads=HEADS, **case["linear"],
-        activation_func=F.silu, normalization="RMSNorm", use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, add_bias_linear=False, init_method_std=0.1, context_parallel_size=cp,
-        tensor_model_parallel_size=case["tp"], params_dtype=torch.float64), **extra})
+        activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False, init_method_std=0.1,
+        context_parallel_size=cp, tensor_model_parallel_size=case["tp"], params_dtype=torch.float64), **extra})
 
 
 def _model(case, cp, pg_collection=None):
@@ -132,48 +122,17 @@ def _run(case, cp, seed, pg_collection=None):
                                  max_seqlen_kv=int(cu[-1]))
     else:
         mine = Layout(case["layout"]).shard(torch.arange(case["t"]), cp_group.rank(), cp, dim=0)
-    with _host_rope():
+    with host_rope():
+        # logits gathered over TP: the loss over the whole vocabulary
         logits = model(tokens[:, mine], None, None, packed_seq_params=params, runtime_gather_output=True)
-        loss = _loss(logits, labels[:, mine]) / labels.numel()
+        loss = cross_entropy(logits, labels[:, mine]) / labels.numel()
         loss.backward()
+        alone = documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
     loss = loss.detach()
     dist.all_reduce(loss, group=cp_group)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=cp_group)
-        grads[name] = g
-    alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
+    grads = cp_summed_grads(model, cp_group)
     transports = [m.cp.plan.transport for m in model.modules() if hasattr(m, "cp_config") and m.cp.plan is not None]
     return float(loss), grads, alone, ps.get_tensor_model_parallel_rank(), transports
-
-
-def _loss(logits, labels):
-    """Summed cross-entropy in float64 over the whole vocabulary (logits gathered over TP; Megatron's own
-    loss runs in float32)."""
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-
-
-def _check(results, reference, where):
-    ref_loss, ref_grads = reference[:2]
-    for loss, grads in (r[:2] for r in results):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where}: loss {loss} vs {ref_loss}"
-        assert set(grads) == set(ref_grads), f"{where}: parameters {set(grads) ^ set(ref_grads)}"
-        for name, g in grads.items():
-            err = rel_err(g, ref_grads[name])
-            assert err < TOL, f"{where}: gradient of {name} off by {err:.1e}"
-
-
-def _documents_alone(model, tokens, labels, cu):
-    """The packed batch's loss and gradients from every document run alone, unpacked (one process)."""
-    model.zero_grad()
-    loss = 0
-    with _host_rope():
-        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-            loss = loss + _loss(model(tokens[:, a:b], None, None), labels[:, a:b])
-        loss = loss / int(cu[-1])
-        loss.backward()
-    return float(loss.detach()), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
 # Megatron's groups the launch sets up in turn: (TP, CP), data parallel over the rest of the 4 ranks.
@@ -222,7 +181,7 @@ def _worker(rank, world, seed):
 def results():
     """One launch of 4 processes: {(case name, CP): [(loss, gradients, alone, TP rank) of each rank that ran it]},
     and each rank's checkpoint layout and misconfiguration errors."""
-    launch = run_ranks(_worker, WORLD, _seed())
+    launch = run_ranks(_worker, WORLD, draw_seed())
     runs = {}
     for rank_result in launch:
         for key, value in rank_result.items():
@@ -242,12 +201,13 @@ def test_cp_matches_one_process(results, case, cp):
     ranks = runs[case["name"], cp]
     assert len(ranks) == cp * case["tp"], f"{len(ranks)} ranks ran it"  # one CP group per TP rank set
     for rank, result in enumerate(ranks):
-        _check([result], references[result[3]], f"{case['name']} CP={cp} (rank {rank} of the group)")
+        where = f"{case['name']} CP={cp} (rank {rank} of the group)"
+        check_loss_and_grads([result], references[result[3]], where, TOL)
         want = "send_recv" if case["transport"] == "auto" or case["strategy"] != "zeco" else case["transport"]
         assert result[4] and set(result[4]) == {want}, f"{case['name']} rank {rank}: scans over {result[4]}"
     if case["packed"]:
         for reference in references.values():
-            _check([reference], reference[2], f"{case['name']} CP=1 against each document alone")
+            check_loss_and_grads([reference], reference[2], f"{case['name']} CP=1 against each document alone", TOL)
 
 
 # --- parameters and checkpoints: Megatron's own ------------------------------------------------------
@@ -486,11 +446,9 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
 @pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel and GatedDeltaNet")
 def test_gdn_specs_on_megatron_core_without_gated_deltanet_name_the_version():
     """megatron-core 0.16: the names import; building one says which megatron-core to install."""
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True)
+    config = transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS)
     with pytest.raises(ImportError, match="megatron-core >= 0.19"):
         build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_local_spec"]), config)
     for name in ("gdn_local_spec", "gdn_hybrid_local_spec"):
@@ -552,7 +510,7 @@ def _gpu_layer(rank, world, dtype, seed):
     try:
         return _gpu_layer_errors(rank, world, dtype, seed)
     except RuntimeError as e:
-        if "#640" in str(e):  # fla 0.6 on Hopper with Triton >= 3.4, < 3.7.1 (see tests/test_gpu_delta.py)
+        if "#640" in str(e):  # fla 0.6 on Hopper with Triton >= 3.4, < 3.7.1 (see tests/gated_delta_rule/test_gpu.py)
             return {"skip": str(e)}
         raise
 

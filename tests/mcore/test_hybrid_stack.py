@@ -3,19 +3,18 @@ TransformerEngine: under CP = 2, 3 (every strategy, both layouts, packed batches
 segments ('|') it computes what one process computes; the stack builds the right layers per stage."""
 
 import importlib.util
-import os
-import random
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import host_as_cuda, run_ranks
-from reference import rel_err, token_batch
-from test_hybrid import _host_rope
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import (check_loss_and_grads, cp_summed_grads, cross_entropy, documents_alone, host_as_cuda,
+                                    host_rope, transformer_config)
+from tests.helpers.reference import draw_seed, rel_err, token_batch
 
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
-pytestmark = pytest.mark.megatron
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 needs_hybrid_model = pytest.mark.skipif(not HAVE_HYBRID_MODEL,
                                         reason="HybridModel needs megatron-core >= 0.19 (Python >= 3.12 wheels; "
                                                ".ci/run runs these tests in its megatron-core 0.19 pass)")
@@ -51,12 +50,6 @@ GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim
            linear_conv_kernel_dim=4)
 
 
-def _seed():
-    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
-    print(f"ZECO_SEED={value}")
-    return value
-
-
 def _batch(case, seed):
     """Tokens and labels of the whole batch: [B, T], or one packed sequence [1, 48] and its offsets."""
     return token_batch(seed, VOCAB, B, T, PACKED.get(case["packed"]))
@@ -64,8 +57,6 @@ def _batch(case, seed):
 
 def _model(case):
     """This rank's HybridModel chunk (float64), with the same weights whatever the CP size."""
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.specs import hybrid_stack_spec
 
@@ -73,11 +64,10 @@ def _model(case):
     extra = dict(num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True) if "E" in case["pattern"] else {}
     if case["mixer"] == "gdn":  # its short convolution and output gate apply SiLU
         extra.update(GDN, activation_func=torch.nn.functional.silu)
-    config = TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               add_bias_linear=False, init_method_std=0.1, context_parallel_size=case["cp"],
-                               pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float64,
-                               params_dtype=torch.float64, **extra)
+    config = transformer_config(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                add_bias_linear=False, init_method_std=0.1, context_parallel_size=case["cp"],
+                                pipeline_model_parallel_size=case["pp"], pipeline_dtype=torch.float64,
+                                params_dtype=torch.float64, **extra)
     spec = hybrid_stack_spec(cp_strategy=case["strategy"], cp_layout=case["layout"],
                              cp_packed_split=case["packed"] or "auto", mixer=case["mixer"])
     torch.manual_seed(0)
@@ -117,7 +107,7 @@ def _run(case, seed, full_state=None):
         mine = Layout(case["layout"]).shard(torch.arange(T), cp_rank, cp, dim=0)
     tokens, labels = tokens[:, mine], labels[:, mine]
     pp_group = ps.get_pipeline_model_parallel_group()
-    with _host_rope(), host_as_cuda():  # rotary tables and the MoE router assume CUDA
+    with host_rope(), host_as_cuda():  # rotary tables and the MoE router assume CUDA
         if case["pp"] > 1 and ps.is_pipeline_first_stage():
             hidden = model(tokens, None, None, packed_seq_params=params)
             dist.send(hidden.detach().contiguous(), ps.get_pipeline_model_parallel_next_rank(), group=pp_group)
@@ -132,35 +122,18 @@ def _run(case, seed, full_state=None):
                 dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank(), group=pp_group)
                 model.set_input_tensor(hidden.requires_grad_())
             logits = model(tokens, None, None, packed_seq_params=params)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
-            loss = loss / (labels.shape[0] * (T if cu is None else int(cu[-1])))
+            loss = cross_entropy(logits, labels) / (labels.shape[0] * (T if cu is None else int(cu[-1])))
             loss.backward()
             if hidden is not None:
                 dist.send(hidden.grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank(), group=pp_group)
             loss = loss.detach().double()
     dist.all_reduce(loss, group=cp_group)
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        dist.all_reduce(g, group=cp_group)
-        grads[_global_name(name, offset)] = g
+    grads = cp_summed_grads(model, cp_group, lambda name: _global_name(name, offset))
     layers = [(layer.layer_number, type(layer).__name__, getattr(layer, "kind", None))
               for layer in model.decoder.layers]
-    alone = _documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
+    alone = documents_alone(model, tokens, labels, cu) if cu is not None and cp == 1 else None
     mixers = [type(layer.self_attention).__name__ for layer in model.decoder.layers if getattr(layer, "kind", 0) == "G"]
     return float(loss), grads, layers, alone, mixers
-
-
-def _documents_alone(model, tokens, labels, cu):
-    """The packed batch's loss and gradients from every document run alone, unpacked (one process)."""
-    model.zero_grad()
-    loss = 0
-    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
-        logits = model(tokens[:, a:b], None, None)
-        loss = loss + torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, a:b].flatten(), reduction="sum")
-    loss = loss / int(cu[-1])
-    loss.backward()
-    return float(loss), {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
 def _worker(rank, world, cases, seed, with_reference):
@@ -194,20 +167,10 @@ def _worker(rank, world, cases, seed, with_reference):
 @pytest.fixture(scope="module")
 def results():
     """One launch of 2 processes (CP = 1 references, CP = 2, PP = 2) and one of 3 (CP = 3)."""
-    seed = _seed()
+    seed = draw_seed()
     two = run_ranks(_worker, 2, CASES + PP_CASES, seed, True)
     three = run_ranks(_worker, 3, [c for c in CASES if 3 in c.get("cps", (2, 3))], seed, False)
     return {2: two, 3: three}
-
-
-def _check(results, reference, where):
-    ref_loss, ref_grads = reference[:2]
-    for rank, (loss, grads) in enumerate(r[:2] for r in results):
-        assert abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{where} rank {rank}: loss {loss} vs {ref_loss}"
-        assert set(grads) <= set(ref_grads), f"{where} rank {rank}: parameters {set(grads) - set(ref_grads)}"
-        for name, g in grads.items():
-            err = rel_err(g, ref_grads[name])
-            assert err < TOL, f"{where} rank {rank}: gradient of {name} off by {err:.1e}"
 
 
 @needs_hybrid_model
@@ -217,9 +180,9 @@ def test_hybrid_model_under_cp_matches_one_process(results, case, cp):
     """float64: the loss and every parameter's gradient (summed over CP) equal CP = 1's to 1e-10; on packed
     batches CP = 1's equal those of every document run alone."""
     reference = results[2][0][case["name"], 1]
-    _check([r[case["name"], cp] for r in results[cp]], reference, f"{case['name']} CP={cp}")
+    check_loss_and_grads([r[case["name"], cp] for r in results[cp]], reference, f"{case['name']} CP={cp}", TOL)
     if case["packed"]:  # and CP = 1 on the packed batch equals every document alone
-        _check([reference], reference[3], f"{case['name']} CP=1 against each document alone")
+        check_loss_and_grads([reference], reference[3], f"{case['name']} CP=1 against each document alone", TOL)
 
 
 @needs_hybrid_model
@@ -254,15 +217,13 @@ def _structure_worker(rank, world, seed):
     """Per virtual stage: (pre_process, post_process, [(layer number, layer class, kind)], final norm);
     then the GPTModel-to-HybridModel mapping check (_gpt_as_hybrid)."""
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zeco.models import build_hybrid_model
 
     ps.initialize_model_parallel(1, world, virtual_pipeline_model_parallel_size=2)
-    config = TransformerConfig(num_layers=8, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True, attention_dropout=0.0, pipeline_model_parallel_size=world,
-                               virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32,
-                               num_moe_experts=2, add_bias_linear=False)
+    config = transformer_config(num_layers=8, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=2,
+                                pipeline_dtype=torch.float32, num_moe_experts=2, add_bias_linear=False)
     built = []
     for vp_stage in range(2):
         model = build_hybrid_model(config, VPP_PATTERN, VOCAB, 64, vp_stage=vp_stage)
@@ -291,15 +252,13 @@ def _gpt_as_hybrid(seed):
     """A GPTModel of hybrid_layer_spec('G*') (2 layers, RoPE) and the HybridModel 'G-*-' with its weights
     (float64): the logits' relative difference, and the parameter names of each."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.specs import hybrid_layer_spec
 
     def config(layers):
-        return TransformerConfig(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                                 use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                                 init_method_std=0.1)
+        return transformer_config(num_layers=layers, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                                  init_method_std=0.1)
 
     torch.manual_seed(seed)
     gpt = GPTModel(config(2), hybrid_layer_spec("G*"), VOCAB, 64, position_embedding_type="rope").double()
@@ -307,14 +266,14 @@ def _gpt_as_hybrid(seed):
     mapped = {gpt_name_to_hybrid(k): v for k, v in gpt.state_dict().items()}
     hybrid.load_state_dict(mapped)
     tokens = torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
-    with _host_rope():
+    with host_rope():
         got, want = hybrid(tokens, None, None), gpt(tokens, None, None)
     return rel_err(got, want), sorted(mapped), sorted(hybrid.state_dict())
 
 
 @pytest.fixture(scope="module")
 def structure():
-    return run_ranks(_structure_worker, 2, _seed())
+    return run_ranks(_structure_worker, 2, draw_seed())
 
 
 @needs_hybrid_model
@@ -349,7 +308,6 @@ def test_gpt_model_pattern_maps_to_hybrid_model_pattern(structure):
 @needs_hybrid_model
 def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
     from megatron_zeco.mcore.hybrid_stack import GLAHybridStack
@@ -363,8 +321,7 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
         assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
         mixer = spec.submodules.gdn_layer.submodules.self_attention
         assert mixer.module is GatedLinearAttention and mixer.params["cp_strategy"] == strategy
-    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True)
+    config = transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS)
     with pytest.raises(ValueError, match="no Mamba layer for 'M'; its symbols are 'G' .GLA., '\\*'"):
         build_module(import_module(["megatron_zeco.specs", "hybrid_stack_local_spec"]), config,
                      layer_type_list=["G", "M"])
@@ -381,11 +338,9 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
 
 @pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel")
 def test_stack_spec_on_megatron_core_without_hybrid_model_names_the_version():
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
     spec = import_module(["megatron_zeco.specs", "hybrid_stack_local_spec"])
-    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                               use_cpu_initialization=True)
+    config = transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS)
     with pytest.raises(ImportError, match="megatron-core >= 0.19.*hybrid_local_spec"):
         build_module(spec, config)

@@ -17,11 +17,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 from megatron_zeco import Layout, zeco_gla
 from megatron_zeco.comm import Route, all_scan
 from megatron_zeco.gla import gla_piece
-from reference import problem, reference, rel_err
+from tests.helpers.reference import problem, reference, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}

@@ -4,8 +4,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool
 from megatron_zeco import zeco_gla
+
+pytestmark = pytest.mark.slow
+
+# Two processes for every case: each case's checks end in the same error on both ranks, so the
+# processes stay in step (a case that fails or hangs restarts them).
+RANK_POOL = dict(world=2, timeout=120)
 
 
 def _inputs(T=12, H=2, K=8, V=4, dtype=torch.float64):
@@ -61,14 +66,6 @@ def _call(group, name):
     except ValueError as e:
         return str(e)
     return None
-
-
-@pytest.fixture(scope="module")
-def pool():
-    """Two processes for every case: each case's checks end in the same error on both ranks, so the
-    processes stay in step (a case that fails or hangs restarts them)."""
-    with RankPool(2, timeout=120) as p:
-        yield p
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

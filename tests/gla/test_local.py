@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_zeco.gla import chunk_gla, gla_bwd, gla_fwd, gla_piece
-from reference import GATES, problem, reference, rel_err
+from tests.helpers.reference import GATES, problem, reference, rel_err
 
 TOL = 1e-10
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
+from tests.helpers.distributed import run_ranks
 from megatron_zeco import Layout, packed_positions, zeco_gated_delta_rule
 from megatron_zeco.gated_delta_rule import gdn_piece
-from reference import delta_problem, reference, rel_err
+from tests.helpers.reference import delta_problem, reference, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}

@@ -10,7 +10,8 @@ chain give up at once, naming the rank that gave up first. A scan that gives up 
 the call (on GPUs its kernels run after the host has moved on): it delivers NaN, so every output and
 gradient computed from it is NaN, and ``check_scans()`` -- run before every optimizer step --
 raises ``ScanTimeoutError``. No step may end with finite values computed from a state that did
-not arrive. A peer that is merely slow (under the bound) changes nothing, bit for bit.
+not arrive. A peer that is merely slow (under the bound) changes nothing, bit for bit. (Megatron's
+gradient finalisation and optimizer step after a give-up: tests/mcore/test_step_check.py.)
 """
 
 import contextlib
@@ -22,9 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
 from megatron_zeco import ScanTimeoutError, check_scans, zeco_gla
-from reference import problem, reference, rel_err
+from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import problem, reference, rel_err
+
+pytestmark = pytest.mark.slow
 
 PG_TIMEOUT = 5.0
 LAYER = "GatedLinearAttention (layer 7)"
@@ -234,68 +237,3 @@ def test_a_slow_peer_under_the_bound_changes_nothing(seed):
     for rank, steps in enumerate(run_ranks(_slow_peer, 3, seed, timeout=240)):
         for number, step in enumerate(steps[1:], start=2):
             assert all(torch.equal(a, b) for a, b in zip(step, steps[0])), f"rank {rank}, step {number} differs"
-
-
-def _megatron_step_checks(rank, world):
-    """A GLA GPTModel (megatron-core, this package's spec) over peer memory at CP = 2, float64. Megatron-LM's
-    training loop sets ``config.finalize_model_grads_func`` before the first step; here a stand-in for
-    Megatron's gradient finalisation that refuses NaN gradients, as its ``--check-for-nan-in-loss-and-grad``
-    does. Step 1 together; in step 2 rank 1 stalls past the 2 s bound before the backward pass, so the
-    step's last scan, the first (only) layer's backward, gives up on rank 0: no later scan of the step
-    notices, as in a model of any depth. Returns, per step, what the finalisation and an optimizer step
-    raised, and whether the parameters changed."""
-    from megatron.core import parallel_state
-
-    from megatron_zeco import train as T
-
-    cfg = T.TrainConfig(layers=1, hidden=16, heads=2, seq_len=16, batch=2, task="mock", dtype="float64",
-                        transport="peer_memory", log_interval=10**6)
-    device = T.init_distributed(cfg)
-    task = T.make_task(cfg)
-    model = T.build_model(cfg, task.vocab_size, device)
-    config = model.config
-
-    def megatron_finalize(models, num_tokens=None):
-        if any(p.grad.isnan().any() for m in models for p in m.parameters() if p.grad is not None):
-            raise RuntimeError("found NaN in local grad norm")
-        return "finalized"
-
-    config.finalize_model_grads_func = megatron_finalize  # as megatron.training.training.train does
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    out = []
-    for step in (1, 2):
-        if step == 2:
-            os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = "2"
-        before = [p.detach().clone() for p in model.parameters()]
-        loss, _ = T.loss_and_accuracy(model, T.local_batch(cfg, T.global_batch(cfg, task, step)), device)
-        if step == 2 and rank == 1:
-            time.sleep(STALL)
-        loss.backward()
-        raised = {}
-        for name, call in (("finalize", lambda: config.finalize_model_grads_func([model])),
-                           ("optimizer", optimizer.step)):
-            try:
-                call()
-                raised[name] = None
-            except Exception as e:  # noqa: BLE001  (the test checks which)
-                raised[name] = (type(e).__name__, str(e), type(e.__cause__).__name__)
-        changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        out.append((raised, changed))
-        optimizer.zero_grad()
-    parallel_state.destroy_model_parallel()
-    return out
-
-
-@pytest.mark.megatron
-def test_megatron_gradient_finalisation_and_optimizer_step_raise_after_a_give_up():
-    """Step 1 finalises and updates normally. In step 2 rank 0's last scan gave up: the finalisation
-    names it (ScanTimeoutError from Megatron's NaN error) and the optimizer step raises it before any
-    parameter changes. Rank 1, late, got everything it waited for: its step is exact and goes on."""
-    (first0, changed0), (second0, changed0_2) = run_ranks(_megatron_step_checks, 2, timeout=240)[0]
-    assert first0 == {"finalize": None, "optimizer": None} and changed0, first0
-    kind, message, cause = second0["finalize"]
-    assert kind == "ScanTimeoutError" and cause == "RuntimeError" and "All-Scan (backward)" in message, second0
-    assert "from global rank 1" in message, message
-    kind, message, _ = second0["optimizer"]
-    assert kind == "ScanTimeoutError" and "All-Scan (backward)" in message, second0
-    assert not changed0_2, "rank 0: parameters changed in the step whose scan gave up"

@@ -1,17 +1,18 @@
-"""The layer specs and the GLA module as Megatron-Core and pretrain_gpt.py use them."""
+"""The GLA layer (megatron_zeco/gla/layer.py) and its specs as Megatron-Core and pretrain_gpt.py use them:
+the spec names, the keywords TransformerLayer passes, misconfigurations named at start-up, and the
+mixer under tensor, sequence and context parallelism."""
 
 import importlib.util
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from distributed import host_as_cuda, run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import host_as_cuda, transformer_config
 
-pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # megatron: run under each megatron-core release (.ci/run)
 
 SPEC_NAMES = ["gla_local_spec", "gla_te_spec"] + [
     f"gla_{flavour}_{s}_spec" for flavour in ("local", "te") for s in ("lasp1", "lasp2", "a2a")]
@@ -42,14 +43,6 @@ def test_spec_imports_as_pretrain_gpt_does(name):
     assert "input_layernorm." not in spec.submodules.sharded_state_dict_keys_map
 
 
-def _config(**kw):
-    from megatron.core.transformer import TransformerConfig
-
-    base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                hidden_dropout=0.0, attention_dropout=0.0)
-    return TransformerConfig(**{**base, **kw})
-
-
 def _layer_interface(rank, world):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -61,7 +54,7 @@ def _layer_interface(rank, world):
     results = {}
     mixer = gla_local_spec.submodules.self_attention
     # Every keyword TransformerLayer passes in 0.16 .. 0.19+.
-    layer = build_module(mixer, config=_config(), layer_number=1, cp_comm_type="p2p",
+    layer = build_module(mixer, config=transformer_config(), layer_number=1, cp_comm_type="p2p",
                          pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
                          pp_layer_offset=0, name="decoder.layers.0.self_attention")
     x = torch.randn(12, 2, 32)
@@ -92,7 +85,7 @@ def test_layer_accepts_transformer_layer_keywords():
     (r,) = run_ranks(_layer_interface, 1)
     assert r["shape"] == (12, 2, 32) and r["bias"] is None
     assert r["rotary_ignored"] and r["rotary_warnings"] == 1
-    assert "no document offsets" in r["thd"] and "only 'thd'" in r["sbhd"]  # packed: tests/test_packed.py
+    assert "no document offsets" in r["thd"] and "only 'thd'" in r["sbhd"]  # packed: tests/mcore/test_packed.py
 
 
 BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
@@ -110,7 +103,7 @@ def _build(params=None, **config):
     base = gla_local_spec.submodules.self_attention
     others = {k: v for k, v in base.params.items() if k != "cp_config"}
     spec = ModuleSpec(module=base.module, params={**others, **(params or {})}, submodules=base.submodules)
-    return build_module(spec, config=_config(**config), layer_number=1,
+    return build_module(spec, config=transformer_config(**config), layer_number=1,
                         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
@@ -222,7 +215,7 @@ def test_transformer_config_checks_heads_against_its_tp_size():
     """What pretrain_gpt.py users get for --num-attention-heads 3 --tensor-model-parallel-size 2
     (Megatron's own check, before the layer is built)."""
     with pytest.raises(ValueError, match=r"num_attention_heads \(3\) must be a multiple of tensor_model_parallel_size"):
-        _config(num_attention_heads=3, hidden_size=30, tensor_model_parallel_size=2)
+        transformer_config(num_attention_heads=3, hidden_size=30, tensor_model_parallel_size=2)
 
 
 def test_te_spec_without_transformer_engine_names_the_alternative():
@@ -235,17 +228,7 @@ def test_te_spec_without_transformer_engine_names_the_alternative():
     from megatron_zeco.specs import gla_te_spec
 
     with pytest.raises(ImportError, match="gla_local_spec"):
-        build_module(gla_te_spec, config=_config())
-
-
-def test_main_job_command_runs():
-    """The README's main job (torchrun -m megatron_zeco.train), a few steps on 2 processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
-           "--steps", "3", "--log-interval", "1"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "TP 1 x CP 2 x DP 1" in done.stdout and "step     3/3" in done.stdout and "done: 3 steps" in done.stdout
+        build_module(gla_te_spec, config=transformer_config())
 
 
 def _mixer_grads(rank, world, tp, cp, sp, seed):
@@ -261,7 +244,7 @@ def _mixer_grads(rank, world, tp, cp, sp, seed):
     with host_as_cuda():
         parallel_state.initialize_model_parallel(tp, 1, context_parallel_size=cp)
         torch.manual_seed(0)  # master weights drawn whole on the CPU: the same for any TP
-        config = _config(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
+        config = transformer_config(tensor_model_parallel_size=tp, context_parallel_size=cp, sequence_parallel=sp)
         layer = build_module(gla_local_spec.submodules.self_attention, config=config, layer_number=1).double()
         gen = torch.Generator().manual_seed(seed)
         x, dy = (torch.randn(24, 2, 32, generator=gen, dtype=torch.float64) for _ in range(2))

@@ -1,10 +1,23 @@
-"""Random GLA and gated-delta-rule problems and their float64 reference (the step-by-step loops, with autograd)."""
+"""Random GLA and gated-delta-rule problems and their float64 reference (the step-by-step loops, with
+autograd); packed documents and their reference; the sequential fold the scans are checked against."""
+
+import os
+import random
 
 import torch
 import torch.nn.functional as F
 
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
 from megatron_zeco.gla import naive_recurrent_gla
+
+
+def draw_seed():
+    """A fresh random seed, or ``$ZECO_SEED``; printed (pytest shows it beside a failure), so a failure
+    can be replayed with ``ZECO_SEED=...``."""
+    value = int(os.environ.get("ZECO_SEED", random.SystemRandom().randrange(2**31)))
+    print(f"ZECO_SEED={value}")
+    return value
+
 
 def token_batch(seed, vocab, rows, length, offsets=None):
     """Tokens and labels ``[rows, length]`` drawn from ``seed``, or (``offsets``: a packed batch's
@@ -98,3 +111,61 @@ def rel_err(a, b):
     a, b = a.detach().double(), b.detach().double()
     denom = b.norm()
     return float((a - b).norm() / denom) if denom > 0 else float(a.norm())
+
+
+def packed_reference(x, cu):
+    """The float64 loop over a packed problem without initial state (``x`` of :func:`problem` or
+    :func:`delta_problem`, one row): every document alone, its output and its inputs' gradients,
+    joined again along the sequence (keys ``o``, ``dq``, ``dk``, ``dv``, ``dg``, and ``dbeta``)."""
+    names = ("q", "k", "v", "g", "beta") if "beta" in x else ("q", "k", "v", "g")
+    parts = {name: [] for name in ("o", *("d" + n for n in names))}
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = reference({**{n: x[n][:, a:b] for n in (*names, "do")}, "h0": None}, output_final_state=False)
+        for name in parts:
+            parts[name].append(alone[name])
+    return {name: torch.cat(p, dim=1) for name, p in parts.items()}
+
+
+# The packed splits: (layout, per_document). Per document is Megatron's THD split under zigzag.
+SPLITS = (("contiguous", False), ("zigzag", False), ("zigzag", True), ("contiguous", True))
+
+
+def _lengths(gen, total, short, multiple):
+    """Random document lengths (multiples of ``multiple``) summing to ``total``: one longer than
+    half of it, the rest between one unit and ``short`` tokens."""
+    units, short = total // multiple, max(short // multiple, 1)
+    long = units // 2 + 1 + int(torch.randint(0, max(units // 4, 1), (1,), generator=gen))
+    rest = []
+    while sum(rest) < units - long:
+        rest.append(min(int(torch.randint(1, short + 1, (1,), generator=gen)), units - long - sum(rest)))
+    rest.insert(int(torch.randint(0, len(rest) + 1, (1,), generator=gen)), long)
+    return [n * multiple for n in rest]
+
+
+def document_lengths(seed, world, local_len, per_document):
+    """Document lengths of each packed case over ``world`` ranks of ``local_len`` tokens: random draws
+    (one document longer than half of everything, so spanning every rank; the others short, so
+    starting inside pieces); per document, also the shortest documents (one token per piece); else
+    many one- to three-token documents and one document per zigzag piece (documents start at every
+    piece's first token); and one document over everything."""
+    gen = torch.Generator().manual_seed(seed)
+    total, pieces = world * local_len, 2 * world
+    if per_document:
+        cases = [_lengths(gen, total, total // 2, pieces) for _ in range(2)] + [[pieces] * (total // pieces)]
+    else:
+        cases = [_lengths(gen, total, total // pieces, 1) for _ in range(2)]
+        cases += [_lengths(gen, total, 3, 1), [total // pieces] * pieces]
+    return cases + [[total]]
+
+
+def fold(transitions, deltas, init, order):
+    """The sequential scan the parallel ones must equal: walking the pieces in ``order`` from ``init``
+    (None: zeros) through ``S_out = T S_in + delta``, ``T`` a decay ``[..., K]`` (diagonal) or a matrix
+    ``[..., K, K]`` (dense). Returns the state entering each piece ``{piece: S_in}`` and the state
+    leaving the walk. (The scans may round differently, fused multiply-adds: compare to ~1e-12.)"""
+    x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
+    for p in order:
+        entering[p] = x
+        T = transitions[p]
+        x = (T @ x if T.dim() == x.dim() else T.unsqueeze(-1) * x) + deltas[p]
+    return entering, x

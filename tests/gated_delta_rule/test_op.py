@@ -1,12 +1,13 @@
 """zeco_gated_delta_rule on real gloo process groups against the gated delta rule over the whole
-sequence (float64 token loop, autograd for the gradients), and the scans over dense transitions.
+sequence (float64 token loop, autograd for the gradients).
 
 Every strategy (zeco, lasp2, a2a; none at P = 1), both layouts, All-Scan pipelined in blocks of
 columns, every decay regime (none, ~1, strong, underflowing; beta exactly 0 and 1 at some tokens),
 with and without initial and final state, pieces of 13 and 26 tokens (chunks of 16), packed
 documents under both splits (lasp2 without the cross-rank input check). Outputs, final states and
-the gradients of q, k, v, g, beta and the initial state to 1e-10. Every test runs on one pool of
-eight processes (P = 8 for a few cases).
+the gradients of q, k, v, g, beta and the initial state to 1e-10. Every test runs on the module's pool
+of up to eight processes (P = 8 for a few cases). (The scans over dense transitions alone:
+tests/comm/test_all_scan.py.)
 """
 
 import itertools
@@ -15,21 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import RankPool
 from megatron_zeco import Layout, packed_positions, zeco_gated_delta_rule
-from megatron_zeco.comm import Route, all_scan, gather_scan
-from reference import delta_problem, reference, rel_err
-from test_packed import SPLITS, _documents
+from tests.helpers.checks import above, assert_no_failures
+from tests.helpers.reference import SPLITS, delta_problem, document_lengths, packed_reference, reference, rel_err
 
+pytestmark = pytest.mark.slow
+
+RANK_POOL = dict(world=8, pg_timeout=120)
 TOL = 1e-10
 K, V, B = 8, 8, 2
 NAMES = ("q", "k", "v", "g", "beta")
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with RankPool(8, pg_timeout=120) as p:
-        yield p
 
 
 def _cases():
@@ -82,27 +78,23 @@ def _check(group, seed, local_len, cases=None):
         for name, grad in grads.items():
             want = ref["d" + name]
             errors["d" + name] = rel_err(grad, want if name == "h0" else layout.shard(want, rank, world))
-        bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
+        bad = above(errors, TOL)
         if bad:
             failures.append(f"{strategy} {layout.value} blocks={nb} gate={gate} h0={with_h0} ht={with_ht} "
                             f"transport={transport}: {bad}")
     return failures
 
 
-def _assert_none(results):
-    assert not any(results), "\n".join(f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs)
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_strategy_matches_whole_sequence(pool, seed, world):
     # 26 tokens per rank: zigzag pieces of 13, contiguous pieces of 26; chunks are 16
-    _assert_none(pool.run(_check, world, seed, 26))
+    assert_no_failures(pool.run(_check, world, seed, 26))
 
 
 def test_eight_ranks(pool, seed):
     cases = [("zeco", layout, 2, gate, True, True) for layout in Layout for gate in ("tiny", "mixed")]
     cases += [("lasp2", Layout.ZIGZAG, 1, "tiny", True, True), ("a2a", Layout.CONTIGUOUS, 1, "normal", True, True)]
-    _assert_none(pool.run(_check, 8, seed, 10, cases))
+    assert_no_failures(pool.run(_check, 8, seed, 10, cases))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -111,7 +103,7 @@ def test_peer_memory_transport_matches_whole_sequence(pool, seed, world):
     and two blocks of columns, strong and mixed decays, initial and final state, every gradient."""
     cases = [("zeco", layout, nb, gate, True, True, "peer_memory")
              for layout in Layout for nb, gate in ((1, "mixed"), (2, "strong"))]
-    _assert_none(pool.run(_check, world, seed, 26, cases + [("zeco", Layout.ZIGZAG, 1, "tiny", False, False,
+    assert_no_failures(pool.run(_check, world, seed, 26, cases + [("zeco", Layout.ZIGZAG, 1, "tiny", False, False,
                                                               "peer_memory")]))
 
 
@@ -121,16 +113,11 @@ def _check_packed(group, seed, local_len):
     heads = world if world > 2 else 2
     failures = []
     for n_split, (layout, per_document) in enumerate(SPLITS):
-        for n_case, lengths in enumerate(_documents(seed + n_split, world, local_len, per_document)):
+        for n_case, lengths in enumerate(document_lengths(seed + n_split, world, local_len, per_document)):
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
             x = delta_problem(seed + 100 * n_split + n_case, 1, world * local_len, heads, K, V,
                               gate="mixed" if n_case == 1 else "normal", initial_state=False)
-            parts = {name: [] for name in ("o", "dq", "dk", "dv", "dg", "dbeta")}
-            for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):  # every document alone
-                alone = reference({**{m: x[m][:, a:b] for m in (*NAMES, "do")}, "h0": None}, output_final_state=False)
-                for name in parts:
-                    parts[name].append(alone[name])
-            ref = {name: torch.cat(p, dim=1) for name, p in parts.items()}
+            ref = packed_reference(x, cu)  # every document alone
             mine = packed_positions(cu, layout, world, rank, per_document)
             for strategy in ("zeco", "lasp2", "a2a") if world > 1 else ("none",):
                 local = {m: x[m][:, mine].requires_grad_() for m in NAMES}
@@ -140,7 +127,7 @@ def _check_packed(group, seed, local_len):
                 grads = torch.autograd.grad((o * x["do"][:, mine]).sum(), list(local.values()))
                 errors = {"o": rel_err(o, ref["o"][:, mine])}
                 errors.update({"d" + m: rel_err(d, ref["d" + m][:, mine]) for m, d in zip(NAMES, grads)})
-                bad = {k: f"{e:.1e}" for k, e in errors.items() if not e < TOL}
+                bad = above(errors, TOL)
                 if bad:
                     failures.append(f"{strategy} {layout} per_document={per_document} lengths={lengths}: {bad}")
     return failures
@@ -148,65 +135,7 @@ def _check_packed(group, seed, local_len):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_packed_documents_match_each_document_alone(pool, seed, world):
-    _assert_none(pool.run(_check_packed, world, seed, 16))
-
-
-def _fold(Ms, deltas, init, order):
-    """Entering state of each piece when walking ``order``, and the state leaving the walk."""
-    x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
-    for p in order:
-        entering[p] = x
-        x = (Ms[p] @ x if Ms[p].dim() == x.dim() else Ms[p].unsqueeze(-1) * x) + deltas[p]
-    return entering, x
-
-
-def _dense_scans(group, seed):
-    """all_scan (the chain in blocks of columns over messages and over peer memory, and the
-    hierarchical shape over nodes of two ranks) and gather_scan with dense transitions, against a
-    sequential fold (the hierarchical shape also with GLA's diagonal ones). Peer memory also in
-    float32 with 32 x 32 states, where the hop kernel multiplies through tl.dot."""
-    P, me = group.size(), group.rank()
-    failures = []
-    impls = ("chain", "chain peer_memory", "hierarchical", "gather", "hierarchical diagonal", "chain peer_memory dot")
-    for n, (layout, blocks, reverse, with_init, impl) in enumerate(
-            itertools.product(Layout, (1, 3), (False, True), (False, True), impls)):
-        if (not impl.startswith("chain") or impl.endswith("dot")) and blocks > 1:
-            continue
-        gen = torch.Generator().manual_seed(seed + n)
-        pieces = layout.num_pieces(P)
-        k, v = (32, 32) if impl.endswith("dot") else (4, 6)
-        shape = (2, 3, k) if impl.endswith("diagonal") else (2, 3, k, k)
-        Ms = [torch.randn(*shape, generator=gen, dtype=torch.float64) / (2 * k ** 0.5) for _ in range(pieces)]
-        deltas = [torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) for _ in range(pieces)]
-        init = torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) if with_init else None
-        mine = layout.pieces(me, P)
-        dtype, tol = (torch.float32, 1e-5) if impl.endswith("dot") else (torch.float64, 1e-12)
-        my_Ms, my_deltas = [Ms[p].to(dtype) for p in mine], [deltas[p].to(dtype) for p in mine]
-        kw = dict(reverse=reverse)
-        if impl == "gather":
-            entering, last = gather_scan(my_Ms, my_deltas, init, Route(layout, group), **kw)
-        else:
-            transport = "peer_memory" if "peer_memory" in impl else "send_recv"
-            if n % 2 and transport == "peer_memory":  # as ScanOp calls it: slots are strided views of one batch
-                my_Ms, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_Ms, my_deltas))
-                kw["out"] = torch.full((2, len(mine), 3, k, v), float("nan"), dtype=dtype).unbind(1)
-            route = Route(layout, group, blocks, transport, 2, impl.split()[0])
-            entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), route, **kw)
-            if "out" in kw and not all(e is o for e, o in zip(entering, kw["out"])):
-                failures.append(f"{impl}: the result is not out")
-        order = range(pieces - 1, -1, -1) if reverse else range(pieces)
-        want, want_last = _fold(Ms, deltas, init, order)
-        ok = all(rel_err(entering[s], want[p]) < tol for s, p in enumerate(mine))
-        ends_here = layout.owner(order[-1], P)[0] == me
-        ok &= (last is not None) == ends_here and (last is None or rel_err(last, want_last) < tol)
-        if not ok:
-            failures.append(f"{impl} {layout.value} blocks={blocks} reverse={reverse} init={with_init}")
-    return failures
-
-
-@pytest.mark.parametrize("world", [3, 4])
-def test_dense_scans_match_sequential_fold(pool, seed, world):
-    _assert_none(pool.run(_dense_scans, world, seed))
+    assert_no_failures(pool.run(_check_packed, world, seed, 16))
 
 
 def _inputs(rank, T=12, H=2, beta_shape=None, dims_g=3):

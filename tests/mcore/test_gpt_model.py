@@ -2,84 +2,23 @@
 
 The same model must give the same losses and gradients whatever the parallel
 layout: CP = 1, 2, 3, 4, any CP strategy, zigzag or contiguous, TP x CP, DP x CP,
-PP x CP; and a distributed checkpoint must reload to the same next-step loss.
+PP x CP; two launches under Megatron's deterministic settings must agree to the bit;
+and a distributed checkpoint must reload to the same next-step loss.
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import host_as_cuda, run_ranks
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import BASE, check_training_matches, host_as_cuda, rel, train_steps, transformer_config
 
-pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
-
-TOL = 1e-5
-STEPS = 4
-BASE = dict(layers=2, hidden=32, heads=4, seq_len=48, batch=4, task="mock", lr=1e-2, log_interval=10**6)
-
-
-def _train_steps(rank, world, overrides, dtypes=("float64", "float32")):
-    """Per dtype: losses and gradient norms of STEPS SGD steps, the step-1 gradients and the
-    parameters after the last step."""
-    from megatron.core import parallel_state
-
-    from megatron_zeco import train as T
-
-    out = {}
-    for dtype in dtypes:
-        cfg = T.TrainConfig(steps=STEPS, dtype=dtype, **{**BASE, **overrides})
-        device = T.init_distributed(cfg)
-        task = T.make_task(cfg)
-        model = T.build_model(cfg, task.vocab_size, device)
-        # Plain SGD: Adam would turn rounding noise in tiny gradients into full-size steps.
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
-        losses, norms, first = [], [], None
-        for step in range(1, STEPS + 1):
-            optimizer.zero_grad()
-            loss, _ = T.loss_and_accuracy(model, T.local_batch(cfg, T.global_batch(cfg, task, step)), device)
-            loss.backward()
-            T.reduce_gradients(model)
-            if step == 1:
-                first = _full_grads(model)
-            norms.append(float(T.grad_norm(model)))
-            optimizer.step()
-            total = loss.detach().double()
-            dist.all_reduce(total, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
-            losses.append(float(total))
-        out[dtype] = (losses, norms, first, {n: p.detach().clone() for n, p in model.named_parameters()})
-        parallel_state.destroy_model_parallel()
-    return out
-
-
-def _full_grads(model):
-    """Every parameter's gradient, TP shards gathered (in-projection layouts are per head, so
-    gathering along the partition dim gives the TP = 1 tensor)."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_group()
-    grads = {}
-    for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        if getattr(p, "tensor_model_parallel", False) and tp.size() > 1:
-            parts = [torch.empty_like(g) for _ in range(tp.size())]
-            dist.all_gather(parts, g.contiguous(), group=tp)
-            g = torch.cat(parts, dim=p.partition_dim)
-        grads[name] = g
-    return grads
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
-
-
-def _vec_rel(grads, ref):
-    diff = sum(float((grads[n].double() - ref[n].double()).pow(2).sum()) for n in ref)
-    return (diff / sum(float(ref[n].double().pow(2).sum()) for n in ref)) ** 0.5
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # megatron: run under each megatron-core release (.ci/run)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_ranks(_train_steps, 1, {})[0]
+    return run_ranks(train_steps, 1, {})[0]
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -96,27 +35,7 @@ def reference():
     pytest.param(4, dict(dp=2, cp=2), marks=pytest.mark.variant),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))
 def test_training_steps_match_single_process(reference, world, overrides):
-    _check_training_matches(run_ranks(_train_steps, world, overrides), reference)
-
-
-def _check_training_matches(results, reference):
-    """float64: every loss and gradient element to 1e-10 (the CP model is exact). float32: every
-    step's loss and the first step's gradient to 1e-5; later gradient norms to 1e-4 (rounding)."""
-    for dtype, tol in (("float64", 1e-10), ("float32", TOL)):
-        ref_losses, ref_norms, ref_grads, _ = reference[dtype]
-        for rank, result in enumerate(results):
-            losses, norms, grads, _ = result[dtype]
-            for step, (a, b) in enumerate(zip(losses, ref_losses), 1):
-                assert _rel(a, b) < tol, f"{dtype} rank {rank} step {step}: loss {a} vs {b}"
-            for step, (a, b) in enumerate(zip(norms, ref_norms), 1):
-                # In fp32 the weights after a step differ by rounding; later gradients amplify it.
-                bound = tol if dtype == "float64" or step == 1 else 10 * tol
-                assert _rel(a, b) < bound, f"{dtype} rank {rank} step {step}: |grad| {a} vs {b}"
-            assert _vec_rel(grads, ref_grads) < tol, f"{dtype} rank {rank}: step-1 gradient"
-            if dtype == "float64":
-                for name, g in grads.items():
-                    err = float((g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-300))
-                    assert err < tol, f"rank {rank}: grad of {name} off by {err:.1e}"
+    check_training_matches(run_ranks(train_steps, world, overrides), reference)
 
 
 def test_megatron_zigzag_split_is_our_layout():
@@ -142,6 +61,29 @@ def test_megatron_zigzag_split_is_our_layout():
             assert torch.equal(got, Layout.ZIGZAG.shard(x, rank, world)), (world, rank)
 
 
+# --- determinism -------------------------------------------------------------------------------
+
+def _deterministic_steps(rank, world):
+    steps = train_steps(rank, world, dict(cp=2, strategy="zeco", layout="zigzag", deterministic=True), ("float32",))
+    assert torch.are_deterministic_algorithms_enabled()
+    return steps["float32"]
+
+
+@pytest.mark.variant  # the same training wiring as the cases above
+def test_megatron_training_is_bit_identical_across_launches():
+    """GPTModel with the GLA spec at CP=2 (zeco, zigzag), TransformerConfig(deterministic_mode=True)
+    and torch's deterministic algorithms (train.py --deterministic, as Megatron-LM's
+    --deterministic-mode): every step's loss and gradient norm, the step-1 gradients and the
+    final parameters agree to the bit across two launches."""
+    first, second = (run_ranks(_deterministic_steps, 2) for _ in range(2))
+    for rank in range(2):
+        (losses, norms, grads, params), (losses2, norms2, grads2, params2) = first[rank], second[rank]
+        assert losses == losses2 and norms == norms2, (rank, losses, losses2)
+        for name in grads:
+            assert torch.equal(grads[name], grads2[name]), f"rank {rank}: step-1 gradient of {name}"
+            assert torch.equal(params[name], params2[name]), f"rank {rank}: final {name}"
+
+
 # --- pipeline parallel -------------------------------------------------------------------------
 # Megatron-Core 0.16's pipeline schedules allocate on "cuda" unconditionally
 # (schedules.py: torch.zeros([], device="cuda")), so they cannot run here. This test drives the
@@ -165,15 +107,13 @@ def _pipeline_worker(rank, world, pp, cp):
     ps.initialize_model_parallel(1, pp, context_parallel_size=cp)
 
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zeco.specs import gla_layer_spec
 
-    config = TransformerConfig(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
-                               context_parallel_size=cp, pipeline_model_parallel_size=pp,
-                               use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                               init_method_std=cfg.init_std, params_dtype=torch.float64,
-                               pipeline_dtype=torch.float64)
+    config = transformer_config(num_layers=cfg.layers, hidden_size=cfg.hidden, num_attention_heads=cfg.heads,
+                                context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                init_method_std=cfg.init_std, params_dtype=torch.float64,
+                                pipeline_dtype=torch.float64)
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     model = GPTModel(config=config, transformer_layer_spec=gla_layer_spec(), vocab_size=task.vocab_size,
                      max_sequence_length=cfg.seq_len, position_embedding_type="none",
@@ -222,7 +162,7 @@ def test_pipeline_stages_with_cp_match_whole_model():
     results = run_ranks(_pipeline_worker, 4, 2, 2)
     seen = set()
     for rank, (loss, grads) in enumerate(results):
-        assert _rel(loss, ref_loss) < 1e-10, f"rank {rank}: loss {loss} vs {ref_loss}"
+        assert rel(loss, ref_loss) < 1e-10, f"rank {rank}: loss {loss} vs {ref_loss}"
         for name, g in grads.items():
             seen.add(name)
             err = float((g - ref_grads[name]).norm() / ref_grads[name].norm().clamp_min(1e-300))

@@ -5,6 +5,8 @@ Megatron's CP groups are under tensor parallelism), so peers must be found
 through the group, never by rank +- 1 on the world. All-Scan runs over both
 transports: the group's messages, and peer memory (host shared memory and the
 Triton hop kernel under TRITON_INTERPRET=1 here; symmetric memory on GPUs).
+Diagonal transitions (GLA's decays) throughout; dense ones (the gated delta rule's
+matrices) through every scan at the end.
 """
 
 import contextlib
@@ -15,17 +17,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import run_ranks
 from megatron_zeco.comm import Layout, Route, all_scan, gather_scan
+from tests.helpers.checks import assert_no_failures
+from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import fold, rel_err
 
+pytestmark = pytest.mark.slow
 
-def _fold(gammas, deltas, init, order):
-    """State entering each piece when walking ``order``; and the state leaving the walk."""
-    x, entering = (torch.zeros_like(deltas[0]) if init is None else init), {}
-    for p in order:
-        entering[p] = x
-        x = gammas[p].unsqueeze(-1) * x + deltas[p]
-    return entering, x  # the scans may round differently (fused multiply-add): compared to 1e-12
+RANK_POOL = dict(world=4, pg_timeout=120)
 
 
 def _scan_worker(rank, world, seed, groups):
@@ -72,7 +71,7 @@ def _scan_worker(rank, world, seed, groups):
                 failures.append(f"{impl} {layout.value} reverse={reverse}: while_waiting ran with slots written "
                                 f"{seen[0]}, expected {written} (just before its first wait)")
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)
-        want, want_last = _fold(gammas, deltas, init, order)
+        want, want_last = fold(gammas, deltas, init, order)
         ok = all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine))
         ends_here = layout.owner(order[-1], P)[0] == me
         ok &= (last is not None) == ends_here and (last is None or torch.allclose(last, want_last, rtol=1e-12, atol=1e-12))
@@ -88,8 +87,7 @@ def _scan_worker(rank, world, seed, groups):
 ])
 def test_scans_match_sequential_fold(seed, groups):
     world = sum(len(g) for g in groups)
-    failures = run_ranks(_scan_worker, world, seed, groups)
-    assert not any(failures), failures
+    assert_no_failures(run_ranks(_scan_worker, world, seed, groups))
 
 
 def _slow_receiver_worker(rank, world, seed, calls):
@@ -119,15 +117,14 @@ def _slow_receiver_worker(rank, world, seed, calls):
             entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
                                    Route(layout, group, transport="peer_memory"),
                                    while_waiting=(lambda: time.sleep(0.3)) if slow else None)
-        want, _ = _fold(gammas, deltas, None, range(pieces))
+        want, _ = fold(gammas, deltas, None, range(pieces))
         if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
             failures.append(f"call {call} {layout.value}")
     return failures
 
 
 def test_peer_memory_waits_for_slow_receivers(seed):
-    failures = run_ranks(_slow_receiver_worker, 3, seed, 4)
-    assert not any(failures), failures
+    assert_no_failures(run_ranks(_slow_receiver_worker, 3, seed, 4))
 
 
 def _varying_counts_worker(rank, world, seed, counts):
@@ -146,7 +143,7 @@ def _varying_counts_worker(rank, world, seed, counts):
             entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
                                    Route(Layout.ZIGZAG, group, 2, "peer_memory"), reverse=reverse)
             order = range(2 * world - 1, -1, -1) if reverse else range(2 * world)
-            want, _ = _fold(gammas, deltas, None, order)
+            want, _ = fold(gammas, deltas, None, order)
             if not all(torch.allclose(entering[s], want[p], rtol=1e-12, atol=1e-12) for s, p in enumerate(mine)):
                 failures.append(f"call {call}: {n} states, reverse={reverse}")
     return failures, sum(key[0] is group for key in peer._CHANNELS)
@@ -176,3 +173,52 @@ def test_unknown_transport_is_refused():
     """An unknown transport, a scan's transport left unresolved, and NVSHMEM for CPU tensors fail with the
     fix named."""
     assert all(run_ranks(_bad_transport_worker, 2))
+
+
+def _dense_scans(group, seed):
+    """all_scan (the chain in blocks of columns over messages and over peer memory, and the
+    hierarchical shape over nodes of two ranks) and gather_scan with dense transitions, against a
+    sequential fold (the hierarchical shape also with GLA's diagonal ones). Peer memory also in
+    float32 with 32 x 32 states, where the hop kernel multiplies through tl.dot."""
+    P, me = group.size(), group.rank()
+    failures = []
+    impls = ("chain", "chain peer_memory", "hierarchical", "gather", "hierarchical diagonal", "chain peer_memory dot")
+    for n, (layout, blocks, reverse, with_init, impl) in enumerate(
+            itertools.product(Layout, (1, 3), (False, True), (False, True), impls)):
+        if (not impl.startswith("chain") or impl.endswith("dot")) and blocks > 1:
+            continue
+        gen = torch.Generator().manual_seed(seed + n)
+        pieces = layout.num_pieces(P)
+        k, v = (32, 32) if impl.endswith("dot") else (4, 6)
+        shape = (2, 3, k) if impl.endswith("diagonal") else (2, 3, k, k)
+        Ms = [torch.randn(*shape, generator=gen, dtype=torch.float64) / (2 * k ** 0.5) for _ in range(pieces)]
+        deltas = [torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        init = torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) if with_init else None
+        mine = layout.pieces(me, P)
+        dtype, tol = (torch.float32, 1e-5) if impl.endswith("dot") else (torch.float64, 1e-12)
+        my_Ms, my_deltas = [Ms[p].to(dtype) for p in mine], [deltas[p].to(dtype) for p in mine]
+        kw = dict(reverse=reverse)
+        if impl == "gather":
+            entering, last = gather_scan(my_Ms, my_deltas, init, Route(layout, group), **kw)
+        else:
+            transport = "peer_memory" if "peer_memory" in impl else "send_recv"
+            if n % 2 and transport == "peer_memory":  # as ScanOp calls it: slots are strided views of one batch
+                my_Ms, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_Ms, my_deltas))
+                kw["out"] = torch.full((2, len(mine), 3, k, v), float("nan"), dtype=dtype).unbind(1)
+            route = Route(layout, group, blocks, transport, 2, impl.split()[0])
+            entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), route, **kw)
+            if "out" in kw and not all(e is o for e, o in zip(entering, kw["out"])):
+                failures.append(f"{impl}: the result is not out")
+        order = range(pieces - 1, -1, -1) if reverse else range(pieces)
+        want, want_last = fold(Ms, deltas, init, order)
+        ok = all(rel_err(entering[s], want[p]) < tol for s, p in enumerate(mine))
+        ends_here = layout.owner(order[-1], P)[0] == me
+        ok &= (last is not None) == ends_here and (last is None or rel_err(last, want_last) < tol)
+        if not ok:
+            failures.append(f"{impl} {layout.value} blocks={blocks} reverse={reverse} init={with_init}")
+    return failures
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_dense_scans_match_sequential_fold(pool, seed, world):
+    assert_no_failures(pool.run(_dense_scans, world, seed))

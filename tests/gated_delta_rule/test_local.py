@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_zeco.gated_delta_rule import chunk_gated_delta_rule, gdn_local, gdn_piece
-from reference import GATES, delta_problem, reference, rel_err
+from tests.helpers.reference import GATES, delta_problem, reference, rel_err
 
 TOL = 1e-10
 NAMES = ("q", "k", "v", "g", "beta")

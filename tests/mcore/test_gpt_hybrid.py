@@ -1,18 +1,16 @@
-"""Hybrid GLA / softmax-attention models: the all-gather softmax attention against a full-sequence
-reference, a hybrid GPTModel (megatron-core) trained under CP against one process, and the layer
-pattern over pipeline stages."""
-
-from unittest import mock
+"""Hybrid GLA / softmax-attention GPTModels (mcore/gpt_hybrid.py): trained under CP against one process,
+on packed batches against every document alone, and the layer pattern over pipeline stages. (The
+softmax attention alone: tests/mcore/test_attention.py.)"""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from distributed import host_as_cuda, run_ranks
-from reference import rel_err
-from test_megatron_model import _check_training_matches, _train_steps
+from tests.helpers.distributed import run_ranks
+from tests.helpers.megatron import check_training_matches, host_rope, train_steps, transformer_config
+from tests.helpers.reference import rel_err
 
-pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # megatron: run under each megatron-core release (.ci/run)
 
 # Layer 1 GLA, layer 2 softmax attention. RoPE needs Megatron's zigzag split under CP; the
 # contiguous layout trains without positions.
@@ -22,95 +20,12 @@ RUNS = {2: [("zigzag-rope", dict(cp=2)), ("contiguous", dict(cp=2))],
         4: [("zigzag-rope", dict(cp=4)), ("contiguous", dict(cp=4)), ("zigzag-rope", dict(tp=2, cp=2))]}
 
 
-# --- the softmax attention alone ----------------------------------------------------------------
-
-def _full_attention(q, k, v):
-    """Causal softmax attention over the whole sequence: q [T, B, H, D], k, v [T, B, G, D] ->
-    [T, B, H * D]; query head h reads key/value group h // (H / G)."""
-    T, B, H, D = q.shape
-    group = torch.arange(H) // (H // k.shape[2])
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k[:, :, group]) * D ** -0.5
-    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    return torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v[:, :, group]).reshape(T, B, H * D)
-
-
-def _attention_worker(rank, world, seed):
-    """This rank's output and input gradients, for each layout (float64, GQA: 4 query heads, 2 groups)."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from megatron_zeco import Layout
-    from megatron_zeco.mcore.attention import AllGatherDotProductAttention
-
-    parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                               attention_dropout=0.0, context_parallel_size=world, use_cpu_initialization=True)
-    gen = torch.Generator().manual_seed(seed)
-    T, B = 12, 2
-    q, k, v = (torch.randn(T, B, h, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2))
-    dout = torch.randn(T, B, 32, generator=gen, dtype=torch.float64)
-    out = {}
-    for layout in Layout:
-        attention = AllGatherDotProductAttention(config, 1, AttnMaskType.causal, cp_layout=layout.value)
-        local = [layout.shard(t, rank, world, dim=0).requires_grad_() for t in (q, k, v)]
-        o = attention(*local, None)
-        (o * layout.shard(dout, rank, world, dim=0)).sum().backward()
-        out[layout] = (o.detach(), *(t.grad for t in local))
-    return (q, k, v, dout), out
-
-
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_attention_matches_full_sequence_reference(seed, world):
-    """Output and dq, dk, dv of every rank's tokens to 1e-10, both layouts."""
-    results = run_ranks(_attention_worker, world, seed)
-    (q, k, v, dout), _ = results[0]
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = _full_attention(q, k, v)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-    for rank, (_, out) in enumerate(results):
-        for layout, got in out.items():
-            for name, g, r in zip(("output", "dq", "dk", "dv"), got, (ref, *ref_grads)):
-                r = layout.shard(r.detach(), rank, world, dim=0)
-                assert torch.allclose(g, r, rtol=1e-10, atol=1e-12), \
-                    f"{layout.value} rank {rank}: {name} off by {float((g - r).abs().max()):.1e}"
-
-
-def test_attention_refuses_what_it_does_not_compute():
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.enums import AttnMaskType
-
-    from megatron_zeco.mcore.attention import AllGatherDotProductAttention
-
-    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
-    with pytest.raises(ValueError, match="--attention-dropout 0"):  # Megatron's default is 0.1
-        AllGatherDotProductAttention(config, 1, AttnMaskType.causal)
-    config.attention_dropout = 0.0
-    with pytest.raises(ValueError, match="only causal self-attention"):
-        AllGatherDotProductAttention(config, 1, AttnMaskType.padding)
-
-
 # --- a hybrid GPTModel under context parallelism ------------------------------------------------
 
-def _cpu_rope_pos_emb(pos_emb, seq_dim, cp_group):
-    """megatron-core 0.16's get_pos_emb_on_this_cp_rank without its CUDA copy: this rank's zigzag pieces."""
-    from megatron_zeco import Layout
-
-    return Layout.ZIGZAG.shard(pos_emb, cp_group.rank(), cp_group.size(), dim=seq_dim)
-
-
-def _host_rope():
-    """megatron-core 0.16's rotary embedding assumes CUDA (its tables and CP split): the host stands in."""
-    stack = host_as_cuda()
-    stack.enter_context(mock.patch(
-        "megatron.core.models.common.embeddings.rotary_pos_embedding.get_pos_emb_on_this_cp_rank", _cpu_rope_pos_emb))
-    return stack
-
-
 def _train_configs(rank, world, configs):
-    """tests/test_megatron_model.py's _train_steps for each config in turn."""
-    with _host_rope():
-        return [_train_steps(rank, world, config) for config in configs]
+    """train_steps (tests/helpers/megatron.py) for each config in turn."""
+    with host_rope():
+        return [train_steps(rank, world, config) for config in configs]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +41,7 @@ def test_hybrid_training_matches_single_process(hybrid_reference, world):
     results = run_ranks(_train_configs, world, [dict(MODELS[model], **parallel) for model, parallel in RUNS[world]])
     for i, (model, parallel) in enumerate(RUNS[world]):
         print(model, parallel)
-        _check_training_matches([r[i] for r in results], hybrid_reference[model])
+        check_training_matches([r[i] for r in results], hybrid_reference[model])
 
 
 # --- a hybrid GPTModel on packed batches -----------------------------------------------------------
@@ -139,14 +54,12 @@ def _packed_hybrid_worker(rank, world, seed):
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.packed_seq_params import PackedSeqParams
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zeco import packed_positions
     from megatron_zeco.specs import hybrid_layer_spec
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
-                               hidden_dropout=0.0, use_cpu_initialization=True, context_parallel_size=world)
+    config = transformer_config(num_layers=2, hidden_size=16, num_attention_heads=2, context_parallel_size=world)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 32, (1, 60), generator=gen)
     weights = torch.randn(1, 60, 32, generator=gen, dtype=torch.float64)  # loss = <logits, weights>
@@ -154,7 +67,7 @@ def _packed_hybrid_worker(rank, world, seed):
     cases = {"document": torch.tensor([0, 12, 24, 36, 60], dtype=torch.int32),
              "sequence": torch.tensor([0, 1, 7, 30, 31, 60], dtype=torch.int32)}
     out = {}
-    with _host_rope():
+    with host_rope():
         for split, cu in cases.items():
             params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
             torch.manual_seed(0)
@@ -221,13 +134,11 @@ def _structure_worker(rank, world):
     error of RoPE under a contiguous CP layout."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
 
     from megatron_zeco.specs import hybrid_layer_spec
 
     def config(**kw):
-        return TransformerConfig(hidden_size=16, num_attention_heads=2, attention_dropout=0.0,
-                                 use_cpu_initialization=True, **kw)
+        return transformer_config(hidden_size=16, num_attention_heads=2, **kw)
 
     built = []
     for layers, pattern, extra in PP_CASES:
@@ -247,7 +158,7 @@ def _structure_worker(rank, world):
 
     parallel_state.initialize_model_parallel(1, 1, context_parallel_size=world)
     spec = hybrid_layer_spec("G*", cp_layout="contiguous")
-    with _host_rope():
+    with host_rope():
         model = GPTModel(config(num_layers=2, context_parallel_size=world), spec, vocab_size=32, max_sequence_length=8,
                          position_embedding_type="rope")
         try:
@@ -279,7 +190,6 @@ def test_rope_under_contiguous_cp_layout_is_refused(structure):
 
 
 def test_named_specs_and_their_errors():
-    from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.spec_utils import build_module, import_module
 
     from megatron_zeco.mcore.gpt_hybrid import HybridTransformerLayer
@@ -291,7 +201,7 @@ def test_named_specs_and_their_errors():
         hybrid_layer_spec("GA")
     with pytest.raises(ValueError, match="zigzag split only"):
         hybrid_layer_spec(use_te=True, cp_layout="contiguous")
-    config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True)
+    config = transformer_config(num_layers=2, hidden_size=16, num_attention_heads=2)
     with pytest.raises(ValueError, match="longer than --num-layers"):
         build_module(spec, config=config, layer_number=1)
     if not HAVE_TE:
