@@ -1,4 +1,4 @@
-"""Random GLA and gated-delta-rule problems and their float64 reference (the step-by-step loops, with
+"""Random GLA, gated-delta-rule and KDA problems and their float64 reference (the step-by-step loops, with
 autograd); packed documents and their reference; the sequential fold the scans are checked against."""
 
 import os
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
 from megatron_zeco.gla import naive_recurrent_gla
+from megatron_zeco.kda import naive_recurrent_kda
 
 
 def draw_seed():
@@ -88,11 +89,36 @@ def delta_problem(seed, B, T, H, K, V, gate="normal", initial_state=True, dtype=
     return x
 
 
+def kda_problem(seed, B, T, H, K, V, gate="normal", initial_state=True, HV=None, dtype=torch.float64):
+    """A KDA problem: L2-normalised keys, a log decay per key channel, value head and token (``gate``
+    regimes as :func:`gates`, drawn per channel), beta uniform in [0, 1] and exactly 0 or 1 at about a
+    fifth of the tokens each; output and final-state gradients and an initial state. ``HV``: value heads
+    (default ``H``)."""
+    HV = HV or H
+    gen = torch.Generator().manual_seed(seed)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    pick = torch.randint(0, 5, (B, T, HV), generator=gen)
+    return {
+        "q": torch.randn(B, T, H, K, generator=gen, dtype=dtype),
+        "k": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1),
+        "v": torch.randn(B, T, HV, V, generator=gen, dtype=dtype),
+        "g": gates((B, T, HV, K), gate, gen, dtype),
+        "beta": torch.where(pick == 0, 0.0, torch.where(pick == 1, 1.0, beta)),
+        "do": torch.randn(B, T, HV, V, generator=gen, dtype=dtype),
+        "dht": torch.randn(B, HV, K, V, generator=gen, dtype=dtype),
+        "h0": torch.randn(B, HV, K, V, generator=gen, dtype=dtype) if initial_state else None,
+    }
+
+
 def reference(x, scale=None, output_final_state=True):
     """float64 loop: output, final state and the gradients of ``sum(o * do) + sum(ht * dht)`` with
-    respect to q, k, v, g, h0 (and beta: the gated delta rule, for problems with a ``beta``)."""
+    respect to q, k, v, g, h0 (and beta, for problems with a ``beta``: the gated delta rule, or KDA
+    where ``g`` has a decay per key channel)."""
     inputs = ("q", "k", "v", "g", "beta") if "beta" in x else ("q", "k", "v", "g")
-    loop = naive_recurrent_gated_delta_rule if "beta" in x else naive_recurrent_gla
+    if "beta" not in x:
+        loop = naive_recurrent_gla
+    else:
+        loop = naive_recurrent_kda if x["g"].dim() == 4 else naive_recurrent_gated_delta_rule
     leaves = {n: x[n].double().detach().requires_grad_() for n in inputs}
     if x["h0"] is not None:
         leaves["h0"] = x["h0"].double().detach().requires_grad_()

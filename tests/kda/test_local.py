@@ -3,35 +3,13 @@ token loop (gradients: autograd of the loop)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatron_zeco.kda import TorchKDAPiece, chunk_kda, kda_local, naive_recurrent_kda
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
-from tests.helpers.reference import GATES, gates, rel_err
+from tests.helpers.reference import GATES, kda_problem, rel_err
 
 TOL = 1e-10
 NAMES = ("q", "k", "v", "g", "beta")
-
-
-def kda_problem(seed, B, T, H, K, V, gate="normal", initial_state=True, HV=None, dtype=torch.float64):
-    """A KDA problem: L2-normalised keys, a log decay per key channel, value head and token (``gate``
-    regimes as :func:`reference.gates`, drawn per channel), beta uniform in [0, 1] and exactly 0 or 1 at
-    about a fifth of the tokens each; output and final-state gradients and an initial state. ``HV``: value
-    heads (default ``H``)."""
-    HV = HV or H
-    gen = torch.Generator().manual_seed(seed)
-    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
-    pick = torch.randint(0, 5, (B, T, HV), generator=gen)
-    return {
-        "q": torch.randn(B, T, H, K, generator=gen, dtype=dtype),
-        "k": F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1),
-        "v": torch.randn(B, T, HV, V, generator=gen, dtype=dtype),
-        "g": gates((B, T, HV, K), gate, gen, dtype),
-        "beta": torch.where(pick == 0, 0.0, torch.where(pick == 1, 1.0, beta)),
-        "do": torch.randn(B, T, HV, V, generator=gen, dtype=dtype),
-        "dht": torch.randn(B, HV, K, V, generator=gen, dtype=dtype),
-        "h0": torch.randn(B, HV, K, V, generator=gen, dtype=dtype) if initial_state else None,
-    }
 
 
 def kda_reference(x, fn=naive_recurrent_kda):
