@@ -1,5 +1,5 @@
-"""Layer specs: Megatron's GPT layer with its self-attention replaced by the ZeCO GLA mixer,
-and HybridModel stacks whose ``G`` layers are GLA or Megatron-Core's Gated DeltaNet under ZeCO.
+"""Layer specs: Megatron's GPT layer with its self-attention replaced by a ZeCO token mixer (GLA or
+KDA), and HybridModel stacks whose ``G`` layers are GLA, Megatron-Core's Gated DeltaNet or KDA under ZeCO.
 
 For ``pretrain_gpt.py --spec megatron_zeco.specs NAME`` (used as is, not called):
 
@@ -19,10 +19,15 @@ NAME                       layer
                            >= 0.19) with ZeCO CP in every layer, local
 ``gdn_te_spec``            the same with TE
 ``gdn_hybrid_local_spec``  ``hybrid_local_spec`` with Gated DeltaNet for GLA
+``kda_local_spec``         Kimi Delta Attention (KimiDeltaAttention) in
+                           every layer, Megatron-Core linears, ZeCO CP
+``kda_te_spec``            the same with TE
+``kda_hybrid_local_spec``  ``hybrid_local_spec`` with KDA for GLA
+``kda_hybrid_te_spec``     ``hybrid_te_spec`` with KDA for GLA
 =========================  ================================================
 
 For ``pretrain_hybrid.py --spec megatron_zeco.specs NAME --hybrid-layer-pattern ...``
-(Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA or Gated DeltaNet,
+(Megatron's ``HybridModel``, megatron-core >= 0.19; symbols ``G`` GLA, Gated DeltaNet or KDA,
 ``*`` softmax attention, ``-`` MLP, ``E`` MoE, ``|`` pipeline boundary; see
 megatron_zeco.mcore.hybrid_stack):
 
@@ -43,10 +48,18 @@ NAME                                    stack
                                         lasp2, a2a
 ``gdn_hybrid_stack_te_spec``            ``G`` Gated DeltaNet, otherwise
                                         ``hybrid_stack_te_spec``
+``kda_hybrid_stack_local_spec``         ``G`` Kimi Delta Attention with ZeCO
+                                        CP; otherwise
+                                        ``hybrid_stack_local_spec``
+``kda_hybrid_stack_local_<s>_spec``     the same, CP strategy ``<s>`` in
+                                        lasp2, a2a
+``kda_hybrid_stack_te_spec``            ``G`` KDA, otherwise
+                                        ``hybrid_stack_te_spec``
 ======================================  =====================================
 
-In your own model code, call :func:`gla_layer_spec`, :func:`gdn_layer_spec`, :func:`hybrid_layer_spec` or
-:func:`hybrid_stack_spec` (``mixer="gdn"`` for Gated DeltaNet) instead, and
+In your own model code, call :func:`gla_layer_spec`, :func:`gdn_layer_spec`, :func:`kda_layer_spec`,
+:func:`hybrid_layer_spec` or :func:`hybrid_stack_spec` (``mixer="gdn"`` for Gated DeltaNet, ``mixer="kda"``
+for KDA) instead, and
 ``megatron_zeco.mcore.hybrid_stack.build_hybrid_model``. Everything but the token mixer (norms, MLP,
 bias-dropout-add) is whatever Megatron's own GPT (or hybrid) spec of the installed version builds,
 so the specs follow Megatron-Core releases.
@@ -317,8 +330,9 @@ def hybrid_layer_spec(
             (1-based, over all pipeline stages) is ``pattern[(n - 1) % len(pattern)]``, so
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.mcore.gpt_hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
-        mixer: ``gla`` or ``gdn``: the ``G`` layers are GLA (:func:`gla_layer_spec`) or Megatron-Core's
-            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`; the gate knobs must keep their defaults).
+        mixer: ``gla``, ``gdn`` or ``kda``: the ``G`` layers are GLA (:func:`gla_layer_spec`), Megatron-Core's
+            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`; the gate knobs must keep their defaults) or
+            KDA (:func:`kda_layer_spec`; ``gate_timescales`` applies, ``gate_low_rank_dim`` must keep its default).
         cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
             :func:`gdn_layer_spec` take it); its layout and packed split are the softmax layers' too
             (TE's attention takes ``zigzag`` only).
@@ -374,10 +388,11 @@ def hybrid_stack_spec(
         use_te: TransformerEngine linears and norms, ``*`` TE's attention with its own CP, and
             Megatron's own other slots (``M``, ``D``, ``+``); or Megatron-Core's linears and norms,
             ``*`` :class:`~megatron_zeco.mcore.attention.AllGatherDotProductAttention` (any device).
-        mixer: ``gla``, or ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
+        mixer: ``gla``; ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
             (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
             (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`; the gate knobs must keep
-            their defaults).
+            their defaults); ``kda``: Kimi Delta Attention (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`;
+            ``gate_timescales`` applies).
         cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
             :func:`gdn_layer_spec` take it); its layout and packed split are every layer's (TE's
             attention takes ``zigzag``, Megatron's ``get_batch_on_this_cp_rank`` split, only).

@@ -1,4 +1,4 @@
-"""Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with this package's GLA or Gated DeltaNet layers.
+"""Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with this package's GLA, Gated DeltaNet or KDA layers.
 
 ``HybridModel`` builds its decoder from a ``HybridStack`` spec and ``--hybrid-layer-pattern``:
 one layer per symbol, ``|`` between pipeline segments. ``megatron_zeco.specs.hybrid_stack_spec``
@@ -10,7 +10,9 @@ symbol  slot               layer
 ``G``   ``gdn_layer``      norm + the ZeCO GLA token mixer (Megatron's slot for the gated
                            linear-recurrent family), or with ``hybrid_stack_spec(mixer="gdn")``
                            Megatron's own Gated DeltaNet layer with ZeCO's CP
-                           (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`)
+                           (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`), or with
+                           ``mixer="kda"`` Kimi Delta Attention
+                           (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`)
 ``*``   ``attention_layer`` norm + causal softmax self-attention: TransformerEngine's with its
                            own CP, or without TE this package's ``AllGatherDotProductAttention``
 ``-``   ``mlp_layer``      norm + MLP (Megatron's)
@@ -76,6 +78,7 @@ class GLAHybridStack(HybridStack):
 
 
 def _layer_name(submodules, slot: str, name: str) -> str:
-    """What a slot's layer is, for messages: ``G`` is GLA or Gated DeltaNet by its token mixer."""
+    """What a slot's layer is, for messages: ``G`` is GLA, Gated DeltaNet or KDA by its token mixer."""
     mixer = getattr(getattr(getattr(submodules, slot), "submodules", None), "self_attention", None)
-    return "Gated DeltaNet" if "DeltaNet" in getattr(getattr(mixer, "module", None), "__name__", "") else name
+    module = getattr(getattr(mixer, "module", None), "__name__", "")
+    return {"ZecoGatedDeltaNet": "Gated DeltaNet", "KimiDeltaAttention": "KDA"}.get(module, name)

@@ -158,3 +158,35 @@ def test_gate_timescales_set_the_initial_decays():
     assert tau.min() >= 1 and tau.max() <= 100 and tau.max() / tau.min() > 50
     y = 1 / tau
     assert torch.allclose(F.softplus(_softplus_inverse(y)), y, rtol=1e-12, atol=0)
+
+
+SPEC_NAMES = ["kda_local_spec", "kda_te_spec", "kda_hybrid_local_spec", "kda_hybrid_te_spec",
+              "kda_hybrid_stack_local_spec", "kda_hybrid_stack_local_lasp2_spec", "kda_hybrid_stack_local_a2a_spec",
+              "kda_hybrid_stack_te_spec"]
+
+
+@pytest.mark.parametrize("name", SPEC_NAMES)
+def test_spec_imports_as_pretrain_scripts_do(name):
+    """pretrain_gpt.py / pretrain_hybrid.py --spec megatron_zeco.specs NAME: import_module, used without
+    calling; the KDA mixer with the strategy the name says (or a stand-in that fails at build, naming
+    what to install, where TransformerEngine or HybridModel is missing)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+    from megatron_zeco import specs
+    from megatron_zeco.kda.layer import KimiDeltaAttention
+
+    spec = import_module(["megatron_zeco.specs", name])
+    assert isinstance(spec, ModuleSpec)
+    if ("_te_" in name and not specs.HAVE_TE) or ("stack" in name and not specs.HAVE_HYBRID_MODEL):
+        assert spec.module.__name__.endswith("Missing"), spec
+        return
+    if "stack" in name:
+        mixer = spec.submodules.gdn_layer.submodules.self_attention
+    elif "hybrid" in name:
+        mixer = spec.submodules.gla.self_attention
+    else:
+        mixer = spec.submodules.self_attention
+    assert mixer.module is KimiDeltaAttention, mixer
+    strategy = name.split("_")[-2] if name.split("_")[-2] in ("lasp2", "a2a") else "zeco"
+    config = mixer.params["cp_config"]
+    assert (config.operator, config.strategy, config.layout.value) == ("kda", strategy, "zigzag")
