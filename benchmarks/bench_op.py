@@ -11,6 +11,9 @@
 modes); ``--forward-only`` times the forward alone (where fla refuses the gated delta rule's
 backward: Hopper with Triton 3.4 - 3.7.0, fla's issue #640).
 
+``--op kda`` times Kimi Delta Attention the same way (``zeco_kda`` against fla's ``chunk_kda`` on one
+GPU and fla's KDA context parallelism, row ``fla-cp``; g a log decay per key channel in float32).
+
 ``--op gdn --piece`` runs on one GPU without torchrun: one rank's local work with the exchange
 stubbed (a piece first, middle and last in the chain, and strategy a2a at a group of one with the
 all-to-alls a device copy or nothing) against fla's op on the same tokens, kernel by kernel:
@@ -66,7 +69,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_zeco import zeco_gated_delta_rule, zeco_gla
+from megatron_zeco import zeco_gated_delta_rule, zeco_gla, zeco_kda
 from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import Layout, Route, all_scan, as_layout, gather_scan
 from megatron_zeco.comm.peer import PeerBuffers
@@ -89,8 +92,9 @@ def parse_args():
     p.add_argument("--modes", nargs="+", default=["eager", "steady", "graph"], choices=["eager", "steady", "graph"],
                    help="op part: issue from Python (each iteration from an empty queue, or back to back), "
                         "or replay one captured CUDA graph")
-    p.add_argument("--op", choices=["gla", "gdn"], default="gla",
-                   help="gla: gated linear attention; gdn: the gated delta rule (part op only)")
+    p.add_argument("--op", choices=["gla", "gdn", "kda"], default="gla",
+                   help="gla: gated linear attention; gdn: the gated delta rule; kda: Kimi Delta Attention "
+                        "(gdn and kda: part op only)")
     p.add_argument("--forward-only", action="store_true", help="op part: time the forward alone")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -108,16 +112,16 @@ def parse_args():
     if args.piece and args.op != "gdn":
         p.error("--piece times the gated delta rule's piece: add --op gdn")
     if args.strategies is None:
-        args.strategies = (["fla-cp", "zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op == "gdn" else
+        args.strategies = (["fla-cp", "zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op != "gla" else
                            ["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"])
     if args.parts is None:
-        args.parts = ["op"] if args.op == "gdn" else ["op", "scan", "accuracy", "packed"]
-    if args.op == "gdn" and set(args.parts) != {"op"}:
-        p.error("--op gdn times part op only: add --parts op")
-    if args.op == "gdn" and not set(args.strategies) <= {"fla-cp", "zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
-        p.error("--op gdn: --strategies from fla-cp, zeco, zeco@<transport>, lasp2, a2a")
+        args.parts = ["op"] if args.op != "gla" else ["op", "scan", "accuracy", "packed"]
+    if args.op != "gla" and set(args.parts) != {"op"}:
+        p.error(f"--op {args.op} times part op only: add --parts op")
+    if args.op != "gla" and not set(args.strategies) <= {"fla-cp", "zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
+        p.error(f"--op {args.op}: --strategies from fla-cp, zeco, zeco@<transport>, lasp2, a2a")
     if args.op == "gla" and "fla-cp" in args.strategies:
-        p.error("fla-cp: fla's context parallelism is timed for --op gdn")
+        p.error("fla-cp: fla's context parallelism is timed for --op gdn and kda")
     return args
 
 
@@ -196,7 +200,8 @@ def gates(B, N, H, K, device, generator):
 
 def inputs(B, N, H, D, seed, dtype=torch.bfloat16, op="gla"):
     """q, k, v, the gates and the output gradient ``o``; for the gated delta rule a gate per head (log
-    decay, time scales from 1 token to the sequence) and ``beta`` in (0, 1), as fla's tests draw them."""
+    decay, time scales from 1 token to the sequence) and ``beta`` in (0, 1), as fla's tests draw them;
+    for KDA a gate per head and key channel (float32) and ``beta``."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v, do = (torch.randn(B, N, H, D, device="cuda", generator=gen) for _ in range(4))
     k = F.normalize(k, dim=-1)  # fla's convention in its tests: bounded key norms
@@ -205,6 +210,10 @@ def inputs(B, N, H, D, seed, dtype=torch.bfloat16, op="gla"):
         beta = torch.rand(B, N, H, device="cuda", generator=gen).sigmoid()
         return {n: x.to(dtype) for n, x in zip(("q", "k", "v", "g", "beta", "o"), (q, k, v, g, beta, do))}
     g = gates(B, N, H, D, "cuda", gen)
+    if op == "kda":
+        beta = torch.rand(B, N, H, device="cuda", generator=gen).sigmoid()
+        out = {n: x.to(dtype) for n, x in zip(("q", "k", "v", "beta", "o"), (q, k, v, beta, do))}
+        return dict(out, g=g)
     return {n: x.to(dtype) for n, x in zip("qkvgo", (q, k, v, g, do))}
 
 
@@ -219,14 +228,16 @@ def options(strategy):
 
 def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False, op="gla", backward=True):
     """fwd + bwd (or fwd alone) of one row's op on ``x`` (a packed sequence of documents with ``cu_seqlens``)."""
-    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")[:5 if op == "gdn" else 4]]
+    leaves = [x[n].detach().requires_grad_(backward) for n in ("q", "k", "v", "g", "beta")[:4 if op == "gla" else 5]]
     if strategy == "fla" and op == "gla":
         from fla.ops.gla import chunk_gla as fla_op
+    elif strategy in ("fla", "fla-cp") and op == "kda":
+        from fla.ops.kda import chunk_kda as fla_op
     elif strategy in ("fla", "fla-cp"):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
-    zeco_op = zeco_gated_delta_rule if op == "gdn" else zeco_gla
+    zeco_op = {"gla": zeco_gla, "gdn": zeco_gated_delta_rule, "kda": zeco_kda}[op]
     kw = {} if strategy == "fla-cp" else options(strategy)
-    if op == "gdn":  # the gated delta rule's operator has no side stream or piece split
+    if op != "gla":  # the delta rules' operators have no side stream or piece split
         kw = {k: v for k, v in kw.items() if k in ("strategy", "transport")}
     if strategy == "fla-cp":  # this rank's tokens of one sequence over the group, as fla lays them out
         from fla.ops.cp import build_cp_context
@@ -256,7 +267,7 @@ def bench_op(args, world, me, cp_group, self_group, rows):
         base = {}
         for mode in args.modes:
             for strategy, group, layout, P in cases:
-                if mode == "graph" and (args.op == "gdn" or not capturable(strategy, P)):
+                if mode == "graph" and (args.op != "gla" or not capturable(strategy, P)):
                     continue
                 fn = op_fn(x, strategy, group, layout, op=args.op, backward=not args.forward_only)
                 ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")

@@ -1,0 +1,112 @@
+"""KDA's CUDA path (fla's chunk_kda for the local op, the chunked PyTorch piece, NCCL) against the float64
+token loop and against fla's chunk_kda on one GPU; the KDA layer on CUDA against the same layer in float64
+on the CPU with the same weights.
+
+Skipped without CUDA; the two-rank test needs two GPUs. Tolerances are those of the input dtype.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zeco import Layout, zeco_kda
+from tests.helpers.distributed import run_ranks
+from tests.helpers.reference import kda_problem, reference, rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TOLERANCE = {torch.float32: 5e-3, torch.bfloat16: 3e-2}
+NAMES = ("q", "k", "v", "g", "beta")
+RESULTS = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _run(x, dtype, ht_weight=1.0, **kw):
+    """Outputs and gradients of zeco_kda (initial and final state) on CUDA; g in float32."""
+    leaves = {n: x[n].to("cuda", torch.float32 if n == "g" else dtype).requires_grad_() for n in NAMES}
+    h0 = x["h0"].to("cuda", torch.float32).requires_grad_()
+    o, ht = zeco_kda(*leaves.values(), initial_state=h0, output_final_state=True, **kw)
+    loss = (o.float() * x["do"].cuda()).sum() + ht_weight * (ht * x["dht"].cuda()).sum()
+    grads = torch.autograd.grad(loss, [*leaves.values(), h0])
+    return dict(zip(RESULTS, [t.detach().cpu() for t in (o, ht, *grads)]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("gate", ["normal", "mixed"])
+def test_one_gpu_matches_float64(seed, dtype, gate):
+    """The local operator (fla's chunk_kda): T off fla's chunk of 64."""
+    x = kda_problem(seed, B=2, T=300, H=4, K=64, V=64, gate=gate)
+    ref, got = reference(x), _run(x, dtype)
+    errors = {n: rel_err(got[n], ref[n]) for n in got}
+    assert max(errors.values()) < TOLERANCE[dtype], errors
+
+
+def test_one_gpu_is_fla_chunk_kda(seed):
+    """zeco_kda with no group calls fla's chunk_kda: the same bf16 output, bit for bit."""
+    from fla.ops.kda import chunk_kda
+
+    x = kda_problem(seed, B=1, T=256, H=4, K=64, V=64, initial_state=False)
+    inputs = [x[n].to("cuda", torch.float32 if n == "g" else torch.bfloat16) for n in NAMES]
+    ours, _ = zeco_kda(*inputs)
+    theirs, _ = chunk_kda(*inputs, scale=64 ** -0.5)
+    assert torch.equal(ours, theirs)
+
+
+def _two_ranks(rank, world, seed):
+    """Every strategy, both layouts, bf16: each result's relative error over the whole sequence."""
+    group = dist.new_group(list(range(world)))
+    x = kda_problem(seed, B=2, T=2 * 320, H=4, K=64, V=64)
+    ref = reference(x)
+    out = {}
+    for strategy in ("zeco", "lasp2", "a2a"):
+        for layout in Layout:
+            shard = {n: layout.shard(x[n], rank, world) if n in (*NAMES, "do") else x[n] for n in x}
+            got = _run(shard, torch.bfloat16, ht_weight=1 / world, group=group, strategy=strategy, layout=layout,
+                       num_blocks=2 if strategy == "zeco" else 1)
+            whole = {"ht": got["ht"]}
+            for n in ("o", "dq", "dk", "dv", "dg", "dbeta"):
+                parts = [torch.empty_like(got[n]).cuda() for _ in range(world)]
+                dist.all_gather(parts, got[n].cuda().contiguous(), group=group)
+                whole[n] = layout.unshard([p.cpu() for p in parts], dim=1)
+            dh0 = got["dh0"].cuda()
+            dist.all_reduce(dh0, group=group)
+            whole["dh0"] = dh0.cpu()
+            out[strategy, layout.value] = {n: rel_err(whole[n], ref[n]) for n in whole}
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_every_strategy_matches_float64(seed):
+    results = run_ranks(_two_ranks, 2, seed, backend="nccl", timeout=900)
+    errors = {(r, case): max(e.values()) for r, each in enumerate(results) for case, e in each.items()}
+    assert max(errors.values()) < TOLERANCE[torch.bfloat16], errors
+
+
+def _layer_outputs(rank, world, seed):
+    """The KDA layer (kda_local_spec, H = 4 of 64, hidden 256, W = 4) on one rank: its output and input
+    gradient in float64 on the CPU, then with the same weights in bf16 on CUDA (fla's kernels)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_zeco.specs import kda_local_spec
+    from tests.helpers.megatron import transformer_config
+
+    ps.initialize_model_parallel(1, 1)
+    config = transformer_config(num_layers=1, hidden_size=256, num_attention_heads=4, kv_channels=64)
+    layer = build_module(kda_local_spec.submodules.self_attention, config=config, layer_number=1).double()
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(128, 2, 256, generator=gen, dtype=torch.float64)
+    dy = torch.randn(128, 2, 256, generator=gen, dtype=torch.float64)
+    out = {}
+    for name, device, dtype in (("cpu", "cpu", torch.float64), ("cuda", "cuda", torch.bfloat16)):
+        layer = layer.to(device, dtype)
+        xi = x.to(device, dtype).requires_grad_()
+        y, _ = layer(xi)
+        (dx,) = torch.autograd.grad((y.float() * dy.to(device).float()).sum(), [xi])
+        out[name] = (y.detach().double().cpu(), dx.double().cpu())
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_layer_on_cuda_matches_float64_on_the_cpu(seed):
+    out = run_ranks(_layer_outputs, 1, seed, backend="nccl")[0]
+    for a, b in zip(out["cuda"], out["cpu"]):
+        assert rel_err(a, b) < TOLERANCE[torch.bfloat16]
