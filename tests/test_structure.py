@@ -7,7 +7,7 @@ import re
 from typing import Dict, Set
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "megatron_zeco")
-OPERATORS = ("gla", "gated_delta_rule")
+OPERATORS = ("gla", "gated_delta_rule", "kda")
 # The main job and what only it uses.
 JOB = {"megatron_zeco.train", "megatron_zeco.recall", "megatron_zeco.checkpoint"}
 

@@ -84,7 +84,7 @@ class CPConfig:
     ``layout`` is held as a :class:`~megatron_zeco.comm.Layout`.
 
     Attributes:
-        operator: the key of the operator's rules (``gla``, ``gated_delta_rule``).
+        operator: the key of the operator's rules (``gla``, ``gated_delta_rule``, ``kda``).
         strategy: ``zeco`` (All-Scan), ``lasp2`` (all-gather), ``lasp1`` (ring), ``a2a`` (head
             all-to-all), as the operator allows; on one rank every strategy is the local op.
         layout: ``zigzag`` (Megatron's CP split: 2P pieces, rank r holds r and 2P-1-r) or
