@@ -92,7 +92,8 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         self.cp_config = cp_config
         self.cp = LayerCP(GATED_DELTA_RULE, cp_config, (pg_collection.tp, pg_collection.cp),
                           (config.linear_num_value_heads, "--linear-num-value-heads"),
-                          (config.linear_key_head_dim, config.linear_value_head_dim),
+                          ((config.linear_key_head_dim, "--linear-key-head-dim"),
+                           (config.linear_value_head_dim, "--linear-value-head-dim")),
                           f"{WHO} (layer {self.layer_number})", "gdn_hybrid_stack_local_spec")
 
     def _setup_variant_attrs(self, *args, **kwargs):

@@ -99,7 +99,7 @@ class GatedLinearAttention(MegatronModule):
         who = f"GatedLinearAttention (layer {layer_number})"
         self.cp_config = config_of("gla", cp_config, split_keywords(kwargs)[0], "GatedLinearAttention")
         self.cp = LayerCP(GLA, self.cp_config, (self.tp_group, self.cp_group),
-                          (self.num_heads, "--num-attention-heads"), (self.head_dim, self.head_dim), who,
+                          (self.num_heads, "--num-attention-heads"), ((self.head_dim, "--kv-channels"),) * 2, who,
                           "gla_local_spec")
         check_low_precision(config, submodules, ("in_proj", "gate_up", "out_proj"), "GatedLinearAttention",
                             "gla_te_spec")

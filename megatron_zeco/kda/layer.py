@@ -104,7 +104,8 @@ class KimiDeltaAttention(MegatronModule):
         if not isinstance(conv_kernel_size, int) or conv_kernel_size < 1:
             raise ValueError(f"{WHO}: conv_kernel_size must be a positive int, got {conv_kernel_size!r}")
         self.cp_config = config_of("kda", cp_config, split_keywords(kwargs)[0], WHO)
-        self.cp = LayerCP(KDA, self.cp_config, (self.tp_group, self.cp_group), (H, "--num-attention-heads"), (D, D),
+        self.cp = LayerCP(KDA, self.cp_config, (self.tp_group, self.cp_group), (H, "--num-attention-heads"),
+                          ((D, "--kv-channels"),) * 2,
                           f"{WHO} (layer {layer_number})", "kda_hybrid_stack_local_spec")
         check_low_precision(config, submodules, ("in_proj", "gate_up", "out_gate_up", "out_proj"), WHO,
                             "kda_hybrid_stack_te_spec")

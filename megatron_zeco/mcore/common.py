@@ -138,7 +138,7 @@ class LayerCP:
         config: the layer's CPConfig.
         groups: ``(tp, cp)`` process groups.
         heads: the layer's heads (all TP ranks') and the flag that sets them.
-        dims: ``(key dim, value dim)`` of a head.
+        dims: ``((key dim, its flag), (value dim, its flag))`` of a head.
         who: names the layer in errors (``ZecoGatedDeltaNet (layer 3)``).
         local_spec: the spec to suggest where a2a cannot split the heads.
     """
@@ -157,9 +157,12 @@ class LayerCP:
                              f"multiple of --context-parallel-size, or use the zeco strategy "
                              f"(--spec megatron_zeco.specs {local_spec})")
         try:
-            config.check_dims(*dims)
+            config.check_dims(dims[0][0], dims[1][0])
         except ValueError as e:
-            raise ValueError(f"{who}: {e}") from None
+            (_, key_flag), (_, value_flag) = dims
+            flags = f"the head dim is {key_flag}" if key_flag == value_flag else \
+                f"the key head dim is {key_flag}, the value head dim {value_flag}"
+            raise ValueError(f"{who}: {e} ({flags})") from None
         claim_transport(self, config.transport, who)
 
     def planned(self, args: Arguments, megatron_config) -> CPPlan:

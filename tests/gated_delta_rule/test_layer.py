@@ -359,11 +359,12 @@ MISUSE = {
     "value heads not a multiple of key heads": (1, 1, lambda: _build(linear_num_value_heads=3), ValueError,
                                                 ["--linear-num-value-heads (3)", "--linear-num-key-heads (2)"]),
     "blocks do not divide the value head dim": (1, 1, lambda: _build({"cp_num_blocks": 3}), ValueError,
-                                                ["cp_num_blocks (3)", "--linear-value-head-dim (8)"]),
+                                                ["cp_num_blocks 3 must divide the value head dim (8)",
+                                                 "the value head dim --linear-value-head-dim"]),
     "unknown strategy": (1, 1, lambda: _build({"cp_strategy": "lasp1"}), ValueError,
                          ["cp_strategy 'lasp1' is not one of zeco, lasp2, a2a"]),
     "unknown layout": (1, 1, lambda: _build({"cp_layout": "diagonal"}), ValueError,
-                       ["unknown context-parallel layout"]),
+                       ["cp_layout 'diagonal' is not one of contiguous, zigzag"]),
     "unknown packed split": (1, 1, lambda: _build({"cp_packed_split": "docs"}), ValueError,
                              ["cp_packed_split 'docs'"]),
     "unknown transport": (1, 1, lambda: _build({"cp_transport": "nvlink"}), ValueError,
@@ -427,7 +428,7 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
         spec = import_module(["megatron_zeco.specs", name])  # as pretrain_hybrid.py --spec does
         assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
         mixer = spec.submodules.gdn_layer.submodules.self_attention
-        assert mixer.module is ZecoGatedDeltaNet and mixer.params["cp_strategy"] == strategy
+        assert mixer.module is ZecoGatedDeltaNet and mixer.params["cp_config"].strategy == strategy
     for name in ("gdn_local_spec", "gdn_hybrid_local_spec"):  # pretrain_gpt.py's
         assert import_module(["megatron_zeco.specs", name]).module is not None
     config = _config(_case("spec", "GM"), 1)
@@ -437,9 +438,9 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
     if not HAVE_TE:
         with pytest.raises(ImportError, match="gdn_hybrid_stack_local_spec"):
             build_module(import_module(["megatron_zeco.specs", "gdn_hybrid_stack_te_spec"]), config)
-    with pytest.raises(ValueError, match="cp_overlap_scan applies to GLA layers only"):
-        hybrid_stack_spec(mixer="gdn", cp_overlap_scan=True)
-    with pytest.raises(ValueError, match="mixer 'mamba' is not one of gla, gdn"):
+    with pytest.raises(ValueError, match="cp_piece_split applies to GLA only"):
+        hybrid_stack_spec(mixer="gdn", cp_piece_split=2)
+    with pytest.raises(ValueError, match="mixer 'mamba' is not one of gla, gdn, kda"):
         hybrid_stack_spec(mixer="mamba")
 
 

@@ -135,7 +135,9 @@ def test_parameters_are_those_the_docs_name():
 MISUSE = {  # (spec knobs, tp, cp, config): what the error names
     "a2a with too few heads": (dict(cp_strategy="a2a"), 1, 2, dict(heads=1, kv_channels=8),
                                ["a2a strategy", "--context-parallel-size (2)", "kda_hybrid_stack_local_spec"]),
-    "blocks do not divide the head dim": (dict(cp_num_blocks=3), 1, 2, dict(kv_channels=8), ["cp_num_blocks"]),
+    "blocks do not divide the head dim": (dict(cp_num_blocks=3), 1, 2, dict(kv_channels=8),
+                                          ["cp_num_blocks 3 must divide the value head dim (8)",
+                                           "the head dim is --kv-channels"]),
     "lasp1": (dict(cp_strategy="lasp1"), 1, 2, {}, ["cp_strategy 'lasp1' is not one of zeco, lasp2, a2a for KDA"]),
     "conv width": (dict(conv_kernel_size=0), 1, 1, {}, ["conv_kernel_size must be a positive int"]),
 }

@@ -320,7 +320,7 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
         spec = import_module(["megatron_zeco.specs", name])  # as pretrain_hybrid.py --spec does
         assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
         mixer = spec.submodules.gdn_layer.submodules.self_attention
-        assert mixer.module is GatedLinearAttention and mixer.params["cp_strategy"] == strategy
+        assert mixer.module is GatedLinearAttention and mixer.params["cp_config"].strategy == strategy
     config = transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS)
     with pytest.raises(ValueError, match="no Mamba layer for 'M'; its symbols are 'G' .GLA., '\\*'"):
         build_module(import_module(["megatron_zeco.specs", "hybrid_stack_local_spec"]), config,
