@@ -82,6 +82,9 @@ def test_default_sequence_length_fits_the_layout(world, flags, seq_len):
     (2, dict(batch=5, dp=2, cp=1), ["--batch 5", "--dp 2"]),
     (2, dict(save_interval=5), ["--save-interval", "--save DIR"]),
     (2, dict(steps=0), ["--steps"]),
+    (2, dict(mixer="kda", piece_split=2), ["--piece-split applies to --mixer gla only"]),
+    (2, dict(mixer="kda", strategy="lasp1"), ["cp_strategy 'lasp1' is not one of zeco, lasp2, a2a for KDA"]),
+    (2, dict(mixer="mamba"), ["--mixer must be one of gla, kda"]),
 ])
 def test_resolve_names_the_flag_to_change(world, flags, names):
     from megatron_zeco import train as T
