@@ -411,7 +411,7 @@ def hybrid_stack_spec(
     from megatron.core.ssm.mlp_layer import MLPLayer
     from megatron.core.transformer.transformer_layer import MoETransformerLayer, TransformerLayerSubmodules
 
-    from .mcore.hybrid_stack import GLAHybridStack, GLAHybridStackSubmodules
+    from .mcore.hybrid_stack import ZecoHybridStack, ZecoHybridStackSubmodules
 
     cp_layout, cp_packed_split = config.layout.value, config.packed_split
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
@@ -437,7 +437,7 @@ def hybrid_stack_spec(
         attention_layer = replace(theirs.attention_layer, module=HybridMixerLayer,
                                   params={**theirs.attention_layer.params, "kind": ATTENTION, **layer_params})
         slots = {name: getattr(theirs, name) for name in theirs.__dataclass_fields__}
-        return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
+        return ModuleSpec(module=ZecoHybridStack, submodules=ZecoHybridStackSubmodules(
             **{**slots, "gdn_layer": g_layer, "attention_layer": attention_layer, "final_norm": TENorm}))
     # Megatron-Core's local layer: its norm, MLP, MoE; checkpoint keys mapped to the TE stack's
     # fused norms (linear_qkv's, linear_fc1's), as Megatron's local GPT spec does.
@@ -454,7 +454,7 @@ def hybrid_stack_spec(
     moe = get_gpt_layer_local_spec(num_experts=8, normalization=normalization).submodules
     moe_layer = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
-    return ModuleSpec(module=GLAHybridStack, submodules=GLAHybridStackSubmodules(
+    return ModuleSpec(module=ZecoHybridStack, submodules=ZecoHybridStackSubmodules(
         gdn_layer=g_layer, attention_layer=attention_layer, mlp_layer=mlp_layer, moe_layer=moe_layer,
         final_norm=local.input_layernorm))
 

@@ -20,11 +20,11 @@ symbol  slot               layer
 ======  =================  ==================================================================
 
 With TransformerEngine the other slots (``M`` Mamba, ``D`` DSA, ``+`` MLA) are Megatron's own;
-without it they are empty and :class:`GLAHybridStack` refuses their symbols.
+without it they are empty and :class:`ZecoHybridStack` refuses their symbols.
 
 Megatron's ``HybridStack`` builds its final norm as ``TENorm`` whatever the spec says, so
-without TransformerEngine no ``HybridModel`` can be built. :class:`GLAHybridStack` builds it
-from the spec instead (``GLAHybridStackSubmodules.final_norm``): ``TENorm`` in the TE spec,
+without TransformerEngine no ``HybridModel`` can be built. :class:`ZecoHybridStack` builds it
+from the spec instead (``ZecoHybridStackSubmodules.final_norm``): ``TENorm`` in the TE spec,
 Megatron-Core's own norm in the local one. Everything else is ``HybridStack``'s.
 """
 
@@ -43,20 +43,20 @@ SLOTS = {Symbols.MAMBA: ("mamba_layer", "Mamba"), Symbols.GDN: ("gdn_layer", "GL
 
 
 @dataclass
-class GLAHybridStackSubmodules(HybridStackSubmodules):
+class ZecoHybridStackSubmodules(HybridStackSubmodules):
     """``HybridStackSubmodules`` and the final norm (``TENorm`` in Megatron's stack, unconditionally)."""
 
     final_norm: Optional[Union[ModuleSpec, type]] = None
 
 
-class GLAHybridStack(HybridStack):
+class ZecoHybridStack(HybridStack):
     """``HybridStack`` with its final norm built from ``submodules.final_norm``, so that it builds
     without TransformerEngine; a pattern symbol whose slot the spec leaves empty is refused.
 
-    Args: as ``HybridStack`` (``submodules``: :class:`GLAHybridStackSubmodules`).
+    Args: as ``HybridStack`` (``submodules``: :class:`ZecoHybridStackSubmodules`).
     """
 
-    def __init__(self, config, submodules: GLAHybridStackSubmodules, *args, layer_type_list=None,
+    def __init__(self, config, submodules: ZecoHybridStackSubmodules, *args, layer_type_list=None,
                  post_layer_norm: bool = True, **kwargs):
         for symbol in dict.fromkeys(layer_type_list or ()):
             slot, name = SLOTS.get(symbol, (None, None))
@@ -71,7 +71,7 @@ class GLAHybridStack(HybridStack):
         self.post_layer_norm = post_layer_norm
         if self.post_process and self.post_layer_norm:
             if submodules.final_norm is None:
-                raise ValueError("GLAHybridStack: its submodules give no final_norm (TENorm with TransformerEngine, "
+                raise ValueError("ZecoHybridStack: its submodules give no final_norm (TENorm with TransformerEngine, "
                                  "else megatron.core.transformer.torch_norm.WrappedTorchNorm)")
             self.final_norm = build_module(submodules.final_norm, config=self.config,
                                            hidden_size=self.config.hidden_size, eps=self.config.layernorm_epsilon)
@@ -82,3 +82,7 @@ def _layer_name(submodules, slot: str, name: str) -> str:
     mixer = getattr(getattr(getattr(submodules, slot), "submodules", None), "self_attention", None)
     module = getattr(getattr(mixer, "module", None), "__name__", "")
     return {"ZecoGatedDeltaNet": "Gated DeltaNet", "KimiDeltaAttention": "KDA"}.get(module, name)
+
+
+# The names of earlier releases, when the stack held GLA layers only.
+GLAHybridStack, GLAHybridStackSubmodules = ZecoHybridStack, ZecoHybridStackSubmodules

@@ -421,12 +421,12 @@ def test_stack_specs_as_pretrain_hybrid_imports_them_and_their_errors():
     from megatron.core.transformer.spec_utils import build_module, import_module
 
     from megatron_zeco.gated_delta_rule.layer import ZecoGatedDeltaNet
-    from megatron_zeco.mcore.hybrid_stack import GLAHybridStack
+    from megatron_zeco.mcore.hybrid_stack import ZecoHybridStack
     from megatron_zeco.specs import HAVE_TE, hybrid_stack_spec
 
     for name, strategy in GDN_STACKS.items():
         spec = import_module(["megatron_zeco.specs", name])  # as pretrain_hybrid.py --spec does
-        assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
+        assert spec.module is ZecoHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
         mixer = spec.submodules.gdn_layer.submodules.self_attention
         assert mixer.module is ZecoGatedDeltaNet and mixer.params["cp_config"].strategy == strategy
     for name in ("gdn_local_spec", "gdn_hybrid_local_spec"):  # pretrain_gpt.py's

@@ -310,7 +310,7 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
     from megatron.core.models.hybrid.hybrid_block import HybridStackSubmodules
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    from megatron_zeco.mcore.hybrid_stack import GLAHybridStack
+    from megatron_zeco.mcore.hybrid_stack import ZecoHybridStack
     from megatron_zeco.models import build_hybrid_model
     from megatron_zeco.gla.layer import GatedLinearAttention
     from megatron_zeco.specs import HAVE_TE
@@ -318,7 +318,7 @@ def test_stack_spec_as_pretrain_hybrid_imports_it_and_its_errors():
     for name, strategy in [("hybrid_stack_local_spec", "zeco"), ("hybrid_stack_local_lasp1_spec", "lasp1"),
                            ("hybrid_stack_local_lasp2_spec", "lasp2"), ("hybrid_stack_local_a2a_spec", "a2a")]:
         spec = import_module(["megatron_zeco.specs", name])  # as pretrain_hybrid.py --spec does
-        assert spec.module is GLAHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
+        assert spec.module is ZecoHybridStack and isinstance(spec.submodules, HybridStackSubmodules)
         mixer = spec.submodules.gdn_layer.submodules.self_attention
         assert mixer.module is GatedLinearAttention and mixer.params["cp_config"].strategy == strategy
     config = transformer_config(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS)
