@@ -143,3 +143,25 @@ def test_two_gpus_every_strategy_matches_float64(seed):
     errors = {(r, case): e for r, (each, _) in enumerate(results) for case, e in each.items()}
     _check({key: max(e.values()) for key, e in errors.items()}, TOLERANCE[torch.bfloat16],
            [m for _, refused in results for m in refused], errors)
+
+
+@pytest.mark.slow
+def test_piece_in_float32_at_a_million_tokens_is_within_1e4_of_float64(seed):
+    """A float32 piece of 8 packed segments of 128K tokens (H = 2 heads of 64): its transition M, the
+    state leaving it and its output from a random entering state against the chunked form in float64 on
+    the same GPU (the product of many transitions is where error grows)."""
+    from megatron_zeco.gated_delta_rule import chunk_gated_delta_rule, chunk_gated_delta_rule_state
+
+    lengths = [128 * 1024] * 8
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = delta_problem(seed, B=1, T=sum(lengths), H=2, K=64, V=64, gate="normal", initial_state=False)
+    S_in = torch.randn(len(lengths), 2, 64, 64, dtype=torch.float64)
+    piece = gdn_piece(*(x[n].to("cuda", torch.float32) for n in NAMES), 64 ** -0.5, cu_seqlens=cu.cuda(),
+                      cu_seqlens_cpu=cu)
+    o = piece.output(S_in.cuda().float())
+    exact = {n: x[n].cuda() for n in NAMES}
+    E, M = chunk_gated_delta_rule_state(exact["k"], exact["v"], exact["g"], exact["beta"], cu_seqlens=cu.cuda())
+    o_ref, _ = chunk_gated_delta_rule(*exact.values(), 64 ** -0.5, S_in.cuda(), cu_seqlens=cu.cuda())
+    errors = {"M": rel_err(piece.M, M), "S_out": rel_err(piece.M @ S_in.cuda().float() + piece.E, M @ S_in.cuda() + E),
+              "o": rel_err(o, o_ref)}
+    assert max(errors.values()) < 1e-4, errors
