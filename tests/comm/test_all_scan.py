@@ -20,9 +20,8 @@ import torch.distributed as dist
 from megatron_zeco.comm import Layout, Route, all_scan, gather_scan
 from tests.helpers.checks import assert_no_failures
 from tests.helpers.distributed import run_ranks
+from tests.helpers.marks import slow, slow_except
 from tests.helpers.reference import fold, rel_err
-
-pytestmark = pytest.mark.slow
 
 RANK_POOL = dict(world=4, pg_timeout=120)
 
@@ -80,6 +79,7 @@ def _scan_worker(rank, world, seed, groups):
     return failures
 
 
+@slow
 @pytest.mark.parametrize("groups", [
     [[0], [1, 2, 3]],            # a group of one (zigzag: both pieces on it), and of odd size
     [[0, 2], [1, 3]],            # strided groups (CP under TP = 2)
@@ -123,6 +123,7 @@ def _slow_receiver_worker(rank, world, seed, calls):
     return failures
 
 
+@slow
 def test_peer_memory_waits_for_slow_receivers(seed):
     assert_no_failures(run_ranks(_slow_receiver_worker, 3, seed, 4))
 
@@ -149,6 +150,7 @@ def _varying_counts_worker(rank, world, seed, counts):
     return failures, sum(key[0] is group for key in peer._CHANNELS)
 
 
+@slow
 def test_peer_memory_state_counts_change_between_calls(seed):
     """Channels come in powers of two of states and are reused: 3, 5, 4, 2, 7 states need the
     channels for 4, 8 and 2, not one per count (each is a collective allocation kept alive)."""
@@ -169,6 +171,7 @@ def _bad_transport_worker(rank, world):
     return True
 
 
+@slow
 def test_unknown_transport_is_refused():
     """An unknown transport, a scan's transport left unresolved, and NVSHMEM for CPU tensors fail with the
     fix named."""
@@ -219,6 +222,6 @@ def _dense_scans(group, seed):
     return failures
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", slow_except([3, 4], 3))
 def test_dense_scans_match_sequential_fold(pool, seed, world):
     assert_no_failures(pool.run(_dense_scans, world, seed))

@@ -1,12 +1,8 @@
 """The halo plan (comm/halo.py): which tokens before its pieces each rank receives, and from whom, for
 the short convolution under context parallelism (computed through it: tests/cp/test_conv.py)."""
 
-import pytest
-
 from megatron_zeco import Layout
 from megatron_zeco.comm.halo import halo_plan
-
-pytestmark = pytest.mark.slow
 
 
 def test_plan_sends_each_rank_the_tokens_before_its_pieces():

@@ -24,10 +24,9 @@ from megatron_zeco.comm.all_scan import SHAPE_ENV, scan_shape
 from megatron_zeco.comm.nodes import NODE_SIZE_ENV
 from tests.helpers.checks import above, assert_no_failures
 from tests.helpers.distributed import run_ranks
+from tests.helpers.marks import slow, slow_except
 from tests.helpers.megatron import host_as_cuda, transformer_config
 from tests.helpers.reference import fold, packed_reference, problem, reference, rel_err
-
-pytestmark = pytest.mark.slow
 
 all_scan_module = importlib.import_module("megatron_zeco.comm.all_scan")
 
@@ -127,7 +126,7 @@ def _scan_cases(group, seed, node_sizes):
     return failures
 
 
-@pytest.mark.parametrize("P", list(SCAN_NODE_SIZES))
+@pytest.mark.parametrize("P", slow_except(list(SCAN_NODE_SIZES), 3))
 def test_hierarchical_scan_matches_sequential_fold(pool, seed, P):
     assert_no_failures(pool.run(_scan_cases, P, seed, SCAN_NODE_SIZES[P]))
 
@@ -199,7 +198,7 @@ def _op_cases(group, seed, node_sizes, local_len):
     return failures
 
 
-@pytest.mark.parametrize("P", list(OP_NODE_SIZES))
+@pytest.mark.parametrize("P", slow_except(list(OP_NODE_SIZES), 3))
 def test_zeco_gla_over_the_hierarchical_scan_matches_the_loop(pool, seed, P):
     # 16 tokens per rank: zigzag pieces of 8; per-document pieces from 1 token up
     assert_no_failures(pool.run(_op_cases, P, seed, OP_NODE_SIZES[P], 16))
@@ -258,6 +257,7 @@ def _with_env_node_size(value, group, gamma, delta):
         return all_scan(gamma, delta, None, Route(Layout.CONTIGUOUS, group, shape="hierarchical"))
 
 
+@slow
 @pytest.mark.parametrize("P", [4, 16])
 def test_shape_is_chosen_by_the_cost_model_the_environment_or_the_caller(pool, P):
     results = pool.run(_shape_choices, P)
@@ -318,6 +318,7 @@ def _layer_grads(rank, world, seed, node_size, shape):
                 plan.node_size, len(calls))
 
 
+@slow
 def test_layer_cp_node_size_reaches_the_hierarchical_scan(seed):
     """gla_layer_spec(cp_node_size=2) at CP = 4: the plan carries it, the scan runs hierarchical (forced
     by the environment) over nodes of 2, and output and gradients equal those at CP = 1."""
@@ -331,6 +332,7 @@ def test_layer_cp_node_size_reaches_the_hierarchical_scan(seed):
             assert rel_err(g, grads_ref[name]) < TOL, f"rank {rank}: grad of {name}"
 
 
+@slow
 def test_layer_refuses_a_bad_cp_node_size():
     from megatron_zeco.cp import CPConfig
 
@@ -339,6 +341,7 @@ def test_layer_refuses_a_bad_cp_node_size():
             CPConfig(node_size=bad)
 
 
+@slow
 def test_specs_pass_cp_node_size_to_the_layer():
     from megatron_zeco.specs import gla_layer_spec, hybrid_layer_spec
 
@@ -388,6 +391,7 @@ LATENCY_CASES = {  # group size -> (layout, node size, shape, blocks)
 }
 
 
+@slow
 @pytest.mark.parametrize("P", list(LATENCY_CASES))
 def test_latency_emulation_counts_the_hops_the_cost_model_counts(pool, seed, P):
     """With a latency between emulated nodes, every scan stays exact; the chain of messages each scan

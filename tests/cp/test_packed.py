@@ -16,9 +16,8 @@ from megatron_zeco import Layout, packed_positions, zeco_gla
 from megatron_zeco.cp.packed import Packing
 from tests.helpers.checks import above, assert_no_failures
 from tests.helpers.distributed import run_ranks
+from tests.helpers.marks import slow, slow_except
 from tests.helpers.reference import SPLITS, document_lengths, packed_reference, problem, rel_err
-
-pytestmark = pytest.mark.slow
 
 TOL = 1e-10
 K, V = 8, 4
@@ -54,12 +53,13 @@ def _check(rank, world, seed, local_len):
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", slow_except([1, 2, 3, 4], 2))
 def test_packed_documents_match_each_document_alone(seed, world):
     # 16 tokens per rank: zigzag pieces of 8; per-document pieces from 1 token up.
     assert_no_failures(run_ranks(_check, world, seed, 16))
 
 
+@slow
 def test_offsets_are_read_again_after_an_in_place_change(seed):
     """The layers of a step share one reading of cu_seqlens; changing the tensor in place is seen."""
     x = problem(seed, B=1, T=24, H=2, K=K, V=V, gate="normal")
@@ -106,6 +106,7 @@ def _bad(rank, world):
     return messages
 
 
+@slow
 def test_bad_packed_input_fails_on_every_rank():
     results = run_ranks(_bad, 2, timeout=120)
     for (name, validate), message in results[0].items():
@@ -117,6 +118,7 @@ def test_bad_packed_input_fails_on_every_rank():
             assert results[1][name, validate] == message, name  # the same message everywhere
 
 
+@slow
 def test_positions_are_transformer_engines_thd_split():
     """per_document + zigzag gives each rank the tokens TE's thd_get_partitioned_indices gives it
     (its CUDA kernel, transcribed: token i of rank r's part of a document of length L lies in the

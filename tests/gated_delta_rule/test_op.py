@@ -18,9 +18,8 @@ import torch.distributed as dist
 
 from megatron_zeco import Layout, packed_positions, zeco_gated_delta_rule
 from tests.helpers.checks import above, assert_no_failures
+from tests.helpers.marks import slow, slow_except
 from tests.helpers.reference import SPLITS, delta_problem, document_lengths, packed_reference, reference, rel_err
-
-pytestmark = pytest.mark.slow
 
 RANK_POOL = dict(world=8, pg_timeout=120)
 TOL = 1e-10
@@ -85,19 +84,20 @@ def _check(group, seed, local_len, cases=None):
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", slow_except([1, 2, 3, 4], 2))
 def test_every_strategy_matches_whole_sequence(pool, seed, world):
     # 26 tokens per rank: zigzag pieces of 13, contiguous pieces of 26; chunks are 16
     assert_no_failures(pool.run(_check, world, seed, 26))
 
 
+@slow
 def test_eight_ranks(pool, seed):
     cases = [("zeco", layout, 2, gate, True, True) for layout in Layout for gate in ("tiny", "mixed")]
     cases += [("lasp2", Layout.ZIGZAG, 1, "tiny", True, True), ("a2a", Layout.CONTIGUOUS, 1, "normal", True, True)]
     assert_no_failures(pool.run(_check, 8, seed, 10, cases))
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", slow_except([2, 3], 2))
 def test_peer_memory_transport_matches_whole_sequence(pool, seed, world):
     """zeco with its All-Scan through peer memory (the dense hop kernel, interpreted): both layouts, one
     and two blocks of columns, strong and mixed decays, initial and final state, every gradient."""
@@ -133,7 +133,7 @@ def _check_packed(group, seed, local_len):
     return failures
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("world", slow_except([1, 2, 3, 4], 2))
 def test_packed_documents_match_each_document_alone(pool, seed, world):
     assert_no_failures(pool.run(_check_packed, world, seed, 16))
 
@@ -174,6 +174,7 @@ def _bad(group):
     return messages
 
 
+@slow
 def test_bad_input_fails_on_every_rank(pool):
     results = pool.run(_bad, 2)
     for name, (_, expected) in BAD.items():
@@ -209,6 +210,7 @@ def _mixed_dtypes(group, seed):
     return errors
 
 
+@slow
 def test_float32_log_decays_beside_bfloat16_inputs(pool, seed):
     for rank, errors in enumerate(pool.run(_mixed_dtypes, 2, seed)):
         for strategy, err in errors.items():

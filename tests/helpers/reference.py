@@ -172,15 +172,19 @@ def document_lengths(seed, world, local_len, per_document):
     """Document lengths of each packed case over ``world`` ranks of ``local_len`` tokens: random draws
     (one document longer than half of everything, so spanning every rank; the others short, so
     starting inside pieces); per document, also the shortest documents (one token per piece); else
-    many one- to three-token documents and one document per zigzag piece (documents start at every
+    many one- to three-token documents, documents a zigzag piece and a half long (whatever the draws,
+    a document starts inside a piece that a state enters and leaves: under zigzag from P = 2, under
+    the contiguous split from P = 3) and one document per zigzag piece (documents start at every
     piece's first token); and one document over everything."""
     gen = torch.Generator().manual_seed(seed)
     total, pieces = world * local_len, 2 * world
     if per_document:
         cases = [_lengths(gen, total, total // 2, pieces) for _ in range(2)] + [[pieces] * (total // pieces)]
     else:
+        step = max(3 * (total // pieces) // 2, 1)
+        staggered = [step] * (total // step) + ([total % step] if total % step else [])
         cases = [_lengths(gen, total, total // pieces, 1) for _ in range(2)]
-        cases += [_lengths(gen, total, 3, 1), [total // pieces] * pieces]
+        cases += [_lengths(gen, total, 3, 1), staggered, [total // pieces] * pieces]
     return cases + [[total]]
 
 
