@@ -22,7 +22,7 @@ needs_hybrid_model = pytest.mark.skipif(not HAVE_HYBRID_MODEL, reason="HybridMod
                                         "(.ci/run runs these tests in its megatron-core 0.19 pass)")
 GPT = dict(mixer="kda", pattern="G*")
 # Cases making the megatron-core calls another case makes (.ci/run's second pass leaves them out).
-VARIANT = [pytest.mark.slow, pytest.mark.variant]
+VARIANT = pytest.mark.variant
 HYBRID = dict(mixer="kda", model="hybrid", layers=None, hybrid_layer_pattern="G-G-")
 
 
@@ -40,6 +40,7 @@ def _id(x):
     return str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,overrides", [
     (2, dict(cp=2)),
     pytest.param(3, dict(cp=3), marks=VARIANT),
@@ -121,6 +122,7 @@ def _build(rank, world, spec_knobs, tp, cp, config):
         ps.destroy_model_parallel()
 
 
+@pytest.mark.slow
 def test_parameters_are_those_the_docs_name():
     """H = 4 heads of K = V = 8 (hidden 32), W = 4, one rank; under TP = 2 each rank holds half of every
     per-head tensor."""
@@ -145,6 +147,7 @@ MISUSE = {  # (spec knobs, tp, cp, config): what the error names
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n if n == "a2a with too few heads" else pytest.param(n, marks=pytest.mark.variant)
                                   for n in MISUSE])
 def test_misuse_names_what_to_change(name):

@@ -6,7 +6,7 @@ columns, decay regimes per key channel (none, ~1, strong, underflowing, mixed; b
 some tokens), with and without initial and final state, K != V, pieces of 13 and 26 tokens (chunks of
 16), odd rank counts, packed documents under both splits. Outputs, final states and the gradients of
 q, k, v, g, beta and the initial state to 1e-10; bad input gets the same ValueError on every rank.
-One case at P = 2 is in the fast tier; the rest is marked slow.
+One case at P = 2 is in the fast tier (with bad input); the rest is marked slow.
 """
 
 import itertools
