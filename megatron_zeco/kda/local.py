@@ -5,9 +5,10 @@
   form of ``chunk.py``. Strategies ``none`` and ``a2a`` run it.
 * ``kda_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
-  ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On every device
-  the PyTorch chunked form (:class:`TorchKDAPiece`, float32 states and products for 16-bit inputs);
-  fla 0.6 has no kernel for a piece's dense map.
+  ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
+  ``chunk_kda`` by linearity in the state (``common/piece.py``: the summary as one call over V + K
+  value columns from ``[0 | I]``, then the call from ``S_in`` and its backward); elsewhere the PyTorch
+  chunked form (:class:`TorchKDAPiece`).
 
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -17,6 +18,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..common.backend import fla, record, replay, uses_kernels
+from ..common.piece import LocalOpPiece
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
@@ -53,9 +55,20 @@ def kda_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tupl
 
 
 def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
-              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None) -> "TorchKDAPiece":
-    """The operator's piece (``cp.operator.Operator.piece``): see :class:`TorchKDAPiece`."""
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
+    """The operator's piece (``cp.operator.Operator.piece``): :class:`~megatron_zeco.common.piece.LocalOpPiece`
+    on fla's ``chunk_kda`` where the local op runs on kernels, else :class:`TorchKDAPiece`."""
+    if uses_kernels(q.device, q.dtype):
+        _fla_chunk_kda()  # the clear ImportError if fla is missing
+        return LocalOpPiece(kda_local_fn, (q, k, v, g, beta), scale, cu_seqlens, cu_seqlens_cpu)
     return TorchKDAPiece(q, k, v, g, beta, scale, cu_seqlens)
+
+
+def kda_local_fn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float,
+                 initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+                 cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
+    """:func:`kda_local` with fla's call signature (what ``LocalOpPiece`` calls)."""
+    return kda_local((q, k, v, g, beta), scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
 
 
 class TorchKDAPiece:
