@@ -1,4 +1,4 @@
-"""KDA's CUDA path (fla's chunk_kda for the local op, the chunked PyTorch piece, NCCL) against the float64
+"""KDA's CUDA path (fla's chunk_kda for the local op and, by linearity, for a piece; NCCL) against the float64
 token loop and against fla's chunk_kda on one GPU; the KDA layer on CUDA against the same layer in float64
 on the CPU with the same weights.
 
@@ -48,6 +48,34 @@ def test_one_gpu_is_fla_chunk_kda(seed):
     ours, _ = zeco_kda(*inputs)
     theirs, _ = chunk_kda(*inputs, scale=64 ** -0.5)
     assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [None, [1, 70, 300, 5, 100, 164]], ids=["dense", "packed"])
+def test_piece_matches_float64(seed, dtype, lengths):
+    """kda_piece on CUDA (fla's chunk_kda by linearity): the summary [E | M], the output from a given
+    entering state, A + M^T D and every input's gradient from D; per sequence or packed segment."""
+    from megatron_zeco.kda import kda_piece
+
+    B, T = (2, 300) if lengths is None else (1, sum(lengths))
+    x = kda_problem(seed, B=B, T=T, H=4, K=64, V=64)
+    cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    spans = [(b, 0, T) for b in range(B)] if cu is None else \
+        [(0, a, e) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    S_in, D = (torch.randn(len(spans), 4, 64, 64, dtype=torch.float64) for _ in range(2))
+    piece = kda_piece(*(x[n].to("cuda", torch.float32 if n == "g" else dtype) for n in NAMES), 64 ** -0.5,
+                      cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
+    S_out = piece.M @ S_in.cuda().float() + piece.E
+    o = piece.output(S_in.cuda().float())
+    dS_in = piece.entering_grad(x["do"].to("cuda", dtype)) + piece.M.transpose(-1, -2) @ D.cuda().float()
+    grads = piece.grads(D.cuda().float())
+    errors = {}
+    for n, (b, a, e) in enumerate(spans):
+        ref = reference({**{m: x[m][b:b + 1, a:e] for m in (*NAMES, "do")}, "h0": S_in[n:n + 1], "dht": D[n:n + 1]})
+        got = {"o": o[b:b + 1, a:e], "ht": S_out[n:n + 1], "dh0": dS_in[n:n + 1]}
+        got.update({"d" + m: t[b:b + 1, a:e] for m, t in zip(NAMES, grads)})
+        errors.update({(n, m): rel_err(got[m].cpu(), ref[m]) for m in got})
+    assert max(errors.values()) < TOLERANCE[dtype], errors
 
 
 def _two_ranks(rank, world, seed):
