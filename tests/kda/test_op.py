@@ -1,7 +1,7 @@
 """zeco_kda on real gloo process groups against KDA over the whole sequence (float64 token loop,
 autograd for the gradients).
 
-Every strategy (zeco, lasp2, a2a; none at P = 1), both layouts, All-Scan pipelined in blocks of value
+Every strategy (zeco, lasp2, a2a; none at P = 1) at P = 1..8, both layouts, All-Scan pipelined in blocks of value
 columns, decay regimes per key channel (none, ~1, strong, underflowing, mixed; beta exactly 0 and 1 at
 some tokens), with and without initial and final state, K != V, pieces of 13 and 26 tokens (chunks of
 16), odd rank counts, packed documents under both splits. Outputs, final states and the gradients of
@@ -90,7 +90,7 @@ def test_every_strategy_matches_whole_sequence(pool, seed, world):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", [5, 8])
+@pytest.mark.parametrize("world", [5, 6, 7, 8])
 def test_many_ranks(pool, seed, world):
     cases = [("zeco", layout, 2, "mixed", True, True) for layout in Layout]
     cases += [("lasp2", Layout.ZIGZAG, 1, "tiny", True, True)]
