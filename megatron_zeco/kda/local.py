@@ -64,11 +64,12 @@ def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     return TorchKDAPiece(q, k, v, g, beta, scale, cu_seqlens)
 
 
-def kda_local_fn(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, scale: float,
-                 initial_state: Optional[Tensor] = None, output_final_state: bool = False,
-                 cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-    """:func:`kda_local` with fla's call signature (what ``LocalOpPiece`` calls)."""
-    return kda_local((q, k, v, g, beta), scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
+def kda_local_fn(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
+                 output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
+                 cu_seqlens_cpu: Optional[Tensor] = None):
+    """:func:`kda_local` with fla's call signature, ``(q, k, v, g, beta)`` positional (what
+    ``LocalOpPiece`` calls)."""
+    return kda_local(inputs, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
 
 
 class TorchKDAPiece:
