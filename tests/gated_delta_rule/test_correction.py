@@ -15,6 +15,7 @@ from tests.helpers.reference import delta_problem, reference, rel_err
 
 NAMES = ("q", "k", "v", "g", "beta")
 TOL64 = 1e-12  # float64 decomposition against the float64 loop
+TOL64_M = 1e-10  # float64 transition against the float64 state pass
 TOL32 = 1e-5  # float32 kernels against the float64 reference of the same inputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (the reference runs on the CPU)
 
@@ -108,11 +109,14 @@ def test_decomposition_matches_loop(seed, gate, lengths, chunk, sub_pieces):
         R, P, M = ref.piece_transition(x["q"], x["k"], w, G, scale, plan, g_log2=log2)
         errors = {
             "o": rel_err(ref.output_correction(o0, R, P, S_in, plan), o),
-            "M": rel_err(M, M_state),
             "S_out": rel_err(M @ S_in + E, S_out),
             "dS_in": rel_err(ref.entering_grad(R, P, x["do"], plan) + M.transpose(-1, -2) @ D, dS),
         }
         assert max(errors.values()) < TOL64, (log2, errors)
+        # M from the sub-pieces' maps against M from the WY state pass: two float64 products of the chunks'
+        # transitions, each through its own triangular solve, whose rounding the solves amplify (up to a
+        # few 1e-12 over 64-token chunks); a wrong factor is off by far more
+        assert rel_err(M, M_state) < TOL64_M, (log2, rel_err(M, M_state))
 
 
 def test_decomposition_dense_batch(seed):
@@ -250,7 +254,9 @@ def test_kernels_low_precision_storage(seed):
     want = ref.output_correction(_d(o0), _d(R), _d(P), _d(S_in), plan, out_dtype=torch.float64)
     assert o.dtype == torch.bfloat16
     ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(1e-30))) - 7)
-    assert ((o.double() - want).abs() <= ulp * (1 + 1e-4)).all()
+    # plus the float32 sum's own rounding, which matters where o0 and R X nearly cancel (want ~ 0)
+    terms = ref.output_correction(_d(o0).abs(), _d(R).abs(), _d(P).abs(), _d(S_in).abs(), plan, out_dtype=torch.float64)
+    assert ((o.double() - want).abs() <= ulp * (1 + 1e-4) + 4 * K * 2.0 ** -24 * terms).all()
     assert rel_err(_d(dc.entering_grad(R, P, do, plan)), ref.entering_grad(_d(R), _d(P), _d(do), plan)) < TOL32
 
 

@@ -1,0 +1,170 @@
+"""Mutation check of the fast tier: does a realistic one-line bug fail a test?
+
+Each mutation below is a bug one could write (a product in the wrong order, a transpose dropped, a
+constant in the wrong unit). The check copies the repository's files (those git tracks or would track) into a temporary folder,
+applies one mutation there (the working tree is never touched), runs the fast tier,
+``python -m pytest -m "not slow" -x -q``, on the copy, and reports whether some test failed, which one
+first, and how long it took. A mutation that leaves the fast tier green is a gap in the tests::
+
+    python -m tests.helpers.mutations                      # every mutation, one after another
+    python -m tests.helpers.mutations dense-compose-order  # some of them, by name
+    python -m tests.helpers.mutations --list
+    python -m tests.helpers.mutations --tier full ...      # against the full suite instead
+    python -m tests.helpers.mutations --every-failure ...  # every test that fails, not just the first
+
+It exits non-zero if a mutation survives (or no longer applies: the code it rewrites has changed, so
+update the mutation). To check a new path by hand: add a ``Mutation`` here naming the file, the exact
+text and its bug, and run it by name. docs/testing.md lists what the mutations are and what kills them.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact text, found once in the file
+    new: str
+    bug: str
+
+
+MUTATIONS = [
+    Mutation("dense-compose-order", "megatron_zeco/comm/transition.py",
+             "return torch.matmul(later, earlier)", "return torch.matmul(earlier, later)",
+             "a dense transition composed in the wrong order (M_1 M_2 for M_2 M_1)"),
+    Mutation("dense-transpose-dropped", "megatron_zeco/comm/transition.py",
+             "return M.transpose(-1, -2)", "return M",
+             "the backward scan applies M instead of M^T"),
+    Mutation("chain-combine-drops-incoming", "megatron_zeco/comm/all_scan.py",
+             "return kind.combine(gamma[slot], delta[slot], x, block)",
+             "return kind.combine(gamma[slot], delta[slot], x * 0, block)",
+             "the chain's combine ignores the state that arrived (S_out = E)"),
+    Mutation("packed-document-not-reset", "megatron_zeco/cp/packed.py",
+             "through.append(entered[-1] and not cuts)", "through.append(entered[-1])",
+             "a document starting inside a piece does not reset the state passed on"),
+    Mutation("halo-from-next-rank", "megatron_zeco/comm/halo.py",
+             "out.append((n * width + width - (a - position), *owner(position)))",
+             "source = position + (b - a) if position + (b - a) < held[-1][1] else position\n"
+             "                out.append((n * width + width - (a - position), *owner(source)))",
+             "the convolution's halo taken from the tokens after the piece (the next rank's)"),
+    Mutation("wait-never-gives-up", "megatron_zeco/kernels/scan_hop.py",
+             "            late = 2\n", "            late = 0\n",
+             "a bounded wait that never gives up (waits for a stalled peer however long it takes)"),
+    Mutation("give-up-not-poisoned", "megatron_zeco/kernels/scan_hop.py",
+             'return tl.where(failed, float("nan"), x)', "return x",
+             "a wait that gave up delivers the stale state as if it had arrived"),
+    Mutation("infiniband-latency-ms", "megatron_zeco/comm/shape.py",
+             "INFINIBAND = Link(latency=5e-6,", "INFINIBAND = Link(latency=5e-3,",
+             "InfiniBand latency in milliseconds where microseconds are meant (x1000)"),
+    Mutation("infiniband-bandwidth-bits", "megatron_zeco/comm/shape.py",
+             "INFINIBAND = Link(latency=5e-6, bandwidth=50e9)", "INFINIBAND = Link(latency=5e-6, bandwidth=50e9 / 8)",
+             "InfiniBand bandwidth read as bits where bytes are meant (/8)"),
+    Mutation("zigzag-unshard-slots-swapped", "megatron_zeco/comm/layout.py",
+             "ordered.append(slots[rank][slot])", "ordered.append(slots[rank][-1 - slot])",
+             "unshard puts a rank's two zigzag pieces back in the wrong order"),
+    Mutation("gdn-prefix-map-off-by-one", "megatron_zeco/gated_delta_rule/kernels.py",
+             "        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])\n"
+             "        b_L = tl.load(L + base + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.)\n"
+             "        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)\n",
+             "        b_L = tl.load(L + base + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.)\n"
+             "        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)\n"
+             "        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])\n",
+             "the gated delta rule's sub-piece prefix P_j includes sub-piece j's own map"),
+    Mutation("local-op-piece-no-identity", "megatron_zeco/common/piece.py",
+             "h0[..., V:] = torch.eye(K, dtype=dtype, device=q.device)", "pass",
+             "KDA's piece summary entered from [0 | 0] instead of [0 | I] (its transition M = 0)"),
+]
+
+TIERS = {"fast": ["-m", "not slow"], "full": []}
+
+
+def _copy_tree(dst: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, check=True, capture_output=True).stdout
+    for name in files.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (dst / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dst / name)
+
+
+def _apply(tree: Path, m: Mutation) -> Optional[str]:
+    path = tree / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        return f"the text to mutate occurs {text.count(m.old)} times in {m.path} (expected once)"
+    path.write_text(text.replace(m.old, m.new))
+    return None
+
+
+def _failures(output: str, every: bool) -> str:
+    failed = [line.split(" - ")[0] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    if failed:
+        return "\n    ".join(failed) if every else failed[0]
+    return output.strip().splitlines()[-1] if output.strip() else "(no output)"
+
+
+def run(m: Mutation, tier: str, timeout: float, every_failure: bool = False) -> dict:
+    with tempfile.TemporaryDirectory(prefix=f"mutant-{m.name}-") as tmp:
+        tree = Path(tmp)
+        _copy_tree(tree)
+        problem = _apply(tree, m)
+        if problem:
+            return dict(name=m.name, outcome="stale", detail=problem, seconds=0.0)
+        env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
+        where = subprocess.run([sys.executable, "-c", "import megatron_zeco; print(megatron_zeco.__file__)"],
+                               cwd=tree, env=env, capture_output=True, text=True).stdout.strip()
+        if not where.startswith(str(tree)):
+            return dict(name=m.name, outcome="error", detail=f"the copy is not what imports: {where}", seconds=0.0)
+        cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", *TIERS[tier]]
+        cmd += [] if every_failure else ["-x"]
+        start = time.monotonic()
+        try:
+            done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(name=m.name, outcome="timed out", detail=f"no result in {timeout:.0f} s",
+                        seconds=time.monotonic() - start)
+        seconds = time.monotonic() - start
+        if done.returncode == 0:
+            return dict(name=m.name, outcome="SURVIVED", detail="every test passed", seconds=seconds)
+        detail = _failures(done.stdout + done.stderr, every_failure)
+        return dict(name=m.name, outcome="killed", detail=detail, seconds=seconds)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--tier", choices=sorted(TIERS), default="fast", help="which tests must kill them")
+    parser.add_argument("--every-failure", action="store_true",
+                        help="run the whole tier, not up to the first failure, and list every test that failed")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per mutation before giving up")
+    args = parser.parse_args(argv)
+    by_name = {m.name: m for m in MUTATIONS}
+    if args.list:
+        for m in MUTATIONS:
+            print(f"{m.name:32s} {m.path}: {m.bug}")
+        return 0
+    unknown = [n for n in args.names if n not in by_name]
+    if unknown:
+        parser.error(f"unknown mutation(s) {unknown}; --list shows them")
+    survivors = 0
+    for m in [by_name[n] for n in args.names] or MUTATIONS:
+        r = run(m, args.tier, args.timeout, args.every_failure)
+        survivors += r["outcome"] != "killed"
+        print(f"{r['name']:32s} {r['outcome']:9s} {r['seconds']:6.1f} s  {r['detail']}", flush=True)
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
