@@ -4,11 +4,12 @@ As ``gla/local.py`` for GLA:
 
 * ``gdn_local``: the gated delta rule over a piece from a given initial state, differentiable.
   On CUDA flash-linear-attention's ``chunk_gated_delta_rule`` (fla-core); elsewhere, and for
-  float64, the PyTorch chunked form of ``delta_chunk.py``.
+  float64, the PyTorch chunked form of ``chunk.py``.
 * ``gdn_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
   ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
-  kernels (``fla_delta_piece.py``), elsewhere ``delta_chunk.py``.
+  kernels and a correction for the entering state (``fla_piece.py``), elsewhere the chunked form
+  (``common.piece.ChunkedPiece`` on ``chunk.py``).
 
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -17,10 +18,12 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import fla, record, replay, uses_kernels
+from ..common.backend import fla, uses_kernels
+from ..common.piece import ChunkedForms, ChunkedPiece
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 
 Tensor = torch.Tensor
+CHUNKED_FORMS = ChunkedForms(chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad)
 
 
 def gdn_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
@@ -72,39 +75,7 @@ def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
         _fla_chunk_gated_delta_rule()  # the clear ImportError if fla is missing
         from .fla_piece import FlaDeltaPiece
         return FlaDeltaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
-    return _TorchDeltaPiece(q, k, v, g, beta, scale, cu_seqlens)
-
-
-class _TorchDeltaPiece:
-    """``gdn_piece`` on ``delta_chunk.py``: the summary and ``A`` as their own passes, the output and the
-    gradients through autograd of the chunked form started from ``S_in``."""
-
-    def __init__(self, q, k, v, g, beta, scale, cu_seqlens):
-        self.inputs, self.scale, self.cu = (q, k, v, g, beta), scale, cu_seqlens
-        self.E, self.M = chunk_gated_delta_rule_state(k, v, g, beta, cu_seqlens=cu_seqlens)
-
-    @property
-    def transition(self) -> Tensor:
-        return self.M
-
-    def before_output(self) -> None:
-        pass
-
-    def before_grads(self) -> None:
-        pass
-
-    def output(self, S_in: Tensor) -> Tensor:
-        o, _, self.saved = record(chunk_gated_delta_rule, self.inputs, S_in, scale=self.scale, output_final_state=True,
-                                  cu_seqlens=self.cu)
-        return o
-
-    def entering_grad(self, do: Tensor) -> Tensor:
-        q, k, _, g, beta = self.inputs
-        self.do = do
-        return chunk_gated_delta_rule_state_grad(q, k, g, beta, do, self.scale, cu_seqlens=self.cu)
-
-    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
-        return replay(self.saved, self.do, D)[0]
+    return ChunkedPiece(CHUNKED_FORMS, (q, k, v, g, beta), scale, cu_seqlens)
 
 
 def _fla_chunk_gated_delta_rule():

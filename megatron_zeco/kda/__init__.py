@@ -6,7 +6,7 @@ gradient; ``local.py`` the local operation and the piece the context-parallel st
 ``op.py``: :func:`zeco_kda`; ``layer.py``: a Megatron-Core KDA mixer with ZeCO context parallelism.
 """
 
-from .local import TorchKDAPiece, kda_local, kda_piece, require_kda_backend
+from .local import kda_local, kda_piece, require_kda_backend
 from .op import KDA, zeco_kda
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 from .naive import naive_recurrent_kda
@@ -21,5 +21,4 @@ __all__ = [
     "kda_local",
     "kda_piece",
     "require_kda_backend",
-    "TorchKDAPiece",
 ]

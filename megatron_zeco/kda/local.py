@@ -8,7 +8,7 @@
   ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
   ``chunk_kda`` by linearity in the state (``common/piece.py``: the summary as one call over V + K
   value columns from ``[0 | I]``, then the call from ``S_in`` and its backward); elsewhere the PyTorch
-  chunked form (:class:`TorchKDAPiece`).
+  chunked form (``common.piece.ChunkedPiece`` on ``chunk.py``).
 
 ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -17,11 +17,12 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import fla, record, replay, uses_kernels
-from ..common.piece import LocalOpPiece
+from ..common.backend import fla, uses_kernels
+from ..common.piece import ChunkedForms, ChunkedPiece, LocalOpPiece
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
+CHUNKED_FORMS = ChunkedForms(chunk_kda, chunk_kda_state, chunk_kda_state_grad)
 
 
 def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
@@ -57,11 +58,12 @@ def kda_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tupl
 def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
     """The operator's piece (``cp.operator.Operator.piece``): :class:`~megatron_zeco.common.piece.LocalOpPiece`
-    on fla's ``chunk_kda`` where the local op runs on kernels, else :class:`TorchKDAPiece`."""
+    on fla's ``chunk_kda`` where the local op runs on kernels, else
+    :class:`~megatron_zeco.common.piece.ChunkedPiece` on ``chunk.py``."""
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_kda()  # the clear ImportError if fla is missing
         return LocalOpPiece(kda_local_fn, (q, k, v, g, beta), scale, cu_seqlens, cu_seqlens_cpu)
-    return TorchKDAPiece(q, k, v, g, beta, scale, cu_seqlens)
+    return ChunkedPiece(CHUNKED_FORMS, (q, k, v, g, beta), scale, cu_seqlens)
 
 
 def kda_local_fn(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
@@ -70,52 +72,6 @@ def kda_local_fn(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] 
     """:func:`kda_local` with fla's call signature, ``(q, k, v, g, beta)`` positional (what
     ``LocalOpPiece`` calls)."""
     return kda_local(inputs, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
-
-
-class TorchKDAPiece:
-    """A piece of a sequence whose entering state comes later (from a scan), on ``chunk.py``: the summary
-    and ``A`` as their own passes, the output and the gradients through autograd of the chunked form
-    started from ``S_in``.
-
-    Inputs as :func:`kda_local`. The piece holds its summary ``E [N, HV, K, V]`` and ``M [N, HV, K, K]``
-    (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with ``cu_seqlens``), ``transition``
-    (= ``M``), and, called in this order:
-
-    * ``before_output()``: work that needs no entering state (a no-op here);
-    * ``output(S_in) -> o [B, T, HV, V]``: the output given the entering state ``[N, HV, K, V]``;
-    * ``entering_grad(do) -> A [N, HV, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
-      (that of the whole loss is ``A + M^T D``);
-    * ``before_grads()``: likewise (a no-op here);
-    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
-      state leaving the piece.
-    """
-
-    def __init__(self, q, k, v, g, beta, scale, cu_seqlens=None):
-        self.inputs, self.scale, self.cu = (q, k, v, g, beta), scale, cu_seqlens
-        self.E, self.M = chunk_kda_state(k, v, g, beta, cu_seqlens=cu_seqlens)
-
-    @property
-    def transition(self) -> Tensor:
-        return self.M
-
-    def before_output(self) -> None:
-        pass
-
-    def before_grads(self) -> None:
-        pass
-
-    def output(self, S_in: Tensor) -> Tensor:
-        o, _, self.saved = record(chunk_kda, self.inputs, S_in, scale=self.scale, output_final_state=True,
-                                  cu_seqlens=self.cu)
-        return o
-
-    def entering_grad(self, do: Tensor) -> Tensor:
-        q, k, _, g, beta = self.inputs
-        self.do = do
-        return chunk_kda_state_grad(q, k, g, beta, do, self.scale, cu_seqlens=self.cu)
-
-    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
-        return replay(self.saved, self.do, D)[0]
 
 
 def _fla_chunk_kda():

@@ -4,9 +4,9 @@ token loop (gradients: autograd of the loop)."""
 import pytest
 import torch
 
-from megatron_zeco.common.piece import LocalOpPiece
-from megatron_zeco.kda import TorchKDAPiece, chunk_kda, kda_local, naive_recurrent_kda
-from megatron_zeco.kda.local import kda_local_fn
+from megatron_zeco.common.piece import ChunkedPiece, LocalOpPiece
+from megatron_zeco.kda import chunk_kda, kda_local, naive_recurrent_kda
+from megatron_zeco.kda.local import CHUNKED_FORMS, kda_local_fn
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
 from tests.helpers.reference import GATES, kda_problem, rel_err
 
@@ -73,7 +73,7 @@ def test_loop_with_equal_channel_decays_is_gated_delta_rule(seed):
 @pytest.mark.parametrize("lengths", [None, [3, 0, 1, 40, 17]], ids=["dense", "packed"])
 @pytest.mark.parametrize("kind", ["torch", "local op"])
 def test_piece_matches_loop(seed, gate, lengths, kind):
-    """TorchKDAPiece, and LocalOpPiece on the local op (what CUDA runs on fla's chunk_kda): the summary ``S_out = M S_in + E`` for any entering state, the output from it, the
+    """ChunkedPiece on chunk.py, and LocalOpPiece on the local op (what CUDA runs on fla's chunk_kda): the summary ``S_out = M S_in + E`` for any entering state, the output from it, the
     entering-state gradient ``A + M^T D`` and every input's gradient from the leaving state's ``D``; per
     sequence or per packed segment (an empty segment passes its state through)."""
     B, T = (2, 45) if lengths is None else (1, sum(lengths))
@@ -86,7 +86,7 @@ def test_piece_matches_loop(seed, gate, lengths, kind):
     gen = torch.Generator().manual_seed(seed + 1)
     S_in, D = (torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
     inputs = tuple(x[n] for n in NAMES)
-    piece = TorchKDAPiece(*inputs, K ** -0.5, cu_seqlens=cu) if kind == "torch" else \
+    piece = ChunkedPiece(CHUNKED_FORMS, inputs, K ** -0.5, cu_seqlens=cu) if kind == "torch" else \
         LocalOpPiece(kda_local_fn, inputs, K ** -0.5, cu_seqlens=cu, cu_seqlens_cpu=cu)
     assert piece.transition is piece.M and piece.M.dtype == torch.float64 and piece.M.shape == (N, H, K, K) and piece.E.shape == (N, H, K, V)
     piece.before_output()
@@ -126,7 +126,7 @@ def test_local_op_packed_and_low_precision(seed):
     low = {n: x[n].to(torch.bfloat16) for n in NAMES}
     o, ht = kda_local(tuple(low.values()), 8 ** -0.5, h0.float(), True, cu_seqlens=cu)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
-    piece = TorchKDAPiece(*low.values(), 8 ** -0.5, cu_seqlens=cu)
+    piece = ChunkedPiece(CHUNKED_FORMS, tuple(low.values()), 8 ** -0.5, cu_seqlens=cu)
     assert piece.E.dtype == piece.M.dtype == torch.float32
     o = piece.output(h0.float())
     A = piece.entering_grad(x["do"].to(torch.bfloat16))
