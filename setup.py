@@ -5,7 +5,7 @@ from setuptools import find_packages, setup
 setup(
     name="megatron_zeco",
     version="0.1.0",
-    description="ZeCO (All-Scan) context parallelism for linear attention (GLA, Gated DeltaNet) in Megatron-Core",
+    description="ZeCO (All-Scan) context parallelism for linear attention (GLA, Gated DeltaNet, KDA) in Megatron-Core",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",

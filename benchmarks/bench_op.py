@@ -290,7 +290,7 @@ def bench_op(args, world, me, cp_group, self_group, rows):
 
 def bench_kernels(args, x, T, rows):
     """The three chunk kernels that read the states, fla's against this project's with the
-    state term fused in (kernels/chunk_state.py), on the same inputs: what the term costs."""
+    state term fused in (gla/kernels.py), on the same inputs: what the term costs."""
     from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
     from fla.ops.gla import chunk as gla
     from fla.ops.utils.constant import RCP_LN2

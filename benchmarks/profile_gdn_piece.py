@@ -175,7 +175,7 @@ def no_all_to_all(xs, group):
     return list(xs)
 
 
-def a2a_case(ops, x, world, backward, exchange=copy_all_to_all):
+def a2a_case(x, world, backward, exchange=copy_all_to_all):
     """This rank's work in strategy a2a at CP=``world``: ``cp/a2a.py: head_all_to_all`` around the gated
     delta rule's local op, each all-to-all replaced by ``exchange`` (a copy of the same size, or nothing)."""
     from megatron_zeco.comm import as_layout
@@ -219,13 +219,13 @@ def cases_for(args, ops, T, device):
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"
-            out.append((group, f"a2a P={P}", direction, lambda b=bwd, P=P: a2a_case(ops, x(), P, b)))
+            out.append((group, f"a2a P={P}", direction, lambda b=bwd, P=P: a2a_case(x(), P, b)))
             if P == 1:
                 out.append((group, "a2a P=1 stubbed", direction,
-                            lambda b=bwd: a2a_case(ops, x(), 1, b, exchange=no_all_to_all)))
+                            lambda b=bwd: a2a_case(x(), 1, b, exchange=no_all_to_all)))
             if P > 1:
                 out.append((group, f"a2a P={P} g=bf16", direction,
-                            lambda b=bwd, P=P: a2a_case(ops, x(g_dtype=torch.bfloat16), P, b)))
+                            lambda b=bwd, P=P: a2a_case(x(g_dtype=torch.bfloat16), P, b)))
                 out.append((group, f"fla H/{P} x {P}T", direction,
                             lambda b=bwd, P=P: fla_case(ops, make_inputs(P * T, H // P, D, args.seed, device), b)))
     if args.cases:
@@ -438,13 +438,12 @@ def write(args, rows, extra=None):
 
 
 def default_ops():
-    """The functions timed: fla's op, ZeCO's piece on fla's kernels, and the local op a2a calls."""
+    """The functions timed: fla's op and ZeCO's piece on fla's kernels."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from megatron_zeco.gated_delta_rule.local import gdn_local
     from megatron_zeco.gated_delta_rule.fla_piece import FlaDeltaPiece
 
-    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece, gdn_local=gdn_local)
+    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece)
 
 
 def measure(args, make, cycles):

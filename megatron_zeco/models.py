@@ -21,7 +21,7 @@ def build_hybrid_model(config, hybrid_layer_pattern: str, vocab_size: int, max_s
     Args:
         config: the model's TransformerConfig; ``num_layers`` must be the pattern's layer count
             (Megatron-LM sets it so from ``--hybrid-layer-pattern``).
-        hybrid_layer_pattern: ``G`` GLA (or Gated DeltaNet, by the stack spec), ``*`` softmax attention,
+        hybrid_layer_pattern: ``G`` GLA (or Gated DeltaNet or KDA, by the stack spec), ``*`` softmax attention,
             ``-`` MLP, ``E`` MoE, ``|`` between pipeline segments (their number a multiple of the
             pipeline size); e.g. ``G-G*-``.
         vocab_size, max_sequence_length: as HybridModel.

@@ -60,7 +60,7 @@ NAME                                    stack
 In your own model code, call :func:`gla_layer_spec`, :func:`gdn_layer_spec`, :func:`kda_layer_spec`,
 :func:`hybrid_layer_spec` or :func:`hybrid_stack_spec` (``mixer="gdn"`` for Gated DeltaNet, ``mixer="kda"``
 for KDA) instead, and
-``megatron_zeco.mcore.hybrid_stack.build_hybrid_model``. Everything but the token mixer (norms, MLP,
+``megatron_zeco.models.build_hybrid_model``. Everything but the token mixer (norms, MLP,
 bias-dropout-add) is whatever Megatron's own GPT (or hybrid) spec of the installed version builds,
 so the specs follow Megatron-Core releases.
 """
@@ -272,7 +272,7 @@ def kda_layer_spec(
     params = dict(cp_config=_cp_config("kda", cp_config, cp_knobs, "kda_layer_spec"),
                   conv_kernel_size=conv_kernel_size, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
-        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "kda_hybrid_local_spec"})
+        return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "kda_local_spec"})
     if use_te:
         base = get_gpt_layer_with_transformer_engine_spec()
         column, row = TEColumnParallelLinear, TERowParallelLinear
@@ -323,25 +323,27 @@ def hybrid_layer_spec(
     normalization: Optional[str] = None,
     **cp_knobs,
 ) -> ModuleSpec:
-    """Layer spec of a hybrid model: GLA layers and causal softmax-attention layers by ``pattern``.
+    """Layer spec of a hybrid model: linear-attention layers (``mixer``) and causal softmax-attention layers
+    by ``pattern``.
 
     Args:
-        pattern: ``G`` (GLA) and ``*`` (softmax attention), repeated over the layers: layer n
+        pattern: ``G`` (the mixer) and ``*`` (softmax attention), repeated over the layers: layer n
             (1-based, over all pipeline stages) is ``pattern[(n - 1) % len(pattern)]``, so
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.mcore.gpt_hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
         mixer: ``gla``, ``gdn`` or ``kda``: the ``G`` layers are GLA (:func:`gla_layer_spec`), Megatron-Core's
             Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`; the gate knobs must keep their defaults) or
             KDA (:func:`kda_layer_spec`; ``gate_timescales`` applies, ``gate_low_rank_dim`` must keep its default).
-        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
-            :func:`gdn_layer_spec` take it); its layout and packed split are the softmax layers' too
+        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec`,
+            :func:`gdn_layer_spec` or :func:`kda_layer_spec` take it); its layout and packed split are the softmax layers' too
             (TE's attention takes ``zigzag`` only).
-        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
+        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`); ``gate_timescales``
+            the KDA layers' too (:func:`kda_layer_spec`).
         normalization: as in :func:`gla_layer_spec`.
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
     zigzag layout under CP; for packed batches under CP the per-document split) or none;
-    GLA layers ignore them. Packed batches attend within each document.
+    the ``G`` layers ignore them. Packed batches attend within each document.
     """
     check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
     _check_mixer(mixer)
@@ -376,10 +378,10 @@ def hybrid_stack_spec(
     normalization: Optional[str] = None,
     **cp_knobs,
 ) -> ModuleSpec:
-    """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA or
-    Gated DeltaNet layers.
+    """``HybridStack`` spec of Megatron-Core's ``HybridModel`` (megatron-core >= 0.19) with GLA, Gated
+    DeltaNet or KDA layers.
 
-    The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer or Gated DeltaNet
+    The layers are ``--hybrid-layer-pattern``'s symbols: ``G`` the GLA token mixer, Gated DeltaNet or KDA
     (``mixer``; Megatron's ``gdn_layer`` slot), ``*`` causal softmax self-attention, ``-`` MLP, ``E`` MoE; each a norm,
     the module and the residual, as in Megatron's ``hybrid_stack_spec``. All layers share the CP
     split. See megatron_zeco.mcore.hybrid_stack.
@@ -393,10 +395,11 @@ def hybrid_stack_spec(
             (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`; the gate knobs must keep
             their defaults); ``kda``: Kimi Delta Attention (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`;
             ``gate_timescales`` applies).
-        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec` or
-            :func:`gdn_layer_spec` take it); its layout and packed split are every layer's (TE's
+        cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec`,
+            :func:`gdn_layer_spec` or :func:`kda_layer_spec` take it); its layout and packed split are every layer's (TE's
             attention takes ``zigzag``, Megatron's ``get_batch_on_this_cp_rank`` split, only).
-        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`).
+        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`); ``gate_timescales``
+            the KDA layers' too (:func:`kda_layer_spec`).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
             TE norms follow ``--normalization`` by themselves.
 

@@ -430,7 +430,7 @@ def test_command_line_runs_from_an_installed_copy(tmp_path):
 
 
 def test_the_run_time_choice_stands_alone():
-    """comm/shape.py, what all_scan(shape="auto") asks, loads on the standard library alone (no
+    """comm/shape.py, what an All-Scan of shape "auto" asks, loads on the standard library alone (no
     torch, no result files), and nothing in comm imports the cost model."""
     path = ROOT / "megatron_zeco" / "comm" / "shape.py"
     code = ("import importlib.util, sys; sys.modules['torch'] = None; before = set(sys.modules); "

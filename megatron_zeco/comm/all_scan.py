@@ -41,20 +41,19 @@ from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
-from .peer import DEVICE_TRANSPORTS, peer_all_scan
+from .peer import DEVICE_TRANSPORTS, RESOLVED_TRANSPORTS, peer_all_scan
 from .shape import scan_choice
 from .transition import transition_of
 
 Tensor = torch.Tensor
 SHAPES = ("auto", "chain", "hierarchical")
 SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
-RESOLVED_TRANSPORTS = ("send_recv",) + DEVICE_TRANSPORTS
 
 
 @dataclass(frozen=True)
 class Route:
-    """Where a scan runs and how its states travel; every value resolved (a layer's comes from its
-    ``CPPlan``).
+    """Where a scan runs and how its states travel (a layer's comes from its ``CPPlan``): the transport
+    resolved; ``shape`` may be ``auto`` and ``node_size`` None, looked up per group when the scan runs.
 
     Attributes:
         layout: which pieces each rank holds.

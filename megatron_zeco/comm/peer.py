@@ -8,7 +8,8 @@ shape with torch's symmetric memory, and a hop is one Triton kernel
 the result straight into the next rank's buffer, tile by tile. No host synchronisation, no
 NCCL call; the kernel is ordered on the current stream like any other.
 
-Transports (``all_scan(transport=...)``, ``zeco_gla(transport=...)``):
+Transports (an operator's ``transport=``, a layer's ``cp_transport``; resolved once by the CP plan, and a
+scan's ``Route`` carries the result):
 
 * ``send_recv``: the process group's point-to-point messages (NCCL on GPUs, gloo on CPUs); works
   everywhere.
@@ -16,7 +17,9 @@ Transports (``all_scan(transport=...)``, ``zeco_gla(transport=...)``):
   On the CPU, files in shared memory (``/dev/shm``) and the kernel under ``TRITON_INTERPRET=1``:
   slow, for testing the protocol with real processes.
 * ``auto`` (default): ``$MEGATRON_ZECO_TRANSPORT`` if set, else ``peer_memory`` for CUDA states
-  when every rank of the group is on this host, else ``send_recv``.
+  when every rank of the group is on this host, else ``send_recv`` (:func:`resolve_transport`; an
+  operator whose rules say so, the gated delta rule's and KDA's, resolves ``auto`` to ``send_recv``
+  itself: ``cp.config.RULES``).
 
 A rank that never arrives (it died, or stalled) is reported, not spun on: every wait of the scan
 kernels is bounded by the group's timeout (or ``$MEGATRON_ZECO_SCAN_TIMEOUT`` seconds), measured
@@ -47,6 +50,7 @@ from .transition import Dense, transition_of
 
 Tensor = torch.Tensor
 TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
+RESOLVED_TRANSPORTS = TRANSPORTS[1:]  # what a plan resolves ``auto`` to, and what a scan's Route takes
 TRANSPORT_ENV = "MEGATRON_ZECO_TRANSPORT"
 _ALIGN = 16
 _TILE_ROWS = 32
@@ -114,7 +118,7 @@ def resolve_transport(transport: str, group, like: Tensor) -> str:
                                                       else "send_recv")
         if transport == "peer_memory" and _process_transport() == "nvshmem":
             transport = "nvshmem"
-    if transport not in TRANSPORTS[1:]:
+    if transport not in RESOLVED_TRANSPORTS:
         raise ValueError(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
                          f" (argument transport, layer cp_transport, or ${TRANSPORT_ENV})")
     if transport == "peer_memory":

@@ -1,6 +1,6 @@
 """Which shape an All-Scan takes: the chain or the hierarchical scan, by their critical paths.
 
-``all_scan(shape="auto")`` asks :func:`scan_choice` which shape has the shorter critical path for
+An All-Scan whose ``Route.shape`` is ``auto`` asks :func:`scan_choice` which shape has the shorter critical path for
 the group's nodes. This module replays both shapes as built: the chain's hops through every piece
 (:func:`chain_hops`, as ``all_scan`` walks them) and the hierarchical scan's messages step by step
 (:func:`hierarchical_steps`, as ``comm.hierarchical`` sends them), and times a path of messages
@@ -164,7 +164,7 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     """``chain`` or ``hierarchical``: the All-Scan shape with the shorter critical path (forward and
     backward) for a group whose ranks sit on ``nodes`` (each rank's node), at :data:`HOP_COST` and the
     cluster's links; the chain where both take as long (the same hops inside and between nodes: it
-    sends fewer messages). What ``all_scan(shape="auto")`` runs over send/recv
+    sends fewer messages). What an All-Scan of shape ``auto`` runs over send/recv
     (remembered per arguments: a layer's scans ask the same question every step)."""
     P = len(nodes)
     node = _node_of(tuple(nodes))

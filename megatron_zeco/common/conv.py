@@ -1,4 +1,4 @@
-"""The short causal convolution of Gated DeltaNet (and Mamba) on one device, started from given inputs.
+"""The short causal convolution of Gated DeltaNet and KDA (and Mamba) on one device, started from given inputs.
 
 Depthwise, per channel c with a kernel of W taps:
 

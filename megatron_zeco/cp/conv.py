@@ -2,7 +2,7 @@
 
 Each rank convolves its own pieces of the sequence; the W - 1 tokens before each piece come from
 the ranks that hold them by a halo exchange (``comm/halo.py``), and the local convolution starts
-each piece from them (``ops/conv.py``). The result is exactly the convolution of the whole
+each piece from them (``common/conv.py``). The result is exactly the convolution of the whole
 sequence, restarted at every document of a packed one, under either layout and either packed
 split. Per layer this moves (W - 1) x C values per piece, against the all-to-all of every
 token's channels that a head-parallel convolution needs.

@@ -28,7 +28,7 @@ sequential work runs on many programs at once:
     K4 output    o_c = o^0_c + R_c X_j,  X_j = P_j S_in                                (parallel; after the scan)
     K5 gradient  A = sum_j P_j^T (sum_{c in j} R_c^T do_c)                             (parallel reduction)
 
-``S_out = M S_in + E`` (``M`` as ``delta_chunk.chunk_gated_delta_rule_state``: latest token leftmost,
+``S_out = M S_in + E`` (``M`` as ``chunk.chunk_gated_delta_rule_state``: latest token leftmost,
 acting on the K rows of the state), and the entering state's gradient from the piece's outputs is ``A``;
 the backward scan adds ``M^T D`` (D: the leaving state's gradient). The gradients of the inputs are
 fla's ``chunk_gated_delta_rule_bwd`` from ``initial_state=S_in`` with ``dht=D``: the piece computes
@@ -38,8 +38,8 @@ Packed input: ``cu_seqlens`` offsets of N segments in one row (B = 1); every seg
 ``S_in``, ``M``, ``A`` and chunks (fla's varlen chunking: chunks restart at each segment's start, the
 last one may be partial, a segment may be shorter than a chunk). Dense input ``[B, T, ...]`` is B
 segments of T tokens (:meth:`SubPieces.dense`). :class:`SubPieces` is the host-side plan shared with the
-Triton kernels (``megatron_zeco.gated_delta_rule.kernels``); this module is their reference, the CPU
-path, and imports no Triton. Every function computes in float64 for float64 inputs and in float32
+Triton kernels (``megatron_zeco.gated_delta_rule.kernels``); this module is their reference (the tests'; the
+CPU runs the chunked form, ``chunk.py``) and imports no Triton. Every function computes in float64 for float64 inputs and in float32
 otherwise, and takes the keyword arguments of its kernel counterpart (dtype and precision choices of
 the GPU path are accepted and only the output dtypes honoured).
 """

@@ -27,7 +27,7 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
 ``A`` is the gradient of ``<do, o>`` with respect to ``S_in``; the entering state's full gradient is
 ``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's
 ``chunk_gated_delta_rule_bwd`` from ``initial_state=S_in`` with ``dht=D``. The math, the plan and the
-float64 reference (also the CPU path): ``megatron_zeco.gated_delta_rule.correction``; the Python wrappers
+float64 reference: ``megatron_zeco.gated_delta_rule.correction``; the Python wrappers
 here take the same arguments and return the same tensors.
 
 Layouts (token-major, as fla): q, k, w, Qt, R ``[B, T, H, K]``; g (G) ``[B, T, H]`` float32; o, do

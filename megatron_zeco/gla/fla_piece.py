@@ -17,7 +17,7 @@ backward: ``dh`` from the outputs' gradient alone (its initial-state gradient is
 
 fla's own kernels do the rest; the three that read ``h`` or ``dh`` after the scan, and the
 one that sums the chunk decays (float64, one launch), are this project's
-(``kernels/chunk_state.py``), so ZeCO adds no pass over the states or the inputs. Results
+(``gla/kernels.py``), so ZeCO adds no pass over the states or the inputs. Results
 are those of fla's ``chunk_gla`` with ``initial_state=S_in`` and final-state gradient
 ``D``, up to rounding: the forward adds the ``S_in`` term as its own product (``S_in``
 unrounded) rather than rounding it into ``h``; the backward adds ``D`` to the float32

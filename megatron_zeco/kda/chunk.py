@@ -34,7 +34,7 @@ decay. Every exponent is <= 0, and no decay that is 1 by construction depends on
 and two O(1) paths cancelling in it would leave rounding noise far above it. Computation runs in float64
 for float64 inputs and in float32 otherwise; states are float32 or float64. Differentiable with
 torch.autograd. Packed input (``cu_seqlens``) runs as a zero-padded batch of segments, as in
-``ops/chunk.py`` (padding: ``beta = 0``, ``g = 0``, so the state passes unchanged).
+``gla/chunk.py`` (padding: ``beta = 0``, ``g = 0``, so the state passes unchanged).
 
 Grouped value attention as fla's: ``HV`` value heads (``v``, ``g``, ``beta``, states), ``H`` query/key
 heads, value head ``h`` reading query/key head ``h // (HV // H)``.
