@@ -36,12 +36,14 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
+from .comm.peer import TRANSPORTS
 from .cp.config import RULES, CPConfig
 from .recall import RecallTask
 
 PROG = "megatron_zeco.train"
 SEQ_LEN = 64  # --seq-len's default, rounded up to what the CP layout cuts evenly
 GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pattern's length)
+MIXERS = ("gla", "kda")  # the --mixer choices: each is its CP operator (its CPConfig's rules)
 # --hybrid-layer-pattern's symbols this job builds (Megatron-LM's): the hybrid stack's slots of
 # megatron_zeco.specs.hybrid_stack_spec without TransformerEngine.
 HYBRID_SYMBOLS = {"G": "GLA or KDA (--mixer)", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
@@ -79,7 +81,7 @@ class TrainConfig:
                            "group's messages: NCCL, gloo), peer_memory (stores into the peers' GPU memory, one node; "
                            "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
                            "between the GPUs of one node, else send_recv",
-                           metavar="{auto,send_recv,peer_memory,nvshmem}")
+                           metavar="{" + ",".join(TRANSPORTS) + "}")
     piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
                                        "(zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
@@ -92,7 +94,7 @@ class TrainConfig:
                        choices=["gpt", "hybrid"])
     mixer: str = _flag("gla", MODEL, "the token mixer of the G layers: gla (gated linear attention) or kda "
                        "(Kimi Delta Attention: the gated delta rule with a per-channel forget gate and a short "
-                       "convolution)", choices=["gla", "kda"])
+                       "convolution)", choices=list(MIXERS))
     pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = --mixer, * = causal "
                          "softmax attention ('G*': every second layer softmax)")
     hybrid_layer_pattern: str = _flag("G-G-", MODEL, "--model hybrid: one layer per symbol, as Megatron-LM's "
@@ -377,20 +379,16 @@ def transformer_config(cfg: TrainConfig):
     )
 
 
-# The CP operator of each --mixer (its CPConfig's rules).
-MIXER_OPERATORS = {"gla": "gla", "kda": "kda"}
-
-
 def cp_config(cfg: TrainConfig) -> CPConfig:
     """The G layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
-    if cfg.mixer not in MIXER_OPERATORS:
-        raise ValueError(f"--mixer must be one of {', '.join(MIXER_OPERATORS)}, got {cfg.mixer!r}")
+    if cfg.mixer not in MIXERS:
+        raise ValueError(f"--mixer must be one of {', '.join(MIXERS)}, got {cfg.mixer!r}")
     knobs = dict(strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks, transport=cfg.transport)
     if cfg.mixer == "gla":
         knobs["piece_split"] = cfg.piece_split
     elif cfg.piece_split is not None:
         raise ValueError(f"--piece-split applies to --mixer gla only; drop it for --mixer {cfg.mixer}")
-    return CPConfig(operator=MIXER_OPERATORS[cfg.mixer], **knobs)
+    return CPConfig(operator=cfg.mixer, **knobs)
 
 
 def _mixer_knobs(cfg: TrainConfig) -> dict:
@@ -404,7 +402,7 @@ def layer_spec(cfg: TrainConfig):
 
     knobs = _mixer_knobs(cfg)
     if cfg.pattern == "G":
-        mixer, knobs = knobs.pop("mixer"), knobs
+        mixer = knobs.pop("mixer")
         return (gla_layer_spec if mixer == "gla" else kda_layer_spec)(**knobs)
     return hybrid_layer_spec(cfg.pattern, **knobs)
 
@@ -815,7 +813,9 @@ def main(argv=None):
         _tell_the_launcher(message)
         code = 2
     except (ScanTimeoutError, FloatingPointError) as e:  # each rank says what it saw; no step was applied
-        print(f"{PROG}: error on global rank {_launch_rank()}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        message = f"{PROG}: error on global rank {_launch_rank()}: {type(e).__name__}: {e}"
+        print(message, file=sys.stderr, flush=True)
+        _tell_the_launcher(message)
         code = 1
     finally:
         if owns_group and dist.is_initialized():

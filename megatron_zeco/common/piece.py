@@ -20,6 +20,7 @@ from typing import Callable, NamedTuple, Optional, Tuple
 import torch
 
 from .backend import record, replay
+from .chunked import state_dtype
 
 Tensor = torch.Tensor
 
@@ -40,7 +41,7 @@ class LocalOpPiece:
         N = q.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         H, K, V = v.shape[2], k.shape[-1], v.shape[-1]
         wide = torch.cat([v, v.new_zeros(*v.shape[:-1], K)], dim=-1)
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = state_dtype(q.dtype)
         h0 = torch.zeros(N, H, K, V + K, dtype=dtype, device=q.device)
         h0[..., V:] = torch.eye(K, dtype=dtype, device=q.device)
         with torch.no_grad():
@@ -59,20 +60,18 @@ class LocalOpPiece:
         pass
 
     def output(self, S_in: Tensor) -> Tensor:
-        with torch.enable_grad():
-            self.leaves = tuple(x.detach().requires_grad_() for x in (*self.inputs, S_in))
-            self.o, self.final = self.local(*self.leaves[:5], scale=self.scale, initial_state=self.leaves[5],
-                                            output_final_state=True, **self.documents)
-        return self.o.detach()
+        o, _, self.saved = record(self.local, self.inputs, S_in, scale=self.scale, output_final_state=True,
+                                  **self.documents)
+        return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
         self.do = do
-        (A,) = torch.autograd.grad(self.o, self.leaves[5], do, retain_graph=True)
+        (A,) = torch.autograd.grad(self.saved.o, self.saved.leaves[-1], do, retain_graph=True)
         return A
 
     def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
-        grads = torch.autograd.grad([self.o, self.final], self.leaves[:5], [self.do, D.to(self.final.dtype)])
-        del self.o, self.final, self.leaves
+        grads, _ = replay(self.saved, self.do, D.to(self.saved.ht.dtype))
+        del self.saved  # the local op's graph, no longer needed
         return grads
 
 

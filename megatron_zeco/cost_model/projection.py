@@ -61,11 +61,10 @@ def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster
     """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
     (each at its best transport), lasp2, lasp1, a2a; ``heads``: (heads, head dim) of the layer, on
     ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
-    c = cluster
     heads, head_dim = heads
     w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime)
     t_op = w.op_ms * 1e-3
-    zeco = zeco_choices(w, c, cal, regime, transports=transports)
+    zeco = zeco_choices(w, cluster, cal, regime, transports=transports)
     out = [zeco[0]]
     for shape in SHAPES:
         best = [ch for ch in zeco if ch.shape == shape]
@@ -76,7 +75,7 @@ def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster
         if strategy == "a2a" and heads % P:
             out.append(Choice(strategy, math.inf, 0.0, why_not=f"needs the {heads} heads divisible by {P} GPUs"))
             continue
-        t = layer_time(strategy, w, c, sw)
+        t = layer_time(strategy, w, cluster, sw)
         out.append(Choice(strategy, t, t_op / t))
     return out
 

@@ -23,24 +23,24 @@ def head_all_to_all(op, plan, call, inputs, h0):
     group, packing = plan.group, call.packing
     world, me = group.size(), group.rank()
     heads = inputs[0].shape[2] // world
-    order = None if packing is None else torch.cat([packing.positions(r) for r in range(world)])
-    mine = tuple(_whole_sequence(all_to_all(list(x.split(heads, dim=2)), group), plan, order) for x in inputs)
+    gathered = None if packing is None else packing.gathered
+    mine = tuple(_whole_sequence(all_to_all(list(x.split(heads, dim=2)), group), plan, gathered) for x in inputs)
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
     o, final = op.local(mine, initial_state_to(h0, mine[0]), call)
     if packing is None:
         back = all_to_all([plan.layout.shard(o, r, world, dim=1) for r in range(world)], group)
     else:
-        sizes = [len(packing.positions(r)) for r in range(world)]
+        order, _, sizes = gathered
         back = all_to_all(list(o[:, order].split(sizes, dim=1)), group)
     o = back[0] if world == 1 else torch.cat(back, dim=2)
     return o, (all_gather(final, 1, group) if call.output_final_state else None)
 
 
-def _whole_sequence(parts: List[torch.Tensor], plan, order):
+def _whole_sequence(parts: List[torch.Tensor], plan, gathered):
     """Every rank's tokens of this rank's heads (``parts``, in group rank order) in sequence order: the
-    layout's unshard, or for packed input the tokens back at their global positions (``order``: every
-    rank's positions, rank by rank)."""
-    if order is None:
+    layout's unshard, or for packed input the tokens back at their global positions (``gathered``:
+    ``Packing.gathered``)."""
+    if gathered is None:
         return parts[0] if len(parts) == 1 and plan.pieces_per_rank == 1 else plan.layout.unshard(parts, dim=1)
     whole = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-    return whole[:, order.argsort()]
+    return whole[:, gathered[1]]

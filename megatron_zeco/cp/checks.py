@@ -138,12 +138,8 @@ def packed_problems(args, strategy: Optional[str], world: int) -> List[str]:
 
 
 def split_problems(q, piece_split, cu_seqlens, pieces_per_rank) -> List[str]:
-    """This rank's problems with ``piece_split`` (sub-pieces per piece)."""
-    if piece_split is None:  # chosen by zeco_gla, always valid
-        return []
-    if not isinstance(piece_split, int) or isinstance(piece_split, bool) or piece_split < 1:
-        return [f"piece_split = {piece_split!r} must be a positive integer or None"]
-    if piece_split == 1:
+    """This rank's problems with ``piece_split`` (sub-pieces per piece; a value ``CPConfig`` has checked)."""
+    if piece_split is None or piece_split == 1:  # None: chosen by zeco_gla, always valid
         return []
     if cu_seqlens is not None:
         return ["piece_split applies to unpacked sequences; packed ones (cu_seqlens) run their documents' "

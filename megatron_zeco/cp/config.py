@@ -148,7 +148,7 @@ class CPConfig:
     def dims_problems(self, K: int, V: int) -> List[str]:
         """What is wrong with the knobs for heads of key dim ``K`` and value dim ``V``."""
         axis, dim = ("key", K) if self.rules.blocks == "rows" else ("value", V)
-        if self.num_blocks < 1 or dim % self.num_blocks:
+        if dim % self.num_blocks:
             what = "key rows" if self.rules.blocks == "rows" else "value columns"
             return [f"cp_num_blocks {self.num_blocks} must divide the {axis} head dim ({dim}): {self.rules.name}'s "
                     f"All-Scan pipelines the state in blocks of {what}"]

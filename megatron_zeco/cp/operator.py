@@ -12,7 +12,7 @@ make the config from their keywords, check the inputs on every rank alike, plan,
 :func:`run_planned` is the same under a plan built beforehand (a layer's).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -85,7 +85,6 @@ class Arguments:
     cu_seqlens: Optional[Tensor] = None
     per_document: bool = False
     scale: Optional[float] = None
-    extra: dict = field(default_factory=dict)
 
 
 def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: bool = True,

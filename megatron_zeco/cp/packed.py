@@ -25,6 +25,7 @@ Per document, every chain is a full layout chain (document pieces 0..n-1 on thei
 owners), so the chains of all documents travel through one scan as a batch of states.
 """
 
+import functools
 from bisect import bisect_left, bisect_right
 from collections import deque
 from typing import List, Sequence, Tuple
@@ -158,6 +159,21 @@ class Packing:
             return D
         return D.new_zeros(len(self.cu) - 1, *D.shape[1:]).index_copy(0, self.tail, D)
 
+    @functools.cached_property
+    def gathered(self) -> Tuple[Tensor, Tensor, List[int]]:
+        """Every rank's tokens gathered rank by rank (a head all-to-all, softmax attention's K/V all-gather):
+        their global indices (``order``), the permutation that puts them in sequence order (``inverse``,
+        ``whole[:, inverse]``), and each rank's token count. Made once per Packing, so once per step."""
+        parts = [_positions(_pieces(self.bounds, self.layout, self.world, r, self.per_document))
+                 for r in range(self.world)]
+        order = torch.cat(parts)
+        flat = torch.cat([order, order.argsort()])
+        if self.cu.device.type == "cuda":
+            flat = flat.pin_memory()
+        order, inverse = flat.to(self.cu.device, non_blocking=True).split(len(order))
+        return order, inverse, [len(p) for p in parts]
+
     def positions(self, rank: int) -> Tensor:
         """Global indices of ``rank``'s tokens in its local order."""
-        return _positions(_pieces(self.bounds, self.layout, self.world, rank, self.per_document)).to(self.cu.device)
+        order, _, sizes = self.gathered
+        return order.split(sizes)[rank]

@@ -18,7 +18,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import fla, uses_kernels
+from ..common.backend import fla, uses_kernels, varlen
 from ..common.piece import ChunkedForms, ChunkedPiece
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 
@@ -42,9 +42,9 @@ def gdn_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[
     """
     q = inputs[0]
     if uses_kernels(q.device, q.dtype):
-        varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return _fla_chunk_gated_delta_rule()(*inputs, scale=scale, initial_state=initial_state,
-                                             output_final_state=output_final_state, **varlen)
+                                             output_final_state=output_final_state,
+                                             **varlen(q, cu_seqlens, cu_seqlens_cpu))
     return chunk_gated_delta_rule(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 

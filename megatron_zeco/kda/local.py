@@ -17,7 +17,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..common.backend import fla, uses_kernels
+from ..common.backend import fla, uses_kernels, varlen
 from ..common.piece import ChunkedForms, ChunkedPiece, LocalOpPiece
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
@@ -42,9 +42,8 @@ def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[
     """
     q = inputs[0]
     if uses_kernels(q.device, q.dtype):
-        varlen = {} if cu_seqlens is None else dict(cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
         return _fla_chunk_kda()(*inputs, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state, **varlen)
+                                output_final_state=output_final_state, **varlen(q, cu_seqlens, cu_seqlens_cpu))
     return chunk_kda(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 

@@ -100,6 +100,7 @@ class AllGatherDotProductAttention(MegatronModule):
             packing = Packing.cached(cu_seqlens, self.layout, world, rank, s, per_document, device)
         except ValueError as e:
             raise ValueError(f"{self.name}: {e}") from None
-        mine = [packing.positions(r) for r in range(world)]
-        document = [torch.searchsorted(packing.documents, p, right=True) for p in mine]
-        return (torch.cat(mine) <= mine[rank][:, None]) & (torch.cat(document) == document[rank][:, None])
+        order, _, sizes = packing.gathered
+        document = torch.searchsorted(packing.documents, order, right=True)
+        me = slice(sum(sizes[:rank]), sum(sizes[:rank + 1]))
+        return (order <= order[me, None]) & (document == document[me, None])

@@ -83,6 +83,3 @@ def _layer_name(submodules, slot: str, name: str) -> str:
     module = getattr(getattr(mixer, "module", None), "__name__", "")
     return {"ZecoGatedDeltaNet": "Gated DeltaNet", "KimiDeltaAttention": "KDA"}.get(module, name)
 
-
-# The names of earlier releases, when the stack held GLA layers only.
-GLAHybridStack, GLAHybridStackSubmodules = ZecoHybridStack, ZecoHybridStackSubmodules

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron_zeco.mcore.host import host_as_cuda
 from .reference import rel_err
 
 
@@ -29,15 +30,6 @@ def transformer_config(**overrides):
     base = dict(num_layers=1, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
                 hidden_dropout=0.0, attention_dropout=0.0)
     return TransformerConfig(**{**base, **overrides})
-
-
-def host_as_cuda():
-    """megatron-core 0.16's dist-checkpointing and sequence-parallel collectives assume CUDA
-    (buffers on torch.cuda.current_device(), host copies followed by torch.cuda.synchronize()).
-    On a CPU-only machine, let the host stand in for the device (the main job's own stand-in)."""
-    from megatron_zeco.mcore.host import host_as_cuda as host
-
-    return host()
 
 
 def _cpu_rope_pos_emb(pos_emb, seq_dim, cp_group):
