@@ -194,6 +194,25 @@ def test_kernels_match_reference(seed, dtype, precision, lengths, sub_pieces, lo
     assert rel_err(o.cpu(), o0.cpu()) > 0.05 and (M_ref - torch.eye(K, dtype=torch.float64)).norm() > 0.1
 
 
+def test_kernels_with_four_row_tiles(seed):
+    """K = 64 held as four tiles of 16 rows in K2 (the third and fourth tiles' own load, update and store
+    branches) and four column blocks in K3, packed: R, L, P and M against the float64 reference."""
+    from megatron_zeco.gated_delta_rule import kernels as dc
+
+    lengths, H, K, V = [37, 70], 2, 64, 16
+    _, (q, k, w, G), _, _ = _kernel_inputs(seed, lengths, H, K, V, torch.float32)
+    plan = ref.SubPieces(_cu(lengths), 16, 2)
+    kw = dict(precision="ieee")
+    qt = dc.correction_reads(q, k, w, G, K ** -0.5, plan, **kw)
+    R, L = dc.sub_piece_maps(qt, k, w, G, plan, block_cols=16, block_rows=16, **kw)
+    P, M = dc.prefix_maps(L, plan, block_cols=16, **kw)
+    R_ref, L_ref = ref.sub_piece_maps(_d(qt), _d(k), _d(w), _d(G), plan)
+    P_ref, M_ref = ref.prefix_maps(_d(L), plan)
+    errors = {"R": rel_err(_d(R), R_ref), "L": rel_err(_d(L), L_ref), "P": rel_err(_d(P), P_ref),
+              "M": rel_err(_d(M), M_ref)}
+    assert max(errors.values()) < TOL32, errors
+
+
 @pytest.mark.parametrize("lengths,sub_pieces", [([200], 3), ([37, 5, 0, 100, 16], 2)], ids=["one-3", "packed-2"])
 def test_kernels_match_loop(seed, lengths, sub_pieces):
     """The kernels end to end (float32) against the float64 loop: o^0 + correction is the output from

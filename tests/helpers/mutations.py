@@ -82,6 +82,10 @@ MUTATIONS = [
              "        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)\n"
              "        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])\n",
              "the gated delta rule's sub-piece prefix P_j includes sub-piece j's own map"),
+    Mutation("gdn-fourth-row-tile-offset", "megatron_zeco/gated_delta_rule/kernels.py",
+             "b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 3 * BK, K, BK, PRECISION, INTERPRETED)",
+             "b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 2 * BK, K, BK, PRECISION, INTERPRETED)",
+             "the sub-piece map's fourth row tile updated with the third tile's keys"),
     Mutation("local-op-piece-no-identity", "megatron_zeco/common/piece.py",
              "h0[..., V:] = torch.eye(K, dtype=dtype, device=q.device)", "pass",
              "KDA's piece summary entered from [0 | 0] instead of [0 | I] (its transition M = 0)"),
