@@ -6,10 +6,13 @@ columns, decay regimes per key channel (none, ~1, strong, underflowing, mixed; b
 some tokens), with and without initial and final state, K != V, pieces of 13 and 26 tokens (chunks of
 16), odd rank counts, packed documents under both splits. Outputs, final states and the gradients of
 q, k, v, g, beta and the initial state to 1e-10; bad input gets the same ValueError on every rank.
-One case at P = 2 is in the fast tier (with bad input); the rest is marked slow.
+The piece CUDA runs (``common.piece.LocalOpPiece`` on the local op) across ranks, packed, at P = 2 and 3.
+One case at P = 2 of each is in the fast tier (with bad input); the rest is marked slow.
 """
 
+import dataclasses
 import itertools
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_zeco import Layout, packed_positions, zeco_kda
 from tests.helpers.checks import above, assert_no_failures
+from tests.helpers.marks import slow_except
 from tests.helpers.reference import SPLITS, document_lengths, kda_problem, packed_reference, reference, rel_err
 
 RANK_POOL = dict(world=8, pg_timeout=120)
@@ -127,6 +131,28 @@ def _check_packed(group, seed, local_len):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_packed_documents_match_each_document_alone(pool, seed, world):
     assert_no_failures(pool.run(_check_packed, world, seed, 16))
+
+
+def _check_packed_on_local_op_piece(group, seed, local_len):
+    """``_check_packed`` with the piece CUDA runs (``common.piece.LocalOpPiece``: the summary by linearity
+    from one call of the local op over ``[v | 0]``, then the call from ``S_in`` and its autograd), here
+    on the local op's PyTorch form in float64."""
+    from megatron_zeco.common.piece import LocalOpPiece
+    from megatron_zeco.kda import op as kda_op
+    from megatron_zeco.kda.local import kda_local_fn
+
+    def piece(q, k, v, g, beta, scale, cu_seqlens=None, cu_seqlens_cpu=None):
+        return LocalOpPiece(kda_local_fn, (q, k, v, g, beta), scale, cu_seqlens, cu_seqlens_cpu)
+
+    with mock.patch.object(kda_op, "KDA", dataclasses.replace(kda_op.KDA, piece=piece)):
+        return _check_packed(group, seed, local_len)
+
+
+@pytest.mark.parametrize("world", slow_except([2, 3], 2))
+def test_local_op_piece_across_ranks_matches_each_document_alone(pool, seed, world):
+    """The CUDA piece's protocol on real processes (zeco and lasp2 call the piece; a2a the local op): packed
+    documents under both splits, documents starting and ending inside pieces."""
+    assert_no_failures(pool.run(_check_packed_on_local_op_piece, world, seed, 16))
 
 
 def _inputs(rank, T=12, H=2, beta_shape=None, dims_g=4):
