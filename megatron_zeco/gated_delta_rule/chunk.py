@@ -19,7 +19,8 @@ Then, per chunk:
     S_out = M_c S_0 + E_c,   M_c = exp(G_C) I - Kd^T W,   E_c = Kd^T U,   Kd_j = exp(G_C - G_j) k_j
 
 A piece of sequence is the affine map ``S_out = M S_in + E`` (the chunks' maps composed): ZeCO's
-summary, with a K x K matrix ``M`` where gated linear attention has a diagonal. The gradient of the
+summary, with a K x K matrix ``M`` where gated linear attention has a diagonal. This module computes
+the chunks' terms; the passes over the chunks are ``common/delta.py``'s, shared with KDA. The gradient of the
 piece's outputs with respect to ``S_in`` (``A``) walks the chunks backwards through ``M_c^T``.
 
 Every exponent is <= 0, and no decay that is 1 by construction depends on ``g`` (the diagonal of
@@ -30,30 +31,20 @@ Differentiable with torch.autograd. Packed input (``cu_seqlens``) runs as a zero
 segments, as in ``gla/chunk.py`` (padding: ``beta = 0``, ``g = 0``, so the state passes unchanged).
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ..common.chunked import Segments, chunked, state_dtype, unchunked
+from ..common import delta
+from ..common.chunked import Segments, chunked, state_dtype
+from ..common.delta import DeltaChunks
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK_SIZE = 16
 
 
-class _Chunks(NamedTuple):
-    """Per-chunk terms ``[B, H, N, C, ...]`` of the module docstring (state dtype)."""
-
-    q: Optional[Tensor]  # [.., C, K]
-    k: Tensor  # [.., C, K]
-    G: Tensor  # [.., C] cumulative log decay inside the chunk
-    decay: Tensor  # [.., C, C] exp(G_i - G_j) for j < i, zero elsewhere (no gradient on the diagonal)
-    U: Optional[Tensor]  # [.., C, V]
-    W: Tensor  # [.., C, K]
-    kd: Tensor  # [.., C, K] k_j exp(G_C - G_j)
-    last: Tensor  # [..] exp(G_C)
-
-
-def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
+def _chunk_terms(q, k, v, g, beta, chunk_size) -> DeltaChunks:
+    """The terms of every chunk (``common.delta``); ``q`` or ``v`` may be None."""
     dt = state_dtype(k.dtype)
     kc = chunked(k.to(dt), chunk_size)
     qc, vc = (None if x is None else chunked(x.to(dt), chunk_size) for x in (q, v))
@@ -69,7 +60,12 @@ def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
     solve = lambda rhs: torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # noqa: E731
     U = None if vc is None else solve(bc.unsqueeze(-1) * vc)
     W = solve((bc * G.exp()).unsqueeze(-1) * kc)
-    return _Chunks(qc, kc, G, decay, U, W, kc * after.exp().unsqueeze(-1), gc.sum(-1).exp())
+    qg = attn = None
+    if qc is not None:
+        qg = qc * G.exp().unsqueeze(-1)
+        attn = (qc @ kc.transpose(-1, -2)) * (decay + eye)
+    last = gc.sum(-1).exp().unsqueeze(-1).expand(*gc.shape[:-1], kc.shape[-1])  # one decay for every key channel
+    return DeltaChunks(qg, attn, U, W, kc * after.exp().unsqueeze(-1), last)
 
 
 def chunk_gated_delta_rule(
@@ -96,20 +92,10 @@ def chunk_gated_delta_rule(
         o, ht = chunk_gated_delta_rule(*(segments.split(x) for x in (q, k, v, g, beta)), scale, initial_state,
                                        output_final_state, chunk_size)
         return segments.merge(o), ht
-    B, T, H, K = q.shape
     if scale is None:
-        scale = K ** -0.5
-    c = _chunk_terms(q, k, v, g, beta, chunk_size)
-    S = c.U.new_zeros(B, H, K, v.shape[-1]) if initial_state is None else initial_state.to(c.U.dtype)
-    S_in, nu = [], []
-    for n in range(c.U.shape[2]):
-        S_in.append(S)
-        nu.append(c.U[:, :, n] - c.W[:, :, n] @ S)
-        S = c.last[:, :, n, None, None] * S + c.kd[:, :, n].transpose(-1, -2) @ nu[-1]
-    S_in, nu = torch.stack(S_in, dim=2), torch.stack(nu, dim=2)
-    attn = (c.q @ c.k.transpose(-1, -2)) * (c.decay + torch.eye(c.decay.shape[-1], dtype=S.dtype, device=S.device))
-    o = scale * ((c.q * c.G.exp().unsqueeze(-1)) @ S_in + attn @ nu)
-    return unchunked(o, T).to(v.dtype), (S if output_final_state else None)
+        scale = q.shape[-1] ** -0.5
+    o, S = delta.outputs(_chunk_terms(q, k, v, g, beta, chunk_size), scale, initial_state, q.shape[1])
+    return o.to(v.dtype), (S if output_final_state else None)
 
 
 def chunk_gated_delta_rule_state(
@@ -130,14 +116,7 @@ def chunk_gated_delta_rule_state(
     if cu_seqlens is not None:
         segments = Segments(cu_seqlens, k.shape[1], k.shape[0])
         return chunk_gated_delta_rule_state(*(segments.split(x) for x in (k, v, g, beta)), chunk_size)
-    c = _chunk_terms(None, k, v, g, beta, chunk_size)
-    K = k.shape[-1]
-    M_c = c.last[..., None, None] * torch.eye(K, dtype=c.W.dtype, device=k.device) - c.kd.transpose(-1, -2) @ c.W
-    E_c = c.kd.transpose(-1, -2) @ c.U
-    E, M = E_c[:, :, 0], M_c[:, :, 0]
-    for n in range(1, E_c.shape[2]):
-        E, M = M_c[:, :, n] @ E + E_c[:, :, n], M_c[:, :, n] @ M
-    return E, M
+    return delta.summary(_chunk_terms(None, k, v, g, beta, chunk_size))
 
 
 def chunk_gated_delta_rule_state_grad(
@@ -161,16 +140,6 @@ def chunk_gated_delta_rule_state_grad(
         segments = Segments(cu_seqlens, q.shape[1], q.shape[0])
         return chunk_gated_delta_rule_state_grad(*(segments.split(x) for x in (q, k, g, beta, do)), scale,
                                                  chunk_size)
-    K = q.shape[-1]
     if scale is None:
-        scale = K ** -0.5
-    c = _chunk_terms(q, k, None, g, beta, chunk_size)
-    doc = chunked(do.to(c.W.dtype), chunk_size)
-    eye = torch.eye(c.decay.shape[-1], dtype=c.W.dtype, device=q.device)
-    reads = c.q * c.G.exp().unsqueeze(-1) - ((c.q @ c.k.transpose(-1, -2)) * (c.decay + eye)) @ c.W  # [.., C, K]
-    local = scale * reads.transpose(-1, -2) @ doc  # [B, H, N, K, V]
-    M_c = c.last[..., None, None] * torch.eye(K, dtype=c.W.dtype, device=q.device) - c.kd.transpose(-1, -2) @ c.W
-    A = local[:, :, -1]
-    for n in range(local.shape[2] - 2, -1, -1):
-        A = local[:, :, n] + M_c[:, :, n].transpose(-1, -2) @ A
-    return A
+        scale = q.shape[-1] ** -0.5
+    return delta.entering_grad(_chunk_terms(q, k, None, g, beta, chunk_size), do, scale, chunk_size)

@@ -26,6 +26,8 @@ Then, per chunk:
 A piece of sequence is the affine map ``S_out = M S_in + E`` (the chunks' maps composed): ZeCO's summary,
 with ``M = prod_t (I - b_t k_t k_t^T) Diag(a_t)`` (latest token leftmost) a dense K x K matrix. The
 gradient of the piece's outputs with respect to ``S_in`` (``A``) walks the chunks backwards through ``M_c^T``.
+This module computes the chunks' terms; the passes over the chunks are ``common/delta.py``'s, shared
+with the gated delta rule.
 
 The pair decays ``exp(G_i - G_j)`` are formed per pair and channel (``[.., C, C, K]``, the upper triangle
 masked to -inf before exp), never as ``exp(G_i) exp(-G_j)``, whose second factor overflows under strong
@@ -40,29 +42,20 @@ Grouped value attention as fla's: ``HV`` value heads (``v``, ``g``, ``beta``, st
 heads, value head ``h`` reading query/key head ``h // (HV // H)``.
 """
 
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ..common.chunked import Segments, chunked, state_dtype, unchunked
+from ..common import delta
+from ..common.chunked import Segments, chunked, state_dtype
+from ..common.delta import DeltaChunks
 from .naive import to_value_heads
 
 Tensor = torch.Tensor
 DEFAULT_CHUNK_SIZE = 16
 
 
-class _Chunks(NamedTuple):
-    """Per-chunk terms ``[B, HV, N, C, ...]`` of the module docstring (state dtype)."""
-
-    qg: Optional[Tensor]  # [.., C, K] exp(G_i) * q_i
-    attn: Optional[Tensor]  # [.., C, C] P_ij for j <= i, zero above the diagonal
-    U: Optional[Tensor]  # [.., C, V]
-    W: Tensor  # [.., C, K]
-    kd: Tensor  # [.., C, K] exp(G_C - G_j) * k_j
-    last: Tensor  # [.., K] exp(G_C)
-
-
-def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
+def _chunk_terms(q, k, v, g, beta, chunk_size) -> DeltaChunks:
     """The terms of every chunk; ``q`` and ``k`` already per value head, ``q`` or ``v`` may be None."""
     dt = state_dtype(k.dtype)
     qc, kc, vc, gc = (None if x is None else chunked(x.to(dt), chunk_size) for x in (q, k, v, g))
@@ -85,12 +78,7 @@ def _chunk_terms(q, k, v, g, beta, chunk_size) -> _Chunks:
     if qc is not None:
         qg = qc * G.exp()
         attn = pairs(qc) + torch.diag_embed((qc * kc).sum(-1))
-    return _Chunks(qg, attn, U, W, kc * after.exp(), gc.sum(-2).exp())
-
-
-def _transitions(c: _Chunks) -> Tensor:
-    """Every chunk's ``M_c = Diag(exp(G_C)) - Kd^T W`` ``[B, HV, N, K, K]``."""
-    return torch.diag_embed(c.last) - c.kd.transpose(-1, -2) @ c.W
+    return DeltaChunks(qg, attn, U, W, kc * after.exp(), gc.sum(-2).exp())
 
 
 def chunk_kda(
@@ -118,20 +106,12 @@ def chunk_kda(
         o, ht = chunk_kda(*(segments.split(x) for x in (q, k, v, g, beta)), scale, initial_state,
                           output_final_state, chunk_size)
         return segments.merge(o), ht
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+    HV = v.shape[2]
     if scale is None:
-        scale = K ** -0.5
+        scale = q.shape[-1] ** -0.5
     c = _chunk_terms(to_value_heads(q, HV), to_value_heads(k, HV), v, g, beta, chunk_size)
-    S = c.U.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(c.U.dtype)
-    S_in, nu = [], []
-    for n in range(c.U.shape[2]):
-        S_in.append(S)
-        nu.append(c.U[:, :, n] - c.W[:, :, n] @ S)
-        S = c.last[:, :, n].unsqueeze(-1) * S + c.kd[:, :, n].transpose(-1, -2) @ nu[-1]
-    S_in, nu = torch.stack(S_in, dim=2), torch.stack(nu, dim=2)
-    o = scale * (c.qg @ S_in + c.attn @ nu)
-    return unchunked(o, T).to(v.dtype), (S if output_final_state else None)
+    o, S = delta.outputs(c, scale, initial_state, q.shape[1])
+    return o.to(v.dtype), (S if output_final_state else None)
 
 
 def chunk_kda_state(
@@ -152,13 +132,7 @@ def chunk_kda_state(
     if cu_seqlens is not None:
         segments = Segments(cu_seqlens, k.shape[1], k.shape[0])
         return chunk_kda_state(*(segments.split(x) for x in (k, v, g, beta)), chunk_size)
-    c = _chunk_terms(None, to_value_heads(k, v.shape[2]), v, g, beta, chunk_size)
-    M_c = _transitions(c)
-    E_c = c.kd.transpose(-1, -2) @ c.U
-    E, M = E_c[:, :, 0], M_c[:, :, 0]
-    for n in range(1, E_c.shape[2]):
-        E, M = M_c[:, :, n] @ E + E_c[:, :, n], M_c[:, :, n] @ M
-    return E, M
+    return delta.summary(_chunk_terms(None, to_value_heads(k, v.shape[2]), v, g, beta, chunk_size))
 
 
 def chunk_kda_state_grad(
@@ -185,10 +159,4 @@ def chunk_kda_state_grad(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     c = _chunk_terms(to_value_heads(q, HV), to_value_heads(k, HV), None, g, beta, chunk_size)
-    doc = chunked(do.to(c.W.dtype), chunk_size)
-    local = scale * (c.qg - c.attn @ c.W).transpose(-1, -2) @ doc  # [B, HV, N, K, V]
-    M_c = _transitions(c)
-    A = local[:, :, -1]
-    for n in range(local.shape[2] - 2, -1, -1):
-        A = local[:, :, n] + M_c[:, :, n].transpose(-1, -2) @ A
-    return A
+    return delta.entering_grad(c, do, scale, chunk_size)
