@@ -42,7 +42,7 @@ from ..common.conv import l2norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
-from ..mcore.common import LayerCP, check_document_boundaries, check_low_precision, packed_arguments
+from ..mcore.common import LayerCP, check_low_precision
 from ..mcore.host import host_as_cuda
 from .local import require_gdn_backend
 from .op import GATED_DELTA_RULE
@@ -89,7 +89,6 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
             require_gdn_backend("cuda", config.params_dtype)
         with _megatron_constructible(on_gpu):
             super().__init__(config, submodules, **megatron)
-        self.cp_config = cp_config
         self.cp = LayerCP(GATED_DELTA_RULE, cp_config, (pg_collection.tp, pg_collection.cp),
                           (config.linear_num_value_heads, "--linear-num-value-heads"),
                           ((config.linear_key_head_dim, "--linear-key-head-dim"),
@@ -127,9 +126,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         boundaries come with ``packed_seq_params``)."""
         if deprecate_inference_params(inference_context, inference_params) is not None:
             raise NotImplementedError(f"{WHO}: inference is not supported yet (nor by Megatron's GatedDeltaNet)")
-        if self.cp.plan is None:
-            check_document_boundaries(packed_seq_params, WHO)
-        packed = packed_arguments(packed_seq_params, self.cp_config.packed_split, WHO)
+        packed = self.cp.packed(packed_seq_params)
 
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, in_proj_dim / TP]: this CP rank's tokens
         s, b = qkvzba.shape[:2]

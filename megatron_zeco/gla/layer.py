@@ -32,7 +32,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.operator import Arguments, run_planned
-from ..mcore.common import LayerCP, check_document_boundaries, check_low_precision, packed_arguments
+from ..mcore.common import LayerCP, check_low_precision
 from .local import require_backend
 from .op import GLA
 
@@ -97,8 +97,8 @@ class GatedLinearAttention(MegatronModule):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.kv_channels
         who = f"GatedLinearAttention (layer {layer_number})"
-        self.cp_config = config_of("gla", cp_config, split_keywords(kwargs)[0], "GatedLinearAttention")
-        self.cp = LayerCP(GLA, self.cp_config, (self.tp_group, self.cp_group),
+        cp_config = config_of("gla", cp_config, split_keywords(kwargs)[0], "GatedLinearAttention")
+        self.cp = LayerCP(GLA, cp_config, (self.tp_group, self.cp_group),
                           (self.num_heads, "--num-attention-heads"), ((self.head_dim, "--kv-channels"),) * 2, who,
                           "gla_local_spec")
         check_low_precision(config, submodules, ("in_proj", "gate_up", "out_proj"), "GatedLinearAttention",
@@ -160,7 +160,7 @@ class GatedLinearAttention(MegatronModule):
         alone, which only builds a dense mask, is refused). Rotary embeddings are ignored
         (GLA layers carry no positions; use ``--position-embedding-type none``).
         """
-        packed = self._packed(packed_seq_params)
+        packed = self.cp.packed(packed_seq_params)
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("GatedLinearAttention: inference with a KV cache is not supported yet")
         if rotary_pos_emb is not None and not self._warned_rotary:
@@ -187,9 +187,3 @@ class GatedLinearAttention(MegatronModule):
         o = (o * F.silu(r.to(fp))).to(r.dtype)
         o = o.transpose(0, 1).reshape(s, b, self.heads_per_rank * self.head_dim)
         return self.out_proj(o)
-
-    def _packed(self, packed_seq_params):
-        """``zeco_gla`` arguments for this batch's documents (none for an unpacked batch)."""
-        if self.cp.plan is None:
-            check_document_boundaries(packed_seq_params, "GatedLinearAttention")
-        return packed_arguments(packed_seq_params, self.cp_config.packed_split, "GatedLinearAttention")

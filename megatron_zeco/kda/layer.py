@@ -45,7 +45,7 @@ from ..common.conv import l2norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
-from ..mcore.common import LayerCP, check_document_boundaries, check_low_precision, packed_arguments
+from ..mcore.common import LayerCP, check_low_precision
 from .local import require_kda_backend
 from .op import KDA
 
@@ -103,8 +103,8 @@ class KimiDeltaAttention(MegatronModule):
         H, D = config.num_attention_heads, config.kv_channels
         if not isinstance(conv_kernel_size, int) or conv_kernel_size < 1:
             raise ValueError(f"{WHO}: conv_kernel_size must be a positive int, got {conv_kernel_size!r}")
-        self.cp_config = config_of("kda", cp_config, split_keywords(kwargs)[0], WHO)
-        self.cp = LayerCP(KDA, self.cp_config, (self.tp_group, self.cp_group), (H, "--num-attention-heads"),
+        cp_config = config_of("kda", cp_config, split_keywords(kwargs)[0], WHO)
+        self.cp = LayerCP(KDA, cp_config, (self.tp_group, self.cp_group), (H, "--num-attention-heads"),
                           ((D, "--kv-channels"),) * 2,
                           f"{WHO} (layer {layer_number})", "kda_hybrid_stack_local_spec")
         check_low_precision(config, submodules, ("in_proj", "gate_up", "out_gate_up", "out_proj"), WHO,
@@ -172,9 +172,7 @@ class KimiDeltaAttention(MegatronModule):
             logger.warning(f"{WHO} ignores rotary position embeddings; pass --position-embedding-type none "
                            f"(or rope only for the softmax layers of a hybrid)")
             self._warned_rotary = True
-        if self.cp.plan is None:
-            check_document_boundaries(packed_seq_params, WHO)
-        packed = packed_arguments(packed_seq_params, self.cp_config.packed_split, WHO)
+        packed = self.cp.packed(packed_seq_params)
         H, D = self.heads_per_rank, self.head_dim
 
         proj, _ = self.in_proj(hidden_states)  # [s, b, H_tp * (3D + 1)]: this CP rank's tokens

@@ -165,6 +165,15 @@ class LayerCP:
             raise ValueError(f"{who}: {e} ({flags})") from None
         claim_transport(self, config.transport, who)
 
+    def packed(self, packed_seq_params) -> dict:
+        """The operator's ``cu_seqlens`` and ``per_document`` for Megatron's ``packed_seq_params``
+        (:func:`packed_arguments`, split by the config's ``packed_split``; ``{}`` for an unpacked batch),
+        after, before the first plan, the check that document boundaries are offsets
+        (:func:`check_document_boundaries`)."""
+        if self.plan is None:
+            check_document_boundaries(packed_seq_params, self.who)
+        return packed_arguments(packed_seq_params, self.config.packed_split, self.who)
+
     def planned(self, args: Arguments, megatron_config) -> CPPlan:
         """The plan, made at the first call after the operator's cross-rank input checks (an error
         names the Megatron flags behind it); the gradient finalisation of Megatron's training loop

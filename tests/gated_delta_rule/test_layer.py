@@ -131,7 +131,10 @@ def _run(case, cp, seed, pg_collection=None):
     loss = loss.detach()
     dist.all_reduce(loss, group=cp_group)
     grads = cp_summed_grads(model, cp_group)
-    transports = [m.cp.plan.transport for m in model.modules() if hasattr(m, "cp_config") and m.cp.plan is not None]
+    from megatron_zeco.mcore.common import LayerCP
+
+    plans = [m.cp.plan for m in model.modules() if isinstance(getattr(m, "cp", None), LayerCP)]
+    transports = [plan.transport for plan in plans if plan is not None]
     return float(loss), grads, alone, ps.get_tensor_model_parallel_rank(), transports
 
 

@@ -99,27 +99,28 @@ def test_layer_with_packed_seq_params_matches_each_document_alone(seed, kind):
 
 
 def test_layer_packed_split_follows_megatron_lm_arguments(monkeypatch):
-    """cp_packed_split='auto' reads pretrain_gpt.py's flags; --reset-attention-mask alone is refused."""
+    """A layer's cp_packed_split='auto' (mcore.common.LayerCP.packed, what every layer calls) reads
+    pretrain_gpt.py's flags; --reset-attention-mask alone is refused."""
     import sys
     import types
     from argparse import Namespace
 
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_zeco.gla.layer import GatedLinearAttention
+    from megatron_zeco.mcore.common import LayerCP
 
     cu = torch.tensor([0, 4, 8])
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu)
     from megatron_zeco.cp import CPConfig
 
-    layer = types.SimpleNamespace(cp_config=CPConfig(packed_split="auto"), cp=types.SimpleNamespace(plan=None))
+    layer_cp = types.SimpleNamespace(config=CPConfig(packed_split="auto"), plan=None, who="GatedLinearAttention")
     global_vars = types.ModuleType("megatron.training.global_vars")
     monkeypatch.setitem(sys.modules, "megatron.training", types.ModuleType("megatron.training"))
     monkeypatch.setitem(sys.modules, "megatron.training.global_vars", global_vars)
     for flags, per_document in (({"sft": True}, True), ({"dataloader_inter_document_masking": True}, False),
                                 ({"dataloader_inter_document_masking": True, "sft": True}, True), ({}, True)):
         global_vars.get_args = lambda: Namespace(**flags)
-        assert GatedLinearAttention._packed(layer, params)["per_document"] is per_document, flags
+        assert LayerCP.packed(layer_cp, params)["per_document"] is per_document, flags
     global_vars.get_args = lambda: Namespace(reset_attention_mask=True)
     with pytest.raises(ValueError, match="--dataloader-inter-document-masking"):
-        GatedLinearAttention._packed(layer, None)
+        LayerCP.packed(layer_cp, None)
