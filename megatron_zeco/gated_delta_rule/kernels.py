@@ -55,13 +55,13 @@ Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bi
 16-bit products are computed from the same values in float32 (exact products, as on tensor cores).
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..kernels import interpreted
 from .correction import SubPieces, choose_sub_pieces
 
 Tensor = torch.Tensor
@@ -73,13 +73,9 @@ __all__ = [
 ]
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def _configs():
     """One configuration under the interpreter; on the GPU the warps and stages are tuned per shape."""
-    if _interpreted():
+    if interpreted():
         return [triton.Config({}, num_warps=4, num_stages=1)]
     return [triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3)]
 
@@ -475,7 +471,7 @@ def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, p
         delta_reads_kernel[(plan.num_chunks, H)](
             q.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), qt, plan.tables(q.device)["chunks"],
             float(scale), H=H, K=K, BT=plan.chunk_size, BK=BK, G_LOG2=g_log2, PRECISION=precision,
-            INTERPRETED=_interpreted())
+            INTERPRETED=interpreted())
     return qt
 
 
@@ -497,7 +493,7 @@ def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces,
         delta_maps_kernel[(triton.cdiv(K, BV), plan.num_pieces, H)](
             qt.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), R, L, plan.tables(k.device)["pieces"],
             H=H, K=K, BT=plan.chunk_size, BK=BK, BV=BV, G_LOG2=g_log2, PRECISION=precision,
-            INTERPRETED=_interpreted())
+            INTERPRETED=interpreted())
     return R, L
 
 
@@ -511,7 +507,7 @@ def prefix_maps(L: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
     M = torch.empty(plan.num_segments, H, K, K, dtype=torch.float32, device=L.device)
     delta_prefix_kernel[(triton.cdiv(K, BC), plan.num_segments, H)](
         L.contiguous(), P, M, plan.tables(L.device)["piece_offsets"], H=H, K=K, BK=triton.next_power_of_2(K),
-        BC=BC, PRECISION=precision, INTERPRETED=_interpreted())
+        BC=BC, PRECISION=precision, INTERPRETED=interpreted())
     return P, M
 
 
@@ -532,10 +528,10 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
         X = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=o0.device)
         delta_entering_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
             P.contiguous(), S_in.contiguous(), X, tables["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
-            PRECISION=precision, INTERPRETED=_interpreted())
+            PRECISION=precision, INTERPRETED=interpreted())
         delta_output_kernel[(triton.cdiv(V, BV), plan.num_chunks, H)](
             o0.contiguous(), R.contiguous(), X, out, tables["chunks"], H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
-            BV=BV, PRECISION=precision, INTERPRETED=_interpreted())
+            BV=BV, PRECISION=precision, INTERPRETED=interpreted())
     return out
 
 
@@ -552,7 +548,7 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
     if plan.num_pieces:
         delta_grad_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
             R.contiguous(), do.contiguous(), P.contiguous(), Z, tables["pieces"], H=H, K=K, V=V, BT=plan.chunk_size,
-            BK=triton.next_power_of_2(K), BV=BV, PRECISION=precision, INTERPRETED=_interpreted())
+            BK=triton.next_power_of_2(K), BV=BV, PRECISION=precision, INTERPRETED=interpreted())
     BLOCK = min(triton.next_power_of_2(K * V), 1024)
     delta_grad_sum_kernel[(triton.cdiv(K * V, BLOCK), plan.num_segments, H)](
         Z, A, tables["piece_offsets"], H=H, KV=K * V, BLOCK=BLOCK)

@@ -33,17 +33,18 @@ The decomposition follows fla's kernels (``fla/ops/gla/chunk.py``, MIT).
 Reference in the tests: the same formulas in float64 PyTorch (CPU, ``TRITON_INTERPRET=1``).
 """
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..kernels import interpreted
+
 Tensor = torch.Tensor
 
 # Under the interpreter (CI) one configuration; on the GPU a few, tuned per shape.
-_CONFIGS = [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)] if os.environ.get("TRITON_INTERPRET") \
+_CONFIGS = [triton.Config({"BK": 64, "BV": 64}, num_warps=4, num_stages=2)] if interpreted() \
     else [triton.Config({"BK": BK, "BV": BV}, num_warps=w, num_stages=s)
           for BK in (32, 64) for BV in (64, 128) for w in (4, 8) for s in (2, 3)]
 
