@@ -27,6 +27,15 @@ def _modules() -> Dict[str, str]:
 MODULES = _modules()
 
 
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` in ``package`` names, relative levels resolved."""
+    base = node.module or ""
+    if not node.level:
+        return base
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+
+
 def _imports(module: str) -> Set[str]:
     """The package's modules ``module`` imports, anywhere in it (function-level imports too)."""
     tree = ast.parse(open(MODULES[module]).read())
@@ -40,10 +49,7 @@ def _imports(module: str) -> Set[str]:
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            base = _absolute(node, package)
             names = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
@@ -64,10 +70,7 @@ def _imported_package_modules(path: str, package: str):
         if isinstance(node, ast.Import):
             yield from ((node.lineno, a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+            base = _absolute(node, package)
             yield node.lineno, base
             if base in MODULES and MODULES[base].endswith("__init__.py"):  # a name of the package or a module
                 defined = open(MODULES[base]).read()
