@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_zeco", "megatron_zeco.*"]),
     # the cost model's calibration: copies of the result files in docs/results that it reads
-    package_data={"megatron_zeco.cost_model": ["data/*.json"]},
+    package_data={"megatron_zeco.cost_model": ["data/*.json"], "megatron_zeco.common": ["configs/*.json"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.16",

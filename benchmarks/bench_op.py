@@ -107,6 +107,9 @@ def parse_args():
                    help="default: all four (--op gdn: op)")
     p.add_argument("--piece", action="store_true",
                    help="--op gdn on one GPU, no torchrun: one rank's local work (the exchange stubbed) against fla's op")
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune every kernel; by default the configs recorded for this GPU are replayed "
+                        "(megatron_zeco/common/tuning.py) where $MEGATRON_ZECO_TUNED_CONFIGS does not say otherwise")
     p.add_argument("--out", default="op.json")
     args = p.parse_args()
     if args.piece and args.op != "gdn":
@@ -463,6 +466,15 @@ def write(args, world, rows, script="bench_op.py", **extra):
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
+def tuned_configs(autotune):
+    """Replay the autotuned configs recorded for this GPU (unless ``autotune`` or the environment says
+    otherwise) before the first kernel call: a cold machine compiles one config per kernel."""
+    from megatron_zeco.common.tuning import ENV, configure
+
+    os.environ.setdefault(ENV, "off" if autotune else "auto")
+    return configure()
+
+
 def main():
     args = parse_args()
     if args.piece:
@@ -471,14 +483,16 @@ def main():
         return profile_gdn_piece.main([
             "--tokens", *map(str, args.tokens), "--heads", str(args.heads), "--dim", str(args.dim),
             "--a2a-world", "1", "--cases", "fla", "piece", "a2a P=1", "--iters", str(args.iters),
-            "--warmup", str(args.warmup), "--out", args.out] + (["--forward-only"] if args.forward_only else []))
+            "--warmup", str(args.warmup), "--out", args.out] + (["--forward-only"] if args.forward_only else [])
+            + (["--autotune"] if args.autotune else []))
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    configs = tuned_configs(args.autotune)
     dist.init_process_group("nccl")
     world, me = dist.get_world_size(), dist.get_rank()
     cp_group = dist.new_group(list(range(world)))
     self_groups = [dist.new_group([r]) for r in range(world)]
     rows = []
-    log(f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}")
+    log(f"{torch.cuda.get_device_name()} x{world}, torch {torch.__version__}; kernel configs: {configs}")
     parts = {"op": lambda: bench_op(args, world, me, cp_group, self_groups[me], rows),
              "scan": lambda: bench_scan(args, world, me, cp_group, rows),
              "accuracy": lambda: bench_accuracy(args, world, me, cp_group, rows),

@@ -75,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--profile-iters", type=int, default=10)
     p.add_argument("--top", type=int, default=14, help="kernels printed per case")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--autotune", action="store_true",
+                   help="autotune every kernel instead of replaying the configs recorded for this GPU")
     p.add_argument("--out", default="profile-gdn-piece.json")
     args = p.parse_args(argv)
     bad = [P for P in args.a2a_world if P < 1 or args.heads % P]
@@ -332,25 +334,6 @@ def kernel_times(run, iters):
     return table, dict(launches)
 
 
-def autotuned():
-    """``{kernel: {autotune key: config}}`` of every fla autotuner that has tuned something."""
-    try:
-        from triton.runtime.autotuner import Autotuner
-    except ImportError:
-        return {}
-    found = {}
-    for name, module in list(sys.modules.items()):  # noqa: B007
-        if not name.startswith("fla.ops") or module is None:
-            continue
-        for obj in vars(module).values():
-            seen = 0
-            while obj is not None and not isinstance(obj, Autotuner) and seen < 4:  # heuristics wrap autotune
-                obj, seen = getattr(obj, "fn", None), seen + 1
-            if isinstance(obj, Autotuner) and getattr(obj, "cache", None):
-                found[obj.base_fn.__name__] = {str(k): str(c) for k, c in obj.cache.items()}
-    return found
-
-
 # ---------------------------------------------------------------------------------------------
 # reporting
 
@@ -467,10 +450,15 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_gdn_piece.py needs a CUDA GPU (fla's kernels)")
+    from megatron_zeco.common.tuning import ENV, configure, snapshot
+
+    os.environ.setdefault(ENV, "off" if args.autotune else "auto")
+    configs = configure()
     ops = default_ops()
     device = torch.device("cuda")
     cycles = sleep_cycles_per_ms()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {cycles / 1e6:.2f} GHz sleep clock", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {cycles / 1e6:.2f} GHz sleep clock; "
+          f"kernel configs: {configs}", flush=True)
     rows, failed = [], []
     groups = ["H"] + [f"H/{P}" for P in args.a2a_world if P > 1]
     for group in groups:  # H heads at every T first: the H/p shapes compile and autotune afresh
@@ -488,7 +476,7 @@ def main(argv=None):
                     torch.cuda.empty_cache()
                 rows.append({"part": "profile", "op": "gdn", "tokens": T, "case": name, "direction": direction, **row})
                 print_case(rows[-1], args.top)
-                write(args, rows, {"failed": failed, "autotuned": autotuned()})
+                write(args, rows, {"failed": failed, "autotuned": snapshot()})
             torch.cuda.empty_cache()
     print(summary(rows), flush=True)
 

@@ -58,6 +58,9 @@ def require_fla(what: str) -> None:
         raise ImportError(f"megatron_zeco: {what} runs on fla-core {FLA_VERSION}, whose internal kernels it calls "
                           f"(their signatures change between releases); this is {version or 'an unknown version'}. "
                           f"{fix}")
+    from .tuning import configure
+
+    configure()  # recorded autotune picks, where $MEGATRON_ZECO_TUNED_CONFIGS asks for them
 
 
 def varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Tensor]) -> dict:

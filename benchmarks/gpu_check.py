@@ -1,0 +1,286 @@
+"""The GPU check: every GPU test and the op benchmark's short rows on this machine's GPUs, one summary.
+
+    bash benchmarks/gpu_check.sh                  # on a bare GPU machine, with .whl/ carried (docs/testing.md)
+    python benchmarks/gpu_check.py --out results/gpu-check.json    # where fla-core and Triton are installed
+
+1. **Tests**: ``tests/{gla,gated_delta_rule,kda}/test_gpu.py`` (the fast ones: ``-m "not slow"``; the two-GPU
+   cases where two GPUs are present, the give-up and every-strategy tests among them), in ``--jobs``
+   pytest-xdist workers; per file the counts of passed, failed and skipped tests with each skip's reason
+   and each failure's first lines.
+2. **Short benchmark rows** at ``--tokens`` per GPU (bf16, H = 16, K = V = 128), each operator:
+   one GPU: the gated delta rule's piece with the exchange stubbed against fla's op, GPU and host time
+   (``bench_op.py --op gdn --piece``); two GPUs: fla on one GPU, fla's CP (gated delta rule, KDA), zeco,
+   lasp2 and a2a in both layouts (``torchrun --nproc-per-node 2 bench_op.py --op OP``, eager mode).
+3. **Summary**: a table (printed last) and ``--out`` (JSON) with the device, date, commit and versions.
+
+Autotuned kernels replay the configs recorded for this GPU (``megatron_zeco/common/tuning.py``), so a cold
+machine compiles one config per kernel; ``--autotune`` autotunes instead, ``--record DIR`` autotunes and
+writes what was picked as a record (``megatron_zeco/common/configs/<GPU>.json`` is one). Every process of
+the run shares one Triton cache (``$TRITON_CACHE_DIR``, by default a folder under the system's temp dir).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import xml.etree.ElementTree as ET
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_FILES = ("tests/gla/test_gpu.py", "tests/gated_delta_rule/test_gpu.py", "tests/kda/test_gpu.py")
+OPS = ("gla", "gdn", "kda")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="results/gpu-check.json", help="the summary (JSON)")
+    p.add_argument("--logs", default=None, help="folder for the logs of each step (default: beside --out)")
+    p.add_argument("--jobs", type=int, default=4, help="pytest-xdist workers for the tests (1: no xdist)")
+    p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU of the benchmark rows")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per benchmark row")
+    p.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench"], help="steps left out")
+    p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression for the tests")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds for the whole check: a step still running then is stopped (and reported as "
+                        "such) and the steps after it are left out, so the summary is always written")
+    tuning = p.add_mutually_exclusive_group()
+    tuning.add_argument("--autotune", action="store_true", help="autotune every kernel (no recorded configs)")
+    tuning.add_argument("--record", metavar="DIR", default=None,
+                        help="autotune and write the picks of every process to DIR/record.json")
+    return p.parse_args(argv)
+
+
+def environment(args):
+    """The environment every step runs in: one Triton cache, the tuned-config mode."""
+    env = dict(os.environ)
+    env.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron-zeco-triton-cache"))
+    env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.record:
+        env["MEGATRON_ZECO_TUNED_CONFIGS"] = "record:" + os.path.join(os.path.abspath(args.record), "snapshots")
+    elif args.autotune:
+        env["MEGATRON_ZECO_TUNED_CONFIGS"] = "off"
+    else:
+        env.setdefault("MEGATRON_ZECO_TUNED_CONFIGS", "auto")
+    return env
+
+
+class Clock:
+    """The check's deadline (``--budget``): seconds left, None for no limit."""
+
+    def __init__(self, budget):
+        self.deadline = None if budget is None else time.perf_counter() + budget
+
+    def left(self):
+        return None if self.deadline is None else self.deadline - time.perf_counter()
+
+
+STOPPED = "stopped at the budget"
+
+
+def run(step, command, env, logs, clock):
+    """Run ``command`` (its output into ``logs/step.log`` and to the console), in a process group stopped
+    at the clock's deadline; (exit status or STOPPED, seconds)."""
+    started = time.perf_counter()
+    left = clock.left()
+    if left is not None and left <= 0:
+        print(f"\n=== {step}: left out (no time left)", flush=True)
+        return "left out", 0.0
+    print(f"\n=== {step}: {' '.join(command)}", flush=True)
+    with open(os.path.join(logs, f"{step}.log"), "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+        stopped = []
+        timer = None if left is None else threading.Timer(left, lambda: (stopped.append(1), _stop(proc)))
+        if timer is not None:
+            timer.start()
+        for line in proc.stdout:
+            log.write(line)
+            sys.stdout.write(line)
+        status = proc.wait()
+        if timer is not None:
+            timer.cancel()
+    seconds = time.perf_counter() - started
+    status = STOPPED if stopped else status
+    print(f"=== {step}: exit {status} after {seconds:.0f} s", flush=True)
+    return status, seconds
+
+
+def _stop(proc):
+    """Stop ``proc`` and every process it started (its session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        time.sleep(5)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def test_results(junit):
+    """Per test file: counts of passed, failed, skipped; the reasons of skips and the first lines of failures."""
+    files = {}
+    if not os.path.exists(junit):
+        return files
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("classname", "").replace(".", "/") + ".py"
+        entry = files.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "skips": {},
+                                        "failures": {}})
+        entry["seconds"] += float(case.get("time", 0))
+        outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        test = case.get("name")
+        if outcome is None:
+            entry["passed"] += 1
+        elif outcome.tag == "skipped":
+            entry["skipped"] += 1
+            entry["skips"][test] = (outcome.get("message") or "")[:300]
+        else:
+            entry["failed"] += 1
+            text = (outcome.get("message") or "") + "\n" + (outcome.text or "")
+            entry["failures"][test] = "\n".join(text.strip().splitlines()[-12:])[:2000]
+    return files
+
+
+def run_tests(args, env, logs, gpus, clock):
+    junit = os.path.join(logs, "tests.xml")
+    command = [sys.executable, "-m", "pytest", *TEST_FILES, "-m", "not slow", "-q", "-rs", "--durations=15",
+               f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    if args.jobs > 1:
+        command += ["-n", str(args.jobs)]
+    if args.keyword:
+        command += ["-k", args.keyword]
+    status, seconds = run("tests", command, env, logs, clock)
+    return {"exit": status, "seconds": round(seconds, 1), "files": test_results(junit), "gpus": gpus}
+
+
+def bench_rows(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def run_bench(args, env, logs, gpus, clock):
+    """The short rows; each step's JSON (bench_op's) and its exit status."""
+    steps = {}
+    out = os.path.join(logs, "piece-gdn.json")
+    status, seconds = run("bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
+                                              "--tokens", str(args.tokens), "--iters", str(args.iters),
+                                              "--out", out], env, logs, clock)
+    steps["piece-gdn"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
+    if gpus >= 2:
+        for op in OPS:
+            out = os.path.join(logs, f"op-{op}.json")
+            strategies = ["zeco", "lasp2", "a2a"] + ([] if op == "gla" else ["fla-cp"])
+            status, seconds = run(f"bench-op-{op}", [
+                sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/bench_op.py",
+                "--op", op, "--parts", "op", "--modes", "eager", "--tokens", str(args.tokens),
+                "--iters", str(args.iters), "--strategies", *strategies, "--out", out], env, logs, clock)
+            steps[f"op-{op}"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
+    return steps
+
+
+def piece_table(result):
+    """(case, direction, gpu ms, host ms, x fla) rows of the piece benchmark."""
+    rows = (result or {}).get("rows", [])
+    base = {(r["tokens"], r["direction"]): r["gpu_ms"] for r in rows if r["case"] == "fla"}
+    return [(r["case"], r["direction"], r["gpu_ms"], r["host_ms"], r["gpu_ms"] / base[r["tokens"], r["direction"]])
+            for r in rows if (r["tokens"], r["direction"]) in base]
+
+
+def op_table(result):
+    """(strategy, CP, layout, ms, host ms, x fla on one GPU) rows of one operator's two-GPU benchmark."""
+    rows = [r for r in (result or {}).get("rows", []) if r.get("part") == "op"]
+    base = {r["tokens_per_gpu"]: r["ms"] for r in rows if r["strategy"] == "fla"}
+    return [(r["strategy"], r["cp"], r["layout"], r["ms"], r["host_ms"], r["ms"] / base[r["tokens_per_gpu"]])
+            for r in rows if r["tokens_per_gpu"] in base]
+
+
+def commit():
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def versions(env):
+    """torch, Triton, fla-core, megatron-core and the GPUs, as the steps' interpreter sees them."""
+    code = ("import json, importlib.metadata as m, torch, triton\n"
+            "def v(n):\n try: return m.version(n)\n except Exception: return None\n"
+            "print(json.dumps({'torch': torch.__version__, 'triton': triton.__version__, 'fla-core': v('fla-core'),"
+            " 'megatron-core': v('megatron-core'), 'cuda': torch.version.cuda, 'gpus': torch.cuda.device_count(),"
+            " 'device': torch.cuda.get_device_name() if torch.cuda.is_available() else None}))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        sys.exit(f"gpu_check: the interpreter cannot import torch and Triton:\n{out.stderr}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def summary_lines(report):
+    meta = report["meta"]
+    lines = [f"\nGPU check: {meta['device']} x{meta['gpus']}, {meta['date']}, code {meta['commit']}, torch "
+             f"{meta['torch']}, Triton {meta['triton']}, fla-core {meta['fla-core']}, configs: {meta['configs']}",
+             f"total {report['seconds']:.0f} s"]
+    tests = report.get("tests")
+    if tests:
+        lines.append(f"\ntests ({tests['seconds']:.0f} s, exit {tests['exit']}):")
+        lines.append(f"  {'file':40s} {'passed':>6s} {'failed':>6s} {'skipped':>7s} {'s':>6s}")
+        for name, e in sorted(tests["files"].items()):
+            lines.append(f"  {name:40s} {e['passed']:6d} {e['failed']:6d} {e['skipped']:7d} {e['seconds']:6.0f}")
+            lines += [f"    FAILED {t}: {m.splitlines()[-1] if m else ''}"[:200] for t, m in e["failures"].items()]
+            reasons = sorted(set(e["skips"].values()))
+            lines += [f"    skipped ({sum(r == s for s in e['skips'].values())}): {r}"[:200] for r in reasons]
+    for step, result in (report.get("bench") or {}).items():
+        lines.append(f"\n{step} ({result['seconds']:.0f} s, exit {result['exit']}):")
+        if step == "piece-gdn":
+            lines.append(f"  {'case':22s} {'dir':8s} {'gpu ms':>8s} {'host ms':>8s} {'x fla':>6s}")
+            lines += [f"  {c:22s} {d:8s} {g:8.3f} {h:8.3f} {x:6.2f}" for c, d, g, h, x in piece_table(result["result"])]
+        else:
+            lines.append(f"  {'strategy':10s} {'CP':>2s} {'layout':10s} {'ms':>8s} {'host ms':>8s} {'x 1 GPU':>7s}")
+            lines += [f"  {s:10s} {p:2d} {l:10s} {m:8.3f} {'-' if h is None else f'{h:8.3f}':>8s} {x:7.2f}"
+                      for s, p, l, m, h, x in op_table(result["result"])]
+    return lines
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    started = time.perf_counter()
+    clock = Clock(args.budget)
+    logs = args.logs or os.path.dirname(os.path.abspath(args.out))
+    os.makedirs(logs, exist_ok=True)
+    env = environment(args)
+    info = versions(env)
+    if not info["gpus"]:
+        sys.exit("gpu_check: no CUDA GPU visible")
+    report = {"meta": {**info, "date": datetime.date.today().isoformat(), "commit": commit(),
+                       "configs": env["MEGATRON_ZECO_TUNED_CONFIGS"], "command": " ".join(sys.argv)}}
+    if "tests" not in args.skip:
+        report["tests"] = run_tests(args, env, logs, info["gpus"], clock)
+    if "bench" not in args.skip:
+        report["bench"] = run_bench(args, env, logs, info["gpus"], clock)
+    if args.record:
+        from megatron_zeco.common import tuning
+
+        snapshots = os.path.join(args.record, "snapshots")
+        names = os.listdir(snapshots) if os.path.isdir(snapshots) else []
+        record = tuning.merge(sorted(os.path.join(snapshots, n) for n in names))
+        with open(os.path.join(args.record, "record.json"), "w") as f:
+            json.dump(record, f, indent=1, sort_keys=True)
+        report["meta"]["recorded"] = sum(len(v) for v in record["kernels"].values())
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("\n".join(summary_lines(report)), flush=True)
+    failed = (report.get("tests", {}).get("exit", 0) not in (0, 5)
+              or any(s["exit"] != 0 for s in (report.get("bench") or {}).values()))
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
