@@ -32,6 +32,8 @@ import time
 import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from megatron_zeco.common import tuning  # noqa: E402  (imports nothing of torch or Triton)
 TEST_FILES = ("tests/gla/test_gpu.py", "tests/gated_delta_rule/test_gpu.py", "tests/kda/test_gpu.py")
 OPS = ("gla", "gdn", "kda")
 
@@ -51,22 +53,29 @@ def parse_args(argv=None):
     tuning = p.add_mutually_exclusive_group()
     tuning.add_argument("--autotune", action="store_true", help="autotune every kernel (no recorded configs)")
     tuning.add_argument("--record", metavar="DIR", default=None,
-                        help="autotune and write the picks of every process to DIR/record.json")
+                        help="record the autotuner's picks into DIR/record.json first (the shipped record for this "
+                             "GPU replayed, the rest autotuned, every config compiled by --shards concurrent runs), "
+                             "then run the check on that record from an empty Triton cache")
+    p.add_argument("--shards", type=int, default=4, help="--record: concurrent compile runs")
+    p.add_argument("--record-budget", type=float, default=None,
+                   help="--record: seconds for the compile runs and the recording run together")
     return p.parse_args(argv)
 
 
-def environment(args):
-    """The environment every step runs in: one Triton cache, the tuned-config mode."""
+def environment(args, configs=None, cache=None):
+    """The environment every step runs in: one Triton cache (``cache``), the tuned-config mode (``configs``)."""
     env = dict(os.environ)
+    if cache:
+        env["TRITON_CACHE_DIR"] = cache
     env.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron-zeco-triton-cache"))
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    if args.record:
-        env["MEGATRON_ZECO_TUNED_CONFIGS"] = "record:" + os.path.join(os.path.abspath(args.record), "snapshots")
+    if configs:
+        env[tuning.ENV] = configs
     elif args.autotune:
-        env["MEGATRON_ZECO_TUNED_CONFIGS"] = "off"
+        env[tuning.ENV] = "off"
     else:
-        env.setdefault("MEGATRON_ZECO_TUNED_CONFIGS", "auto")
+        env.setdefault(tuning.ENV, "auto")
     return env
 
 
@@ -81,6 +90,53 @@ class Clock:
 
 
 STOPPED = "stopped at the budget"
+
+
+def start(command, env, log):
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def record(args, logs, clock):
+    """The record: ``--shards`` concurrent runs of the tests and benchmarks compile every config (each its
+    share) into one Triton cache, then one run autotunes (configs from the cache) and records; merged into
+    ``DIR/record.json``. Returns what it did."""
+    directory = os.path.abspath(args.record)
+    snapshots = os.path.join(directory, "snapshots")
+    cache = os.path.join(directory, "triton-cache")
+    os.makedirs(snapshots, exist_ok=True)
+    phase = Clock(args.record_budget if args.record_budget is not None else clock.left())
+    started = time.perf_counter()
+    procs = []
+    compile_clock = Clock(None if phase.left() is None else phase.left() * 0.55)
+    for i in range(args.shards):
+        env = environment(args, f"record:{snapshots}", cache)
+        env[tuning.SHARD_ENV] = f"{i}/{args.shards}"
+        log = open(os.path.join(logs, f"compile-{i}.log"), "w")
+        procs.append(start([sys.executable, os.path.abspath(__file__), "--jobs",
+                            str(args.jobs), "--tokens", str(args.tokens), "--iters", "1", "--out",
+                            os.path.join(logs, f"compile-{i}.json"), "--logs", os.path.join(logs, f"compile-{i}")]
+                           + (["-k", args.keyword] if args.keyword else []), env, log))
+        os.makedirs(os.path.join(logs, f"compile-{i}"), exist_ok=True)
+    try:
+        for proc in procs:
+            left = compile_clock.left()
+            proc.wait(timeout=None if left is None else max(left, 1))
+    except subprocess.TimeoutExpired:
+        _stop(*procs)
+    compiled = time.perf_counter() - started
+    print(f"=== compile runs ({args.shards}): {compiled:.0f} s", flush=True)
+    env = environment(args, f"record:{snapshots}", cache)
+    sub = Clock(phase.left())
+    steps = {"tests": run_tests(args, env, logs, 0, sub, step="record-tests")}
+    steps.update(run_bench(args, env, logs, 2 if args.gpus >= 2 else 1, sub, prefix="record-"))
+    paths = sorted(os.path.join(snapshots, n) for n in os.listdir(snapshots))
+    merged = tuning.merge(paths)
+    with open(os.path.join(directory, "record.json"), "w") as f:
+        json.dump(merged, f, indent=1, sort_keys=True)
+    return {"compile_s": round(compiled, 1), "seconds": round(time.perf_counter() - started, 1),
+            "kernels": len(merged["kernels"]), "entries": sum(len(v) for v in merged["kernels"].values()),
+            "record": os.path.join(directory, "record.json"), "steps": {k: v["exit"] for k, v in steps.items()}}
 
 
 def run(step, command, env, logs, clock):
@@ -111,14 +167,16 @@ def run(step, command, env, logs, clock):
     return status, seconds
 
 
-def _stop(proc):
-    """Stop ``proc`` and every process it started (its session)."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        time.sleep(5)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+def _stop(*procs):
+    """Stop each of ``procs`` and every process it started (its session): SIGTERM, then SIGKILL."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+        if sig == signal.SIGTERM:
+            time.sleep(5)
 
 
 def test_results(junit):
@@ -145,15 +203,15 @@ def test_results(junit):
     return files
 
 
-def run_tests(args, env, logs, gpus, clock):
-    junit = os.path.join(logs, "tests.xml")
+def run_tests(args, env, logs, gpus, clock, step="tests"):
+    junit = os.path.join(logs, f"{step}.xml")
     command = [sys.executable, "-m", "pytest", *TEST_FILES, "-m", "not slow", "-q", "-rs", "--durations=15",
                f"--junitxml={junit}", "-o", "junit_family=xunit1"]
     if args.jobs > 1:
         command += ["-n", str(args.jobs)]
     if args.keyword:
         command += ["-k", args.keyword]
-    status, seconds = run("tests", command, env, logs, clock)
+    status, seconds = run(step, command, env, logs, clock)
     return {"exit": status, "seconds": round(seconds, 1), "files": test_results(junit), "gpus": gpus}
 
 
@@ -165,19 +223,19 @@ def bench_rows(path):
         return None
 
 
-def run_bench(args, env, logs, gpus, clock):
+def run_bench(args, env, logs, gpus, clock, prefix=""):
     """The short rows; each step's JSON (bench_op's) and its exit status."""
     steps = {}
-    out = os.path.join(logs, "piece-gdn.json")
-    status, seconds = run("bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
+    out = os.path.join(logs, f"{prefix}piece-gdn.json")
+    status, seconds = run(f"{prefix}bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
                                               "--tokens", str(args.tokens), "--iters", str(args.iters),
                                               "--out", out], env, logs, clock)
     steps["piece-gdn"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
     if gpus >= 2:
         for op in OPS:
-            out = os.path.join(logs, f"op-{op}.json")
+            out = os.path.join(logs, f"{prefix}op-{op}.json")
             strategies = ["zeco", "lasp2", "a2a"] + ([] if op == "gla" else ["fla-cp"])
-            status, seconds = run(f"bench-op-{op}", [
+            status, seconds = run(f"{prefix}bench-op-{op}", [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/bench_op.py",
                 "--op", op, "--parts", "op", "--modes", "eager", "--tokens", str(args.tokens),
                 "--iters", str(args.iters), "--strategies", *strategies, "--out", out], env, logs, clock)
@@ -226,7 +284,11 @@ def summary_lines(report):
     meta = report["meta"]
     lines = [f"\nGPU check: {meta['device']} x{meta['gpus']}, {meta['date']}, code {meta['commit']}, torch "
              f"{meta['torch']}, Triton {meta['triton']}, fla-core {meta['fla-core']}, configs: {meta['configs']}",
-             f"total {report['seconds']:.0f} s"]
+             f"total {report['seconds']:.0f} s; the check itself {report['check_seconds']:.0f} s"]
+    if report.get("record"):
+        r = report["record"]
+        lines.append(f"record: {r['entries']} configs of {r['kernels']} kernels in {r['seconds']:.0f} s "
+                     f"(compile runs {r['compile_s']:.0f} s); steps {r['steps']}")
     tests = report.get("tests")
     if tests:
         lines.append(f"\ntests ({tests['seconds']:.0f} s, exit {tests['exit']}):")
@@ -258,21 +320,19 @@ def main(argv=None):
     info = versions(env)
     if not info["gpus"]:
         sys.exit("gpu_check: no CUDA GPU visible")
+    args.gpus = info["gpus"]
     report = {"meta": {**info, "date": datetime.date.today().isoformat(), "commit": commit(),
-                       "configs": env["MEGATRON_ZECO_TUNED_CONFIGS"], "command": " ".join(sys.argv)}}
+                       "configs": env[tuning.ENV], "command": " ".join(sys.argv)}}
+    if args.record:  # then the check itself on the new record, from an empty Triton cache (a cold start's compile)
+        report["record"] = record(args, logs, clock)
+        env = environment(args, report["record"]["record"], os.path.join(os.path.abspath(args.record), "cold-cache"))
+        report["meta"]["configs"] = env[tuning.ENV]
+    checked = time.perf_counter()
     if "tests" not in args.skip:
         report["tests"] = run_tests(args, env, logs, info["gpus"], clock)
     if "bench" not in args.skip:
         report["bench"] = run_bench(args, env, logs, info["gpus"], clock)
-    if args.record:
-        from megatron_zeco.common import tuning
-
-        snapshots = os.path.join(args.record, "snapshots")
-        names = os.listdir(snapshots) if os.path.isdir(snapshots) else []
-        record = tuning.merge(sorted(os.path.join(snapshots, n) for n in names))
-        with open(os.path.join(args.record, "record.json"), "w") as f:
-            json.dump(record, f, indent=1, sort_keys=True)
-        report["meta"]["recorded"] = sum(len(v) for v in record["kernels"].values())
+    report["check_seconds"] = round(time.perf_counter() - checked, 1)
     report["seconds"] = round(time.perf_counter() - started, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

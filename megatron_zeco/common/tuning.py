@@ -14,8 +14,15 @@ differ in rounding, never in what they compute.
 - ``auto``: replay ``megatron_zeco/common/configs/<GPU name>.json`` where one is shipped for this GPU
   (``recorded_for``), autotune otherwise;
 - a path to a record: replay it;
-- ``record:DIR``: autotune, and at exit write what this process picked to ``DIR/<pid>.json``; merge the
-  files of every process of a run with ``python -m megatron_zeco.common.tuning merge DIR -o FILE``.
+- ``record:DIR``: replay the shipped record for this GPU if there is one, autotune the rest (each config timed over about 20 ms instead of Triton's 125), and at exit (or
+  on SIGTERM) write what this process picked to ``DIR/<pid>.json``; merge the files of every process of a
+  run with ``python -m megatron_zeco.common.tuning merge DIR -o FILE``.
+
+Recording compiles every config of every kernel once. To spread that over the machine's cores, a recording
+run can first be run as ``N`` shards at once, each with ``$MEGATRON_ZECO_TUNING_SHARD=i/N`` set: shard ``i``
+compiles only the configs ``i, i + N, ...`` of each kernel into the shared Triton cache, running each once
+without timing it, and records nothing; the recording run that follows then loads every config from the
+cache. ``benchmarks/gpu_check.py --record`` does this.
 
 ``benchmarks/gpu_check.py`` and the benchmarks use ``auto`` unless told otherwise.
 """
@@ -29,10 +36,14 @@ import importlib
 import json
 import os
 import re
+import signal
 import sys
 from typing import Dict, Iterator, List, Optional, Tuple
 
 ENV = "MEGATRON_ZECO_TUNED_CONFIGS"
+SHARD_ENV = "MEGATRON_ZECO_TUNING_SHARD"
+# Triton's do_bench per config while recording: warm-up and timed milliseconds
+RECORD_BENCH_MS = (5, 20)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Packages whose autotuned kernels a record covers: fla's and this package's.
 PACKAGES = ("fla.", "megatron_zeco.")
@@ -156,6 +167,67 @@ def replay(record: dict) -> Tuple[int, int]:
     return replayed, skipped
 
 
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _shard(value: str) -> Tuple[int, int]:
+    try:
+        i, n = (int(x) for x in value.split("/"))
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
+        raise ValueError(f"{SHARD_ENV}={value!r}: expected i/N with 0 <= i < N")
+    return i, n
+
+
+def _compile_shard(i: int, n: int) -> None:
+    """Autotuners compile (and run once, untimed) only their configs i, i + n, ...; the others are not built."""
+    from triton.runtime.autotuner import Autotuner
+
+    bench = Autotuner._bench
+
+    def _bench(self, *args, config, **meta):
+        index = self.configs.index(config) if config in self.configs else 0
+        if index % n != i:
+            return [float("inf")] * 3
+        saved = self._do_bench
+        self._do_bench = lambda call, quantiles: (call(), [0.0] * 3)[1]
+        try:
+            return bench(self, *args, config=config, **meta)
+        finally:
+            self._do_bench = saved
+
+    Autotuner._bench = _bench
+
+
+def _short_benchmarks() -> None:
+    """Triton's benchmark of each config over RECORD_BENCH_MS instead of its default 25 + 100 ms."""
+    import triton.testing
+
+    full = triton.testing.do_bench
+    warmup, rep = RECORD_BENCH_MS
+    triton.testing.do_bench = functools.wraps(full)(
+        lambda fn, *args, **kw: full(fn, *args, **{"warmup": warmup, "rep": rep, **kw}))
+
+
+def _record_at_exit(directory: str) -> None:
+    atexit.register(write_snapshot, directory)
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_term(signum, frame):
+        write_snapshot(directory)
+        if callable(previous):
+            previous(signum, frame)
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, on_term)
+    except ValueError:  # not the main thread: the exit hook alone
+        pass
+
+
 @functools.lru_cache(maxsize=None)
 def configure() -> str:
     """Apply ``$MEGATRON_ZECO_TUNED_CONFIGS`` once per process (see the module's docstring); returns what
@@ -167,15 +239,22 @@ def configure() -> str:
         directory = value[len("record:"):]
         if not directory:
             raise ValueError(f"{ENV}=record:DIR needs a directory")
-        atexit.register(write_snapshot, directory)
-        return f"autotune, recording into {directory}"
+        if os.environ.get(SHARD_ENV):
+            i, n = _shard(os.environ[SHARD_ENV])
+            _compile_shard(i, n)
+            return f"compiling configs {i} mod {n} (no record)"
+        _short_benchmarks()
+        _record_at_exit(directory)
+        shipped = recorded_for(gpu_name())  # a record grows: what it has is replayed (and written again)
+        replayed = replay(_load(shipped))[0] if shipped else 0
+        return f"autotune, recording into {directory}" + (f" ({replayed} configs replayed from {shipped})"
+                                                          if shipped else "")
     path = recorded_for(gpu_name()) if value == "auto" else value
     if path is None:
         return f"autotune (no record shipped for {gpu_name()})"
     if not os.path.exists(path):
         raise ValueError(f"{ENV}={value!r}: no such record (expected off, auto, record:DIR or a record's path)")
-    with open(path) as f:
-        replayed, skipped = replay(json.load(f))
+    replayed, skipped = replay(_load(path))
     return f"replayed {replayed} configs from {path}" + (f" ({skipped} skipped: not among the kernels' configs)"
                                                         if skipped else "")
 
