@@ -13,16 +13,19 @@
    lasp2 and a2a in both layouts (``torchrun --nproc-per-node 2 bench_op.py --op OP``, eager mode).
 3. **Summary**: a table (printed last) and ``--out`` (JSON) with the device, date, commit and versions.
 
-Autotuned kernels replay the configs recorded for this GPU (``megatron_zeco/common/tuning.py``), so a cold
-machine compiles one config per kernel; ``--autotune`` autotunes instead, ``--record DIR`` autotunes and
-writes what was picked as a record (``megatron_zeco/common/configs/<GPU>.json`` is one). Every process of
-the run shares one Triton cache (``$TRITON_CACHE_DIR``, by default a folder under the system's temp dir).
+Autotuned kernels replay the configs recorded for this GPU's chip (``megatron_zeco/common/configs/``, see
+``megatron_zeco/common/tuning.py``), so a cold machine compiles one config per kernel and key; ``--autotune``
+autotunes instead. ``--record DIR`` records: the shipped record is replayed and every kernel and key it lacks
+is autotuned once for all the check's processes (the others wait for its pick); ``DIR/record.json`` is then
+the shipped record extended, to be copied over it. Every process of the run shares one Triton cache
+(``$TRITON_CACHE_DIR``, by default a folder under the system's temp dir).
 """
 
 import argparse
 import datetime
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,28 +53,23 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=None,
                    help="seconds for the whole check: a step still running then is stopped (and reported as "
                         "such) and the steps after it are left out, so the summary is always written")
-    tuning = p.add_mutually_exclusive_group()
-    tuning.add_argument("--autotune", action="store_true", help="autotune every kernel (no recorded configs)")
-    tuning.add_argument("--record", metavar="DIR", default=None,
-                        help="record the autotuner's picks into DIR/record.json first (the shipped record for this "
-                             "GPU replayed, the rest autotuned, every config compiled by --shards concurrent runs), "
-                             "then run the check on that record from an empty Triton cache")
-    p.add_argument("--shards", type=int, default=4, help="--record: concurrent compile runs")
-    p.add_argument("--record-budget", type=float, default=None,
-                   help="--record: seconds for the compile runs and the recording run together")
+    configs = p.add_mutually_exclusive_group()
+    configs.add_argument("--autotune", action="store_true", help="autotune every kernel (no recorded configs)")
+    configs.add_argument("--record", metavar="DIR", default=None,
+                        help="record the autotuner's picks: the shipped record for this GPU replayed, every other "
+                             "kernel and key autotuned once for all the check's processes; DIR/record.json is the "
+                             "shipped record extended (copy it to megatron_zeco/common/configs/<GPU>.json)")
     return p.parse_args(argv)
 
 
-def environment(args, configs=None, cache=None):
-    """The environment every step runs in: one Triton cache (``cache``), the tuned-config mode (``configs``)."""
+def environment(args):
+    """The environment every step runs in: one Triton cache, the tuned-config mode."""
     env = dict(os.environ)
-    if cache:
-        env["TRITON_CACHE_DIR"] = cache
     env.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron-zeco-triton-cache"))
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    if configs:
-        env[tuning.ENV] = configs
+    if args.record:
+        env[tuning.ENV] = "record:" + os.path.join(os.path.abspath(args.record), "picks")
     elif args.autotune:
         env[tuning.ENV] = "off"
     else:
@@ -92,51 +90,15 @@ class Clock:
 STOPPED = "stopped at the budget"
 
 
-def start(command, env, log):
-    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-
-
-def record(args, logs, clock):
-    """The record: ``--shards`` concurrent runs of the tests and benchmarks compile every config (each its
-    share) into one Triton cache, then one run autotunes (configs from the cache) and records; merged into
-    ``DIR/record.json``. Returns what it did."""
-    directory = os.path.abspath(args.record)
-    snapshots = os.path.join(directory, "snapshots")
-    cache = os.path.join(directory, "triton-cache")
-    os.makedirs(snapshots, exist_ok=True)
-    phase = Clock(args.record_budget if args.record_budget is not None else clock.left())
-    started = time.perf_counter()
-    procs = []
-    compile_clock = Clock(None if phase.left() is None else phase.left() * 0.55)
-    for i in range(args.shards):
-        env = environment(args, f"record:{snapshots}", cache)
-        env[tuning.SHARD_ENV] = f"{i}/{args.shards}"
-        log = open(os.path.join(logs, f"compile-{i}.log"), "w")
-        procs.append(start([sys.executable, os.path.abspath(__file__), "--jobs",
-                            str(args.jobs), "--tokens", str(args.tokens), "--iters", "1", "--out",
-                            os.path.join(logs, f"compile-{i}.json"), "--logs", os.path.join(logs, f"compile-{i}")]
-                           + (["-k", args.keyword] if args.keyword else []), env, log))
-        os.makedirs(os.path.join(logs, f"compile-{i}"), exist_ok=True)
-    try:
-        for proc in procs:
-            left = compile_clock.left()
-            proc.wait(timeout=None if left is None else max(left, 1))
-    except subprocess.TimeoutExpired:
-        _stop(*procs)
-    compiled = time.perf_counter() - started
-    print(f"=== compile runs ({args.shards}): {compiled:.0f} s", flush=True)
-    env = environment(args, f"record:{snapshots}", cache)
-    sub = Clock(phase.left())
-    steps = {"tests": run_tests(args, env, logs, 0, sub, step="record-tests")}
-    steps.update(run_bench(args, env, logs, 2 if args.gpus >= 2 else 1, sub, prefix="record-"))
-    paths = sorted(os.path.join(snapshots, n) for n in os.listdir(snapshots))
-    merged = tuning.merge(paths)
-    with open(os.path.join(directory, "record.json"), "w") as f:
-        json.dump(merged, f, indent=1, sort_keys=True)
-    return {"compile_s": round(compiled, 1), "seconds": round(time.perf_counter() - started, 1),
-            "kernels": len(merged["kernels"]), "entries": sum(len(v) for v in merged["kernels"].values()),
-            "record": os.path.join(directory, "record.json"), "steps": {k: v["exit"] for k, v in steps.items()}}
+def write_record(directory, device):
+    """DIR/record.json: the picks of the recording run, over the shipped record for this GPU."""
+    out = os.path.join(directory, "record.json")
+    shipped = tuning.recorded_for(tuning.file_name(device))
+    command = [sys.executable, "-m", "megatron_zeco.common.tuning", "merge", os.path.join(directory, "picks"),
+               "-o", out] + (["--into", shipped] if shipped else [])
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    print(done.stdout + done.stderr, flush=True)
+    return {"record": out if done.returncode == 0 else None, "over": shipped, "merge": done.stdout.strip()}
 
 
 def run(step, command, env, logs, clock):
@@ -179,15 +141,29 @@ def _stop(*procs):
             time.sleep(5)
 
 
-def test_results(junit):
-    """Per test file: counts of passed, failed, skipped; the reasons of skips and the first lines of failures."""
+def _entry():
+    return {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "skips": {}, "failures": {}}
+
+
+def test_results(junit, log):
+    """Per test file: counts of passed, failed, skipped; the reasons of skips and the first lines of failures.
+    From pytest's JUnit XML, or where a stopped run wrote none, from its log's verbose lines."""
     files = {}
     if not os.path.exists(junit):
+        pattern = re.compile(r"(PASSED|FAILED|SKIPPED|ERROR) (tests/\S+?\.py)::(\S+)")
+        for line in open(log) if os.path.exists(log) else ():
+            match = pattern.search(line)
+            if match:
+                outcome, name, test = match.groups()
+                entry = files.setdefault(name, _entry())
+                kind = {"PASSED": "passed", "SKIPPED": "skipped"}.get(outcome, "failed")
+                entry[kind] += 1
+                if kind == "failed":
+                    entry["failures"][test] = "(see the log)"
         return files
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = case.get("classname", "").replace(".", "/") + ".py"
-        entry = files.setdefault(name, {"passed": 0, "failed": 0, "skipped": 0, "seconds": 0.0, "skips": {},
-                                        "failures": {}})
+        entry = files.setdefault(name, _entry())
         entry["seconds"] += float(case.get("time", 0))
         outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
         test = case.get("name")
@@ -205,14 +181,17 @@ def test_results(junit):
 
 def run_tests(args, env, logs, gpus, clock, step="tests"):
     junit = os.path.join(logs, f"{step}.xml")
-    command = [sys.executable, "-m", "pytest", *TEST_FILES, "-m", "not slow", "-q", "-rs", "--durations=15",
-               f"--junitxml={junit}", "-o", "junit_family=xunit1"]
+    if os.path.exists(junit):
+        os.remove(junit)
+    command = [sys.executable, "-m", "pytest", *TEST_FILES, "-m", "not slow", "-v", "-rs", "--durations=15",
+               "-p", "no:cacheprovider", "-p", "no:benchmark", f"--junitxml={junit}", "-o", "junit_family=xunit1"]
     if args.jobs > 1:
         command += ["-n", str(args.jobs)]
     if args.keyword:
         command += ["-k", args.keyword]
     status, seconds = run(step, command, env, logs, clock)
-    return {"exit": status, "seconds": round(seconds, 1), "files": test_results(junit), "gpus": gpus}
+    return {"exit": status, "seconds": round(seconds, 1), "files": test_results(junit, os.path.join(logs, f"{step}.log")),
+            "gpus": gpus}
 
 
 def bench_rows(path):
@@ -284,11 +263,9 @@ def summary_lines(report):
     meta = report["meta"]
     lines = [f"\nGPU check: {meta['device']} x{meta['gpus']}, {meta['date']}, code {meta['commit']}, torch "
              f"{meta['torch']}, Triton {meta['triton']}, fla-core {meta['fla-core']}, configs: {meta['configs']}",
-             f"total {report['seconds']:.0f} s; the check itself {report['check_seconds']:.0f} s"]
+             f"total {report['seconds']:.0f} s"]
     if report.get("record"):
-        r = report["record"]
-        lines.append(f"record: {r['entries']} configs of {r['kernels']} kernels in {r['seconds']:.0f} s "
-                     f"(compile runs {r['compile_s']:.0f} s); steps {r['steps']}")
+        lines.append(f"record: {report['record']['merge']}")
     tests = report.get("tests")
     if tests:
         lines.append(f"\ntests ({tests['seconds']:.0f} s, exit {tests['exit']}):")
@@ -323,16 +300,12 @@ def main(argv=None):
     args.gpus = info["gpus"]
     report = {"meta": {**info, "date": datetime.date.today().isoformat(), "commit": commit(),
                        "configs": env[tuning.ENV], "command": " ".join(sys.argv)}}
-    if args.record:  # then the check itself on the new record, from an empty Triton cache (a cold start's compile)
-        report["record"] = record(args, logs, clock)
-        env = environment(args, report["record"]["record"], os.path.join(os.path.abspath(args.record), "cold-cache"))
-        report["meta"]["configs"] = env[tuning.ENV]
-    checked = time.perf_counter()
     if "tests" not in args.skip:
         report["tests"] = run_tests(args, env, logs, info["gpus"], clock)
     if "bench" not in args.skip:
         report["bench"] = run_bench(args, env, logs, info["gpus"], clock)
-    report["check_seconds"] = round(time.perf_counter() - checked, 1)
+    if args.record:
+        report["record"] = write_record(args.record, info["device"])
     report["seconds"] = round(time.perf_counter() - started, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -1,66 +1,60 @@
-"""Autotuned kernel configs recorded on one GPU and replayed on another of the same name.
+"""Autotuned kernel configs recorded on one GPU and replayed on another of the same chip.
 
-Triton's autotuner compiles and times every config of a kernel the first time a process calls it
-with a new key; fla's gated delta rule and KDA kernels have hundreds of configs between them, so a
-cold process spends minutes compiling before its first step. A record maps each autotuned kernel
-(its module and name) and key to the config the autotuner picked; replaying it fills the autotuners'
-caches, so a cold process compiles one config per kernel and key, and a key the record lacks is
-autotuned as before. Configs change block sizes and launch shape, so replayed and autotuned runs may
-differ in rounding, never in what they compute.
+Triton's autotuner compiles and times every config of a kernel the first time a process calls it with a
+new key; fla's GLA, gated delta rule and KDA kernels have tens of configs each, so a cold process spends
+minutes compiling before its first step. A record maps each autotuned kernel (its module and name) and key
+to the config the autotuner picked; replaying it fills the autotuners' caches, so a cold process compiles
+one config per kernel and key, and a key the record lacks is autotuned as before. A config sets block sizes
+and the launch's shape: replayed and autotuned runs compute the same function, and may differ in rounding.
 
-``$MEGATRON_ZECO_TUNED_CONFIGS`` (read once, at the first GPU kernel call):
+``$MEGATRON_ZECO_TUNED_CONFIGS`` (read once per process, at the first GPU kernel call):
 
 - unset or ``off``: Triton autotunes (the default);
-- ``auto``: replay ``megatron_zeco/common/configs/<GPU name>.json`` where one is shipped for this GPU
-  (``recorded_for``), autotune otherwise;
+- ``auto``: replay ``megatron_zeco/common/configs/<GPU name>.json`` where one is shipped for this GPU or
+  its chip (``recorded_for``), autotune otherwise;
 - a path to a record: replay it;
-- ``record:DIR``: replay the shipped record for this GPU if there is one, autotune the rest (each config timed over about 20 ms instead of Triton's 125), and at exit (or
-  on SIGTERM) write what this process picked to ``DIR/<pid>.json``; merge the files of every process of a
-  run with ``python -m megatron_zeco.common.tuning merge DIR -o FILE``.
-
-Recording compiles every config of every kernel once. To spread that over the machine's cores, a recording
-run can first be run as ``N`` shards at once, each with ``$MEGATRON_ZECO_TUNING_SHARD=i/N`` set: shard ``i``
-compiles only the configs ``i, i + N, ...`` of each kernel into the shared Triton cache, running each once
-without timing it, and records nothing; the recording run that follows then loads every config from the
-cache. ``benchmarks/gpu_check.py --record`` does this.
-
-``benchmarks/gpu_check.py`` and the benchmarks use ``auto`` unless told otherwise.
+- ``record:DIR``: replay the shipped record for this GPU if there is one and autotune the rest, every
+  process of the run sharing its results through ``DIR``: the first process to meet a kernel and key
+  autotunes it (each config timed over ``RECORD_BENCH_MS`` instead of Triton's 25 + 100 ms) while the
+  others wait for it, then use its pick. ``python -m megatron_zeco.common.tuning merge DIR -o FILE`` makes
+  the record (``benchmarks/gpu_check.py --record DIR`` runs the check this way and merges).
 """
 
 import argparse
-import atexit
-import collections
+import fcntl
 import functools
 import glob
+import hashlib
 import importlib
 import json
 import os
 import re
-import signal
 import sys
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 ENV = "MEGATRON_ZECO_TUNED_CONFIGS"
-SHARD_ENV = "MEGATRON_ZECO_TUNING_SHARD"
-# Triton's do_bench per config while recording: warm-up and timed milliseconds
-RECORD_BENCH_MS = (5, 20)
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Packages whose autotuned kernels a record covers: fla's and this package's.
 PACKAGES = ("fla.", "megatron_zeco.")
 # GPUs that replay another GPU's record: the same chip (sm_90, 132 SMs) with other memory.
 SAME_CHIP = {"NVIDIA_H100_80GB_HBM3": "NVIDIA_H200"}
+# Triton's do_bench per config while recording: warm-up and timed milliseconds.
+RECORD_BENCH_MS = (5, 20)
 
 
 def gpu_name(device=None) -> str:
     """The CUDA device's name as a file name (fla's rule: runs of other characters become ``_``)."""
     import torch
 
-    name = torch.cuda.get_device_name(device)
+    return file_name(torch.cuda.get_device_name(device))
+
+
+def file_name(name: str) -> str:
     return re.sub(r"[^0-9A-Za-z]+", "_", name).strip("_") or "unknown_gpu"
 
 
 def recorded_for(name: str) -> Optional[str]:
-    """The shipped record for the GPU ``name`` (``gpu_name``), or None."""
+    """The shipped record for the GPU ``name`` (``gpu_name``) or for its chip, or None."""
     for candidate in (name, SAME_CHIP.get(name)):
         path = candidate and os.path.join(CONFIG_DIR, f"{candidate}.json")
         if path and os.path.exists(path):
@@ -79,76 +73,36 @@ def _autotuner(obj):
     return None
 
 
-def autotuners() -> Iterator[Tuple[str, str, object]]:
-    """``(module, attribute, autotuner)`` for every autotuned kernel of the imported modules of fla and
-    this package."""
+def autotuners(packages=PACKAGES) -> Iterator[Tuple[str, object]]:
+    """``("module:attribute", autotuner)`` for every autotuned kernel of the imported modules of ``packages``,
+    named where its function is defined (not where it is imported)."""
     for module_name, module in list(sys.modules.items()):
-        if module is None or not module_name.startswith(PACKAGES):
+        if module is None or not module_name.startswith(packages):
             continue
         for attribute, value in list(vars(module).items()):
-            tuner = _autotuner(value)  # where its function is defined, not where it is imported
+            tuner = _autotuner(value)
             if tuner is not None and getattr(tuner.base_fn, "__module__", None) == module_name:
-                yield module_name, attribute, tuner
+                yield f"{module_name}:{attribute}", tuner
 
 
-def _describe(config) -> dict:
+def describe(config) -> dict:
+    """A Triton config as the record writes it."""
     return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages,
             "num_ctas": getattr(config, "num_ctas", 1), "maxnreg": getattr(config, "maxnreg", None)}
 
 
-def snapshot() -> Dict[str, List[dict]]:
-    """What every autotuner has picked so far: ``{"module:attribute": [{"key": [...], "config": {...}}]}``."""
-    out = {}
-    for module, attribute, tuner in autotuners():
-        picks = [{"key": list(key), "config": _describe(config)} for key, config in tuner.cache.items()]
-        if picks and len(tuner.configs) > 1:
-            out[f"{module}:{attribute}"] = picks
-    return out
-
-
-def _versions() -> dict:
-    import torch
-    import triton
-
-    try:
-        import importlib.metadata as metadata
-        fla = metadata.version("fla-core")
-    except Exception:
-        fla = None
-    return {"torch": torch.__version__, "triton": triton.__version__, "fla-core": fla}
-
-
-def write_snapshot(directory: str) -> None:
-    """This process's picks into ``directory/<pid>.json`` (nothing if it autotuned nothing)."""
-    picks = snapshot()
-    if not picks:
-        return
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f"{os.getpid()}.json"), "w") as f:
-        json.dump({"gpu": gpu_name(), **_versions(), "kernels": picks}, f)
-
-
-def merge(paths: List[str]) -> dict:
-    """One record from several processes' snapshots: per kernel and key the config most of them picked."""
-    votes = collections.defaultdict(collections.Counter)
-    meta = {}
-    for path in paths:
-        with open(path) as f:
-            snap = json.load(f)
-        meta = {k: v for k, v in snap.items() if k != "kernels"}
-        for kernel, picks in snap["kernels"].items():
-            for pick in picks:
-                votes[kernel, json.dumps(pick["key"])][json.dumps(pick["config"], sort_keys=True)] += 1
-    kernels = collections.defaultdict(list)
-    for (kernel, key), counts in sorted(votes.items()):
-        config = json.loads(counts.most_common(1)[0][0])
-        kernels[kernel].append({"key": json.loads(key), "config": config})
-    return {**meta, "kernels": dict(kernels)}
+def tuning_key(tuner, args, kwargs) -> tuple:
+    """The key under which Triton's ``Autotuner.run`` caches its pick for this call: the values of the
+    kernel's ``key`` arguments, then the dtype of every tensor argument."""
+    named = {**dict(zip(tuner.arg_names, args)), **kwargs}
+    named = {k: v for k, v in named.items() if k in tuner.arg_names}
+    key = [named[k] for k in tuner.keys if k in named]
+    return tuple(key + [str(v.dtype) for v in named.values() if hasattr(v, "dtype")])
 
 
 def replay(record: dict) -> Tuple[int, int]:
-    """Fill the autotuners' caches from ``record`` (``merge``'s form): each entry's config is looked up
-    among the kernel's own configs, so a record of another fla release whose configs changed is skipped
+    """Fill the autotuners' caches from ``record`` (``merge``'s form). Each entry's config is looked up
+    among the kernel's own configs, so a record of another release whose configs changed is skipped
     rather than run. Returns (entries replayed, entries skipped)."""
     replayed = skipped = 0
     for kernel, picks in record["kernels"].items():
@@ -158,7 +112,7 @@ def replay(record: dict) -> Tuple[int, int]:
         except (ImportError, AttributeError):
             tuner = None
         for pick in picks:
-            config = None if tuner is None else next((c for c in tuner.configs if _describe(c) == pick["config"]), None)
+            config = None if tuner is None else next((c for c in tuner.configs if describe(c) == pick["config"]), None)
             if config is None:
                 skipped += 1
                 continue
@@ -167,65 +121,105 @@ def replay(record: dict) -> Tuple[int, int]:
     return replayed, skipped
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+class SharedRecord:
+    """A recording run's picks in ``directory``, one file per kernel and key, written as they are made and
+    shared by every process of the run: ``pick`` autotunes a key that no process has tuned, under a lock
+    that makes the others wait for it and then take its pick."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self._names: Dict[int, str] = {}
+
+    def name(self, tuner) -> str:
+        if id(tuner) not in self._names:
+            self._names.update({id(t): n for n, t in autotuners()})
+        fn = tuner.base_fn
+        return self._names.get(id(tuner), f"{fn.__module__}:{fn.__name__}")
+
+    def _path(self, kernel: str, key: tuple) -> str:
+        digest = hashlib.md5(json.dumps([kernel, list(key)]).encode()).hexdigest()[:16]
+        return os.path.join(self.directory, f"{file_name(kernel)}-{digest}")
+
+    def pick(self, tuner, key: tuple, run):
+        """``run()`` (the autotuner's call) with the run's pick for ``key``: another process's, read from its
+        file into ``tuner.cache``, or, where none has tuned it yet, the one ``run()`` makes (written for the
+        others)."""
+        kernel = self.name(tuner)
+        path = self._path(kernel, key)
+        with open(path + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if os.path.exists(path + ".json"):
+                    wanted = _load(path + ".json")["config"]
+                    config = next((c for c in tuner.configs if describe(c) == wanted), None)
+                    if config is not None:
+                        tuner.cache[key] = config
+                        return run()
+                result = run()
+                if key in tuner.cache:
+                    entry = {"kernel": kernel, "key": list(key), "config": describe(tuner.cache[key])}
+                    with open(path + ".tmp", "w") as f:
+                        json.dump(entry, f)
+                    os.replace(path + ".tmp", path + ".json")
+                return result
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _shard(value: str) -> Tuple[int, int]:
-    try:
-        i, n = (int(x) for x in value.split("/"))
-    except ValueError:
-        i, n = -1, 0
-    if not 0 <= i < n:
-        raise ValueError(f"{SHARD_ENV}={value!r}: expected i/N with 0 <= i < N")
-    return i, n
-
-
-def _compile_shard(i: int, n: int) -> None:
-    """Autotuners compile (and run once, untimed) only their configs i, i + n, ...; the others are not built."""
-    from triton.runtime.autotuner import Autotuner
-
-    bench = Autotuner._bench
-
-    def _bench(self, *args, config, **meta):
-        index = self.configs.index(config) if config in self.configs else 0
-        if index % n != i:
-            return [float("inf")] * 3
-        saved = self._do_bench
-        self._do_bench = lambda call, quantiles: (call(), [0.0] * 3)[1]
-        try:
-            return bench(self, *args, config=config, **meta)
-        finally:
-            self._do_bench = saved
-
-    Autotuner._bench = _bench
-
-
-def _short_benchmarks() -> None:
-    """Triton's benchmark of each config over RECORD_BENCH_MS instead of its default 25 + 100 ms."""
+def _share_autotuning(record: SharedRecord) -> None:
+    """Every autotuner of this process tunes a new key through ``record`` (shared with the run's other
+    processes), timing each config over RECORD_BENCH_MS."""
     import triton.testing
+    from triton.runtime.autotuner import Autotuner
 
     full = triton.testing.do_bench
     warmup, rep = RECORD_BENCH_MS
     triton.testing.do_bench = functools.wraps(full)(
-        lambda fn, *args, **kw: full(fn, *args, **{"warmup": warmup, "rep": rep, **kw}))
+        lambda fn, *a, **kw: full(fn, *a, **{"warmup": warmup, "rep": rep, **kw}))
+    run = Autotuner.run
+
+    def shared_run(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            key = tuning_key(self, args, kwargs)
+            if key not in self.cache:
+                return record.pick(self, key, lambda: run(self, *args, **kwargs))
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = shared_run
 
 
-def _record_at_exit(directory: str) -> None:
-    atexit.register(write_snapshot, directory)
-    previous = signal.getsignal(signal.SIGTERM)
+def merge(directory: str) -> dict:
+    """The record of a recording run: ``{"gpu", versions, "kernels": {"module:attribute": [{"key", "config"}]}}``."""
+    kernels: Dict[str, list] = {}
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        with open(path) as f:
+            entry = json.load(f)
+        kernels.setdefault(entry["kernel"], []).append({"key": entry["key"], "config": entry["config"]})
+    meta = {}
+    info = os.path.join(directory, "meta")
+    if os.path.exists(info):
+        with open(info) as f:
+            meta = json.load(f)
+    return {**meta, "kernels": {k: sorted(v, key=lambda e: json.dumps(e["key"])) for k, v in sorted(kernels.items())}}
 
-    def on_term(signum, frame):
-        write_snapshot(directory)
-        if callable(previous):
-            previous(signum, frame)
-        raise SystemExit(128 + signum)
+
+def _versions() -> dict:
+    import importlib.metadata as metadata
+
+    import torch
+    import triton
 
     try:
-        signal.signal(signal.SIGTERM, on_term)
-    except ValueError:  # not the main thread: the exit hook alone
-        pass
+        fla = metadata.version("fla-core")
+    except metadata.PackageNotFoundError:
+        fla = None
+    return {"gpu": gpu_name(), "torch": torch.__version__, "triton": triton.__version__, "fla-core": fla}
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,14 +233,12 @@ def configure() -> str:
         directory = value[len("record:"):]
         if not directory:
             raise ValueError(f"{ENV}=record:DIR needs a directory")
-        if os.environ.get(SHARD_ENV):
-            i, n = _shard(os.environ[SHARD_ENV])
-            _compile_shard(i, n)
-            return f"compiling configs {i} mod {n} (no record)"
-        _short_benchmarks()
-        _record_at_exit(directory)
-        shipped = recorded_for(gpu_name())  # a record grows: what it has is replayed (and written again)
+        record = SharedRecord(directory)
+        with open(os.path.join(directory, "meta"), "w") as f:
+            json.dump(_versions(), f)
+        shipped = recorded_for(gpu_name())  # a record grows: what it has is replayed, and kept
         replayed = replay(_load(shipped))[0] if shipped else 0
+        _share_autotuning(record)
         return f"autotune, recording into {directory}" + (f" ({replayed} configs replayed from {shipped})"
                                                           if shipped else "")
     path = recorded_for(gpu_name()) if value == "auto" else value
@@ -260,20 +252,25 @@ def configure() -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Merge the per-process snapshots of a recording run into one record.")
+    p = argparse.ArgumentParser(description="Merge a recording run's picks (record:DIR) into one record.")
     sub = p.add_subparsers(dest="command", required=True)
-    m = sub.add_parser("merge", help="merge DIR/*.json into one record")
+    m = sub.add_parser("merge", help="DIR's picks into one record (JSON)")
     m.add_argument("directory")
     m.add_argument("-o", "--out", required=True)
+    m.add_argument("--into", default=None, help="a record to extend (its entries kept where DIR has none)")
     args = p.parse_args(argv)
-    paths = sorted(glob.glob(os.path.join(args.directory, "*.json")))
-    if not paths:
-        p.error(f"no snapshots in {args.directory}")
-    record = merge(paths)
+    record = merge(args.directory)
+    if args.into:
+        old = _load(args.into)
+        for kernel, picks in old["kernels"].items():
+            keys = {json.dumps(e["key"]) for e in record["kernels"].get(kernel, [])}
+            record["kernels"].setdefault(kernel, []).extend(e for e in picks if json.dumps(e["key"]) not in keys)
+    if not record["kernels"]:
+        p.error(f"no picks in {args.directory}")
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1, sort_keys=True)
     entries = sum(len(v) for v in record["kernels"].values())
-    print(f"{args.out}: {len(record['kernels'])} kernels, {entries} keys, from {len(paths)} processes")
+    print(f"{args.out}: {entries} configs of {len(record['kernels'])} kernels")
 
 
 if __name__ == "__main__":

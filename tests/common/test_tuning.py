@@ -1,0 +1,81 @@
+"""Recorded autotune picks (megatron_zeco/common/tuning.py): a recording run's processes tune each kernel and
+key once between them, the record replays what they picked, and a replayed process times nothing.
+
+Triton's interpreter runs the kernel (tests/helpers/tuned_kernel.py); its autotuner's timing is replaced by a
+preference order, each process a fresh interpreter (recording patches Triton's autotuner for the process).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron_zeco.common import tuning
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+KERNEL = "tests.helpers.tuned_kernel:scale_kernel"
+
+
+def _process(mode, directory, prefer, *lengths):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-m", "tests.helpers.tuned_kernel", mode, str(directory), str(prefer),
+                          *map(str, lengths)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_a_recording_run_tunes_each_key_once_and_the_record_replays_it(tmp_path):
+    shared = tmp_path / "run"
+    first = _process("record", shared, 32, 100, 200)
+    assert first["timed"] == [16, 32, 64] * 2 and first["ran"] == [32, 32]
+    # Triton's own cache key is the one the recorder computes (the key arguments, then every tensor's dtype)
+    assert first["keys"] == [[100, "torch.float32", "torch.float32"], [200, "torch.float32", "torch.float32"]]
+    # another process of the run: the key already tuned is taken, not timed (even where it would pick another)
+    second = _process("record", shared, 64, 200, 300)
+    assert second["timed"] == [16, 32, 64] and second["ran"] == [32, 64]
+    record = tuning.merge(str(shared))
+    picks = {tuple(e["key"]): e["config"]["kwargs"]["BLOCK"] for e in record["kernels"][KERNEL]}
+    assert picks == {(100, "torch.float32", "torch.float32"): 32, (200, "torch.float32", "torch.float32"): 32,
+                     (300, "torch.float32", "torch.float32"): 64}
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(record))
+    replayed = _process("replay", path, 16, 100, 300, 400)
+    assert replayed["timed"] == [16, 32, 64] and replayed["ran"] == [32, 64, 16]  # 400: not recorded, tuned
+
+
+def test_replay_skips_configs_the_kernel_does_not_have():
+    import tests.helpers.tuned_kernel as k
+
+    tuner = tuning._autotuner(k.scale_kernel)
+    known = tuning.describe(k.CONFIGS[1])
+    unknown = {**known, "num_warps": 8}
+    record = {"kernels": {KERNEL: [{"key": [7, "torch.float32", "torch.float32"], "config": known},
+                                   {"key": [8, "torch.float32", "torch.float32"], "config": unknown}],
+                          "tests.helpers.tuned_kernel:no_such_kernel": [{"key": [1], "config": known}]}}
+    try:
+        assert tuning.replay(record) == (1, 2)
+        assert tuner.cache[(7, "torch.float32", "torch.float32")] is k.CONFIGS[1]
+        assert (8, "torch.float32", "torch.float32") not in tuner.cache
+    finally:
+        tuner.cache.clear()
+
+
+@pytest.mark.parametrize("value", ["record:", "/no/such/record.json"])
+def test_bad_settings_are_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(tuning.ENV, value)
+    monkeypatch.setattr(tuning, "gpu_name", lambda device=None: "NVIDIA_H200")
+    tuning.configure.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=tuning.ENV):
+            tuning.configure()
+    finally:
+        tuning.configure.cache_clear()
+
+
+def test_a_gpu_without_its_own_record_takes_its_chips():
+    assert tuning.file_name("NVIDIA H100 80GB HBM3") in tuning.SAME_CHIP
+    for name, chip in tuning.SAME_CHIP.items():
+        assert tuning.recorded_for(name) == tuning.recorded_for(chip)
