@@ -75,6 +75,9 @@ from megatron_zeco.comm import Layout, Route, all_scan, as_layout, gather_scan
 from megatron_zeco.comm.peer import PeerBuffers
 
 TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
+# What the zeco/lasp2/a2a rows time: the public op as a user calls it (its cross-rank check and plan made at the
+# first call of each shape, in the warm-up, and reused), the same path a layer takes after its first step.
+PATH = "public op, default validate (checked and planned once per shape; reused)"
 from megatron_zeco.cp.packed import Packing
 from megatron_zeco.gla.kernels import chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 from megatron_zeco.gla import chunk_gla
@@ -256,7 +259,7 @@ def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False, op="g
             o, _ = fla_op(*leaves, cp_context=context)
         else:
             o, _ = zeco_op(*leaves, group=group, layout=layout, cu_seqlens=cu_seqlens, per_document=per_document,
-                           validate=False, **kw)
+                           **kw)
         return torch.autograd.grad(o, leaves, x["o"]) if backward else o
 
     return run
@@ -460,7 +463,8 @@ def write(args, world, rows, script="bench_op.py", **extra):
     meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/{script} {' '.join(sys.argv[1:])}",
             "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
-            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "build": BUILD, **extra}
+            "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "build": BUILD,
+            "path": PATH, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

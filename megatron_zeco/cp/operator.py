@@ -12,11 +12,14 @@ make the config from their keywords, check the inputs on every rank alike, plan,
 :func:`run_planned` is the same under a plan built beforehand (a layer's).
 """
 
+import os
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import torch
 
+from ..comm.peer import TRANSPORT_ENV
 from .checks import check_inputs, local_call_problems
 from .config import CPConfig
 from .packed import Packing
@@ -87,22 +90,53 @@ class Arguments:
     scale: Optional[float] = None
 
 
+# Plans of the public functions' calls, by what the cross-rank check compares: a loop calling an op with
+# the same shapes and knobs checks and plans once (no collective, no host read after its first call).
+_PLANS: "OrderedDict[tuple, Tuple[CPPlan, bool]]" = OrderedDict()
+_PLANS_KEPT = 256
+
+
+def _describe(x) -> Optional[tuple]:
+    return None if x is None else (tuple(x.shape), x.dtype, x.device)
+
+
+def _call_key(op: Operator, knobs: dict, args: Arguments, group, name: str) -> Optional[tuple]:
+    """What makes two calls alike for the checks: None for packed calls (their offsets change per batch
+    and are checked every call)."""
+    if args.cu_seqlens is not None:
+        return None
+    return (op.key, group, name, tuple(sorted(knobs.items(), key=lambda kv: kv[0])),
+            tuple(_describe(x) for x in args.tensors), _describe(args.initial_state), bool(args.output_final_state),
+            bool(args.per_document), args.scale, os.environ.get(TRANSPORT_ENV))
+
+
 def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: bool = True,
                   name: Optional[str] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """The public operator function: ``knobs`` (the CP keywords) into a config, the inputs checked
     (``validate``: on every rank alike, one small collective; else the local checks only), a plan over
-    ``group``, the call run. Returns ``(o, final state or None)``."""
+    ``group``, the call run. Returns ``(o, final state or None)``.
+
+    Calls alike in group, knobs and the inputs' shapes, dtypes and devices (unpacked ones) reuse the
+    plan of the first, and with it its cross-rank check: only a call unlike every one before it (on this
+    rank) runs the collective."""
     name = name or op.name
-    try:
-        config, problems = CPConfig(operator=op.key, **knobs), []
-    except ValueError as e:
-        config, problems = None, [str(e)]
-    if validate:
-        check_inputs(op, config, problems, args, group, name)
-    elif problems:
-        raise ValueError(f"{name}: invalid input: " + "; ".join(problems))
-    plan = config.plan(group, like=args.tensors[0], name=name)
-    return run_planned(op, plan, args, checked=validate)
+    key = _call_key(op, knobs, args, group, name)
+    plan, checked = _PLANS.get(key, (None, False)) if key is not None else (None, False)
+    if plan is None or (validate and not checked):
+        try:
+            config, problems = CPConfig(operator=op.key, **knobs), []
+        except ValueError as e:
+            config, problems = None, [str(e)]
+        if validate:
+            check_inputs(op, config, problems, args, group, name)
+        elif problems:
+            raise ValueError(f"{name}: invalid input: " + "; ".join(problems))
+        plan, checked = config.plan(group, like=args.tensors[0], name=name), validate
+        if key is not None:
+            _PLANS[key] = (plan, checked)
+            while len(_PLANS) > _PLANS_KEPT:
+                _PLANS.popitem(last=False)
+    return run_planned(op, plan, args, checked=checked)
 
 
 def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = False

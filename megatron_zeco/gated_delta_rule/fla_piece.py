@@ -23,8 +23,9 @@ backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradi
 Results are those of fla's ``chunk_gated_delta_rule`` with ``initial_state=S_in`` and final-state
 gradient ``D``, up to rounding. For 16-bit inputs the maps' products round their float32 operands to
 the input dtype, as fla's own state pass rounds its states; for float32 inputs they keep float32
-accuracy (``kernels.py``, "Precision"). Dense input (B sequences of T tokens) runs as one packed row
-of B segments, so every kernel takes the varlen path.
+accuracy (``kernels.py``, "Precision"). Dense input (B sequences of T tokens) runs on fla's dense
+kernels, packed documents on its varlen ones; this package's kernels see B sequences as B segments of
+one row either way (the same memory).
 
 Built on fla-core's internal functions (signatures of fla-core 0.6, ``common.backend.FLA_VERSION``);
 imported on first use.
@@ -60,22 +61,25 @@ def _fla() -> SimpleNamespace:
 
 
 class _Segments(NamedTuple):
-    """What a piece's launches need of its segments' offsets, kept per shape (a layer's pieces have the same
-    segments every step of an unpacked batch): the offsets on the device and fla's chunk indices (each
-    made from the host copy once: a copy from pageable host memory, or fla's read-back, waits for the
-    device), and the sub-pieces of the correction kernels, enough of them to fill the device's SMs."""
+    """What a piece's launches need of its segments, kept per shape (a layer's pieces have the same
+    segments every step of an unpacked batch): fla's keywords (packed documents: the offsets on the
+    device, their host copy and fla's chunk indices, each made once: a copy from pageable host memory, or
+    fla's read-back, waits for the device; dense input: none) and the sub-pieces of the correction
+    kernels, enough of them to fill the device's SMs."""
 
-    cu: Tensor
-    indices: Tensor
+    fla: dict
     plan: SubPieces
 
 
 @functools.lru_cache(maxsize=64)
-def _segments(offsets: Tuple[int, ...], heads: int, K: int, device: torch.device) -> _Segments:
+def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device: torch.device) -> _Segments:
     host = torch.tensor(offsets, dtype=torch.long)
+    plan = kernels.plan_sub_pieces(host, CHUNK, heads, K, device)
+    if not packed:
+        return _Segments({}, plan)
     cu = host.pin_memory().to(device, non_blocking=True)
     indices = _fla().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
-    return _Segments(cu, indices, kernels.plan_sub_pieces(host, CHUNK, heads, K, device))
+    return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
@@ -93,16 +97,13 @@ class FlaDeltaPiece:
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
         fla = _fla()
         B, T, H, K = q.shape
-        self.shape, self.dtypes, self.scale = (B, T), (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), scale
-        if cu_seqlens is None:  # B sequences of T tokens: B segments of one row
-            offsets = tuple(range(0, (B + 1) * T, T))
-            q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
-        else:
-            offsets = tuple(int(x) for x in cu_seqlens_cpu)
-        segments = _segments(offsets, H, K, q.device)
+        self.dtypes, self.scale = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), scale
+        packed = cu_seqlens is not None  # else B sequences of T tokens: B segments for this package's kernels
+        offsets = tuple(int(x) for x in cu_seqlens_cpu) if packed else tuple(range(0, (B + 1) * T, T))
+        segments = _segments(offsets, packed, H, K, q.device)
         self.q, self.k, self.v, self.beta = (x.contiguous() for x in (q, k, v, beta))
-        self.plan, cu_seqlens_cpu = segments.plan, torch.tensor(offsets)
-        self.kw = dict(cu_seqlens=segments.cu, chunk_indices=segments.indices)
+        self.plan = segments.plan
+        self.kw = {n: x for n, x in segments.fla.items() if n != "cu_seqlens_cpu"}
         self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
         w, u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
                                                                chunk_size=CHUNK, **self.kw)
@@ -115,7 +116,7 @@ class FlaDeltaPiece:
                 self.q, self.k, w, self.g, scale, self.plan, r_dtype=q.dtype, precision=self.precision)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
-            cu_seqlens_cpu=cu_seqlens_cpu, **self.kw)
+            **segments.fla)
         main.wait_stream(side)
         for t in (self.R, self.P, self.M):  # made on the side stream, used on this one
             t.record_stream(main)
@@ -136,21 +137,17 @@ class FlaDeltaPiece:
     def before_grads(self) -> None:  # fla's backward needs D
         pass
 
-    def _dense(self, x: Tensor) -> Tensor:
-        """``[1, B*T, ...]`` -> the caller's ``[B, T, ...]``."""
-        return x.reshape(*self.shape, *x.shape[2:])
-
     def output(self, S_in: Tensor) -> Tensor:
         """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
         self.before_output()
         self.S_in = S_in.contiguous()
         o = kernels.output_correction(self.o0, self.R, self.P, self.S_in, self.plan, precision=self.precision)
         self.o0 = None
-        return self._dense(o)
+        return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
-        self.do = do.reshape(self.q.shape[:3] + do.shape[-1:]).contiguous()
+        self.do = do.contiguous()
         return kernels.entering_grad(self.R, self.P, self.do, self.plan, precision=self.precision)
 
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -159,4 +156,4 @@ class FlaDeltaPiece:
         dq, dk, dv, dbeta, dg, *_ = _fla().chunk_gated_delta_rule_bwd(
             q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, A=self.A_wy, scale=self.scale,
             initial_state=self.S_in, do=self.do, dht=D.contiguous(), chunk_size=CHUNK, **self.kw)
-        return tuple(self._dense(x).to(dtype) for x, dtype in zip((dq, dk, dv, dg, dbeta), self.dtypes))
+        return tuple(x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, dbeta), self.dtypes))

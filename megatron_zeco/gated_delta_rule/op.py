@@ -85,7 +85,9 @@ def zeco_gated_delta_rule(
             (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``: the dense hop kernel;
             ``auto``: what ``cp.config.RULES["gated_delta_rule"]`` says.
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
-            on all ranks if any is unusable (one small collective).
+            on all ranks if any is unusable (one small collective), at the first call of each group,
+            knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan
+            (no collective, no host read), packed calls (``cu_seqlens``) are checked every time.
         name: names the caller in communication errors.
 
     Returns:

@@ -100,10 +100,12 @@ def zeco_gla(
             None (default): 2 for ``zeco`` on an unpacked contiguous split with T even (a
             contiguous piece then runs as two halves, the shape zigzag gives a rank anyway),
             else 1.
-        validate: all-gather a description of every rank's inputs and raise the
-            same ``ValueError`` on all ranks if any is unusable (costs one small
-            collective; turn off after a first validated call). Off, the op can be
-            captured in a CUDA graph (no CP, or zeco over peer memory; warm up first).
+        validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
+            on all ranks if any is unusable (one small collective), at the first call of each group,
+            knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan
+            (no collective, no host read), packed calls (``cu_seqlens``) are checked every time.
+            A call that needs no check (an earlier one alike, or off) can be captured in a CUDA
+            graph (no CP, or zeco over peer memory; warm up first).
         name: names the caller in communication errors (the layer passes its number).
 
     Returns:

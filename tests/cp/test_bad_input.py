@@ -99,3 +99,43 @@ def test_unsupported_dtypes_are_named(dtype):
     q, k, v, g = _inputs()
     with pytest.raises(ValueError, match=f"initial_state must be float64, float32, bfloat16 or float16, got {dtype}"):
         zeco_gla(q, k, v, g, initial_state=torch.zeros(1, 2, 8, 4).to(dtype))
+
+
+def _validations(group, T):
+    """Calls of zeco_gla: three alike, one of another length, then the first again; how many ran the
+    cross-rank check (all_gather_object)."""
+    import megatron_zeco.cp.checks as checks
+
+    calls = []
+    gather = dist.all_gather_object
+
+    def counted(*args, **kw):
+        calls.append(1)
+        return gather(*args, **kw)
+
+    checks.dist.all_gather_object = counted
+    try:
+        for length in (T, T, T, T + 4, T):
+            zeco_gla(*_inputs(T=length), group=group, name="validated once")
+    finally:
+        checks.dist.all_gather_object = gather
+    return len(calls)
+
+
+def test_calls_alike_check_once(pool):
+    """A loop calling the op pays the cross-rank check once per shape (later calls alike reuse it)."""
+    assert pool.run(_validations, 2, 12) == [2, 2]
+
+
+def _bad_after_good(group):
+    zeco_gla(*_inputs(T=12), group=group, name="bad after good")
+    try:
+        zeco_gla(*_inputs(T=12), group=group, name="bad after good", num_blocks=3)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_bad_call_after_a_good_one_is_still_refused_on_every_rank(pool):
+    messages = pool.run(_bad_after_good, 2)
+    assert all(m is not None and "cp_num_blocks 3 must divide the key head dim" in m for m in messages), messages
