@@ -273,10 +273,21 @@ def bench_op(args, world, me, cp_group, self_group, rows):
         base = {}
         for mode in args.modes:
             for strategy, group, layout, P in cases:
-                if mode == "graph" and (args.op != "gla" or not capturable(strategy, P)):
+                if mode == "graph" and not capturable(strategy, P):
                     continue
                 fn = op_fn(x, strategy, group, layout, op=args.op, backward=not args.forward_only)
-                ms = timed(graphed(fn) if mode == "graph" else fn, args.iters, args.warmup, steady=mode == "steady")
+                if mode == "graph":
+                    try:
+                        fn = graphed(fn)
+                    except Exception as e:  # noqa: BLE001 -- a row that cannot be captured says why
+                        torch.cuda.synchronize()
+                        rows.append({"part": "op", "op": args.op, "mode": mode, "tokens_per_gpu": T,
+                                     "strategy": strategy, "cp": P, "layout": layout, "ms": None,
+                                     "error": f"{type(e).__name__}: {e}"[:300]})
+                        log(f"op  {mode:5s} T/GPU={T:6d} {strategy:14s} CP={P} {layout:10s} cannot be captured: "
+                            f"{type(e).__name__}: {str(e)[:200]}")
+                        continue
+                ms = timed(fn, args.iters, args.warmup, steady=mode == "steady")
                 host = host_ms(fn, args.iters) if mode == "eager" else None
                 if strategy == "none":
                     base[mode] = ms

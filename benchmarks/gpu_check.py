@@ -223,16 +223,16 @@ def run_bench(args, env, logs, gpus, clock, prefix=""):
 
 
 def piece_table(result):
-    """(case, direction, gpu ms, host ms, x fla) rows of the piece benchmark."""
+    """(case, direction, gpu ms, graph ms, host ms, x fla) rows of the piece benchmark."""
     rows = (result or {}).get("rows", [])
     base = {(r["tokens"], r["direction"]): r["gpu_ms"] for r in rows if r["case"] == "fla"}
-    return [(r["case"], r["direction"], r["gpu_ms"], r["host_ms"], r["gpu_ms"] / base[r["tokens"], r["direction"]])
-            for r in rows if (r["tokens"], r["direction"]) in base]
+    return [(r["case"], r["direction"], r["gpu_ms"], r.get("graph_ms"), r["host_ms"],
+             r["gpu_ms"] / base[r["tokens"], r["direction"]]) for r in rows if (r["tokens"], r["direction"]) in base]
 
 
 def op_table(result):
     """(strategy, CP, layout, ms, host ms, x fla on one GPU) rows of one operator's two-GPU benchmark."""
-    rows = [r for r in (result or {}).get("rows", []) if r.get("part") == "op"]
+    rows = [r for r in (result or {}).get("rows", []) if r.get("part") == "op" and r.get("ms") is not None]
     base = {r["tokens_per_gpu"]: r["ms"] for r in rows if r["strategy"] == "fla"}
     return [(r["strategy"], r["cp"], r["layout"], r["ms"], r["host_ms"], r["ms"] / base[r["tokens_per_gpu"]])
             for r in rows if r["tokens_per_gpu"] in base]
@@ -278,8 +278,9 @@ def summary_lines(report):
     for step, result in (report.get("bench") or {}).items():
         lines.append(f"\n{step} ({result['seconds']:.0f} s, exit {result['exit']}):")
         if step == "piece-gdn":
-            lines.append(f"  {'case':22s} {'dir':8s} {'gpu ms':>8s} {'host ms':>8s} {'x fla':>6s}")
-            lines += [f"  {c:22s} {d:8s} {g:8.3f} {h:8.3f} {x:6.2f}" for c, d, g, h, x in piece_table(result["result"])]
+            lines.append(f"  {'case':22s} {'dir':8s} {'gpu ms':>8s} {'graph ms':>8s} {'host ms':>8s} {'x fla':>6s}")
+            lines += [f"  {c:22s} {d:8s} {g:8.3f} {'-' if gr is None else f'{gr:8.3f}':>8s} {h:8.3f} {x:6.2f}"
+                      for c, d, g, gr, h, x in piece_table(result["result"])]
         else:
             lines.append(f"  {'strategy':10s} {'CP':>2s} {'layout':10s} {'ms':>8s} {'host ms':>8s} {'x 1 GPU':>7s}")
             lines += [f"  {s:10s} {p:2d} {l:10s} {m:8.3f} {'-' if h is None else f'{h:8.3f}':>8s} {x:7.2f}"

@@ -27,11 +27,13 @@ forward alone (``fwd``) and forward + backward (``fwd+bwd``):
 * ``fla H/p x pT``: fla's op alone on the shape a2a's local op runs (contiguous inputs): what
   trading heads for tokens costs apart from the all-to-alls and casts around it.
 
-Each case is timed three ways: ``gpu`` (median of ``--iters`` single iterations, each issued
+Each case is timed four ways: ``gpu`` (median of ``--iters`` single iterations, each issued
 behind a GPU sleep long enough for the host to queue all of it: GPU time, no host gaps), ``steady``
 (mean of ``--iters`` iterations back to back, median of 3: a training loop's view, as bench_op's
-steady mode) and ``host`` (median host time to issue one iteration while the GPU is busy with a
-50 ms sleep: a host time of about 50 ms or more means the case synchronises with the GPU). The
+steady mode), ``graph`` (median replay of one iteration captured in a CUDA graph: the GPU's cost
+with no host issue at all; where capture fails, why) and ``host`` (median host time to issue one
+iteration while the GPU is busy with a 50 ms sleep: a host time of about 50 ms or more means the
+case synchronises with the GPU). The
 ``gpu`` loop also times each case's stages (a piece: summary, output, entering_grad, grads;
 fla and a2a: forward, backward). Then ``--profile-iters`` iterations run under torch.profiler:
 CUDA time and launches per kernel name per iteration, and each kernel's grid and block (the
@@ -289,6 +291,34 @@ def gpu_ms(run, iters, sleep_ms, cycles_per_ms):
     return statistics.median(totals), {n: statistics.median(t) for n, t in stages.items()}
 
 
+def graph_ms(run, iters):
+    """(median GPU time in ms of one replay of ``run`` captured in a CUDA graph, None) -- the GPU's cost
+    with the host's issue time taken out -- or (None, why) where ``run`` cannot be captured."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # capture needs a warm call off the capturing stream first
+            run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+    except Exception as e:  # noqa: BLE001 -- a path that cannot be captured is a result, not a failure
+        torch.cuda.synchronize()
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return statistics.median(times), None
+
+
 def steady_ms(run, iters, samples=3):
     """Mean time (ms) of ``iters`` iterations issued back to back; median of ``samples``."""
     times = []
@@ -370,12 +400,14 @@ def summary(rows):
         at = [r for r in rows if r["tokens"] == T]
         base = {r["direction"]: r["gpu_ms"] for r in at if r["case"] == "fla"}
         lines.append(f"\n## T={T}: ms (gpu = each iteration from a full queue; steady = back to back)")
-        lines.append(f"  {'case':22s} {'dir':8s} {'gpu':>8s} {'steady':>8s} {'host':>7s} {'x fla':>6s}  stages")
+        lines.append(f"  {'case':22s} {'dir':8s} {'gpu':>8s} {'steady':>8s} {'graph':>8s} {'host':>7s} {'x fla':>6s}"
+                     "  stages")
         for r in at:
             ratio = r["gpu_ms"] / base[r["direction"]] if r["direction"] in base else float("nan")
             stages = ", ".join(f"{n} {t:.3f}" for n, t in r["stages_ms"].items())
+            graphed = "-" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}"
             lines.append(f"  {r['case']:22s} {r['direction']:8s} {r['gpu_ms']:8.3f} {r['steady_ms']:8.3f} "
-                         f"{r['host_ms']:7.3f} {ratio:6.2f}  {stages}")
+                         f"{graphed:>8s} {r['host_ms']:7.3f} {ratio:6.2f}  {stages}")
         for direction in ("fwd", "fwd+bwd"):
             cols = [r for r in at if r["direction"] == direction]
             if not cols:
@@ -440,8 +472,9 @@ def measure(args, make, cycles):
     warm_s = time.perf_counter() - started
     host = host_ms(run, 5, cycles)
     ms, stages = gpu_ms(run, args.iters, max(1.0, 2 * host), cycles)
+    graphed, why = graph_ms(run, args.iters)
     row = {"gpu_ms": ms, "stages_ms": stages, "steady_ms": steady_ms(run, args.iters), "host_ms": host,
-           "warmup_s": warm_s}
+           "graph_ms": graphed, "graph_error": why, "warmup_s": warm_s}
     row["kernels"], row["launches"] = kernel_times(run, args.profile_iters)
     return row
 
