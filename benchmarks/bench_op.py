@@ -72,9 +72,9 @@ import torch.nn.functional as F
 from megatron_zeco import zeco_gated_delta_rule, zeco_gla, zeco_kda
 from megatron_zeco.cost_model import BUILD
 from megatron_zeco.comm import Layout, Route, all_scan, as_layout, gather_scan
-from megatron_zeco.comm.peer import PeerBuffers
+from megatron_zeco.comm.symmetric import PeerBuffers
 
-TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
+from megatron_zeco.comm.transport import CHOICES as TRANSPORTS
 # What the zeco/lasp2/a2a rows time: the public op as a user calls it (its cross-rank check and plan made at the
 # first call of each shape, in the warm-up, and reused), the same path a layer takes after its first step.
 PATH = "public op, default validate (checked and planned once per shape; reused)"

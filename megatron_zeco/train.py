@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from . import checkpoint
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
-from .comm.peer import TRANSPORTS
+from .comm.transport import CHOICES as TRANSPORTS
 from .cp.config import RULES, CPConfig
 from .recall import RecallTask
 

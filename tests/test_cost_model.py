@@ -431,14 +431,15 @@ def test_command_line_runs_from_an_installed_copy(tmp_path):
 
 def test_the_run_time_choice_stands_alone():
     """comm/shape.py, what an All-Scan of shape "auto" asks, loads on the standard library alone (no
-    torch, no result files), and nothing in comm imports the cost model."""
-    path = ROOT / "megatron_zeco" / "comm" / "shape.py"
-    code = ("import importlib.util, sys; sys.modules['torch'] = None; before = set(sys.modules); "
-            f"spec = importlib.util.spec_from_file_location('shape', {str(path)!r}); "
-            "m = sys.modules['shape'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+    torch, no result files; with comm/transport.py, the transports it prices), and nothing in comm
+    imports the cost model."""
+    folder = ROOT / "megatron_zeco" / "comm"
+    code = ("import importlib, sys, types; sys.modules['torch'] = None; before = set(sys.modules); "
+            "comm = sys.modules['comm'] = types.ModuleType('comm'); "  # the folder, without its __init__
+            f"comm.__path__ = [{str(folder)!r}]; m = importlib.import_module('comm.shape'); "
             "print(m.scan_choice('contiguous', (0, 0, 1, 1, 2, 2), 2 ** 20, 'send_recv')); "
             "print(*sorted({n.split('.')[0] for n in set(sys.modules) - before}"
-            " - set(sys.stdlib_module_names) - {'shape'}))")
+            " - set(sys.stdlib_module_names) - {'comm'}))")
     done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["hierarchical", ""], done.stdout  # and no module beyond the standard library
@@ -511,7 +512,9 @@ def test_recorded_efficiencies_are_the_models(monkeypatch):
     for label, (tokens, strategy) in rows.items():
         assert table[label] == efficiencies(tokens, strategy), label
     # the row of a shape not built: the device kernels over NVSHMEM running the hierarchical shape
-    monkeypatch.setitem(cm.TRANSPORTS, "nvshmem", dataclasses.replace(cm.TRANSPORTS["nvshmem"], shapes=cm.SHAPES))
+    from megatron_zeco.comm.transport import TRAITS
+
+    monkeypatch.setitem(TRAITS, cm.Transport.NVSHMEM, dataclasses.replace(TRAITS[cm.Transport.NVSHMEM], shapes=cm.SHAPES))
     label = "not built: the hierarchical shape run by the device kernels over NVSHMEM (*projected*)"
     assert table[label] == efficiencies(16384, "zeco-hierarchical"), label
 

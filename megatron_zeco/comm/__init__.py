@@ -2,6 +2,6 @@
 
 from .all_scan import Route, all_scan, chain_scan, gather_scan
 from .layout import Layout, as_layout
-from .peer import ScanTimeoutError, check_scans
+from .watch import ScanTimeoutError, check_scans
 
 __all__ = ["Layout", "Route", "as_layout", "all_scan", "chain_scan", "gather_scan", "check_scans", "ScanTimeoutError"]

@@ -41,9 +41,10 @@ from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
 from .layout import Layout
 from .nodes import group_nodes
-from .peer import DEVICE_TRANSPORTS, RESOLVED_TRANSPORTS, peer_all_scan
+from .peer import peer_all_scan
 from .shape import scan_choice
 from .transition import transition_of
+from .transport import TRANSPORTS, Transport
 
 Tensor = torch.Tensor
 SHAPES = ("auto", "chain", "hierarchical")
@@ -60,8 +61,9 @@ class Route:
         group: the process group the pieces are spread over.
         num_blocks: blocks the state is sent in (a divisor of the state's rows, or of its columns for a
             dense transition).
-        transport: ``send_recv`` (the group's point-to-point messages), ``peer_memory`` (one-sided
-            stores into the peers' memory, one kernel per piece: ``peer.py``) or ``nvshmem``.
+        transport: the :class:`~megatron_zeco.comm.transport.Transport` (or its name): ``send_recv``
+            (the group's point-to-point messages), ``peer_memory`` (one-sided stores into the peers'
+            memory, one kernel per piece: ``peer.py``) or ``nvshmem``.
         node_size: ranks per node, consecutive in group rank order (None: from the hosts, or
             ``$MEGATRON_ZECO_NODE_SIZE``; ``comm.nodes``).
         shape: ``chain`` (the pipelined chain through every piece), ``hierarchical`` (chains inside
@@ -75,15 +77,16 @@ class Route:
     layout: Layout
     group: object
     num_blocks: int = 1
-    transport: str = "send_recv"
+    transport: Transport = Transport.SEND_RECV
     node_size: Optional[int] = None
     shape: str = "auto"
     what: str = "All-Scan"
 
     def __post_init__(self):
-        if self.transport not in RESOLVED_TRANSPORTS:
-            raise ValueError(f"{self.what}: a scan's transport is one of {', '.join(RESOLVED_TRANSPORTS)} (resolved "
-                             f"by the CP plan), got {self.transport!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"{self.what}: a scan's transport is one of {', '.join(TRANSPORTS)} (resolved by the CP "
+                             f"plan), got {self.transport!r}")
+        object.__setattr__(self, "transport", Transport(self.transport))
 
 
 def chain_scan(
@@ -215,12 +218,12 @@ def all_scan(
             raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
         return hierarchical_scan(gamma, delta, init, route, nodes=_nodes(route), reverse=reverse, out=out,
                                  while_waiting=while_waiting)
-    if route.transport in DEVICE_TRANSPORTS:
+    if route.transport.device:
         return peer_all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=while_waiting,
                              aside=aside)
     if aside is not None:
-        raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports "
-                         "('peer_memory', 'nvshmem') only")
+        raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports ("
+                         + ", ".join(repr(t.value) for t in Transport if t.device) + ") only")
 
     def combine(slot: int, block: slice, x: Tensor) -> Tensor:
         return kind.combine(gamma[slot], delta[slot], x, block)
@@ -239,12 +242,13 @@ def scan_shape(route: Route, like: Tensor) -> str:
     if shape not in SHAPES:
         raise ValueError(f"unknown All-Scan shape {shape!r}; expected one of {', '.join(SHAPES)} "
                          f"(argument shape, or ${SHAPE_ENV})")
-    if shape == "hierarchical" and route.transport != "send_recv":
-        raise ValueError(f"All-Scan shape 'hierarchical' runs over transport 'send_recv', not {route.transport!r}")
+    if shape not in ("auto", *route.transport.shapes):
+        raise ValueError(f"All-Scan shape {shape!r} runs over transport "
+                         f"{', '.join(repr(t.value) for t in Transport if shape in t.shapes)}, not {route.transport.value!r}")
     if shape != "auto":
         return shape
-    if route.group.size() < 3 or route.transport != "send_recv":
-        return "chain"
+    if route.group.size() < 3 or len(route.transport.shapes) == 1:
+        return route.transport.shapes[0]
     nodes = _nodes(route)
     if len(set(nodes)) == 1:
         return "chain"

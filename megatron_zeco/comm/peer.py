@@ -1,42 +1,14 @@
-"""All-Scan through peer memory: one-sided stores into the next rank's buffer, flags on the device.
+"""All-Scan over the device transports: one-sided stores into the next rank's buffer, flags on the device.
 
-A message through NCCL costs ~25-40 µs of latency plus host work per block (docs/benchmarks.md),
-more than a whole 1 MiB state takes over NVLink, so a pipelined chain of small blocks loses. On
-one node every GPU can map every other GPU's memory: each rank allocates one buffer per state
-shape with torch's symmetric memory, and a hop is one Triton kernel
-(``kernels/scan_hop.py``) that waits for the previous rank's tiles, combines them and stores
-the result straight into the next rank's buffer, tile by tile. No host synchronisation, no
-NCCL call; the kernel is ordered on the current stream like any other.
-
-Transports (an operator's ``transport=``, a layer's ``cp_transport``; resolved once by the CP plan, and a
-scan's ``Route`` carries the result):
-
-* ``send_recv``: the process group's point-to-point messages (NCCL on GPUs, gloo on CPUs); works
-  everywhere.
-* ``peer_memory``: this module. On CUDA, torch symmetric memory (NVLink; multicast is never used).
-  On the CPU, files in shared memory (``/dev/shm``) and the kernel under ``TRITON_INTERPRET=1``:
-  slow, for testing the protocol with real processes.
-* ``auto`` (default): ``$MEGATRON_ZECO_TRANSPORT`` if set, else ``peer_memory`` for CUDA states
-  when every rank of the group is on this host, else ``send_recv`` (:func:`resolve_transport`; an
-  operator whose rules say so, the gated delta rule's and KDA's, resolves ``auto`` to ``send_recv``
-  itself: ``cp.config.RULES``).
-
-A rank that never arrives (it died, or stalled) is reported, not spun on: every wait of the scan
-kernels is bounded by the group's timeout (or ``$MEGATRON_ZECO_SCAN_TIMEOUT`` seconds), measured
-on the GPU's clock. The rank that gives up marks the flags it raises from then on, so the ranks
-after it give up at once, and delivers NaN instead of the state it did not get, so that every
-output and gradient computed from it is NaN. Each rank raises :class:`ScanTimeoutError`, naming
-the layer, the direction, the piece, the peer it waited for and the call (:class:`Watch`), at its
-next scan and at :func:`check_scans`, which runs before every optimizer step
-(:func:`install_step_check`).
+A message through NCCL costs tens of microseconds of latency plus host work per block, more than a whole
+1 MiB state takes over NVLink, so a pipelined chain of small blocks loses. On one node every GPU can map
+every other GPU's memory (``symmetric.py``): a hop is one Triton kernel (``kernels/scan_hop.py``) that
+waits for the previous rank's tiles, combines them and stores the result straight into the next rank's
+buffer, tile by tile (over NVSHMEM: puts, across nodes). No host synchronisation, no NCCL call; the kernel
+is ordered on the current stream like any other. Every wait is bounded (``watch.py``).
 """
 
 import contextlib
-import os
-import tempfile
-import uuid
-import warnings
-import weakref
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -45,168 +17,18 @@ import torch.distributed as dist
 from . import inject
 from .failures import naming_failures
 from .layout import Layout, Link
-from .nodes import host_nodes
+from .symmetric import PeerBuffers
 from .transition import Dense, transition_of
+from .transport import Transport
+from .watch import watch
 
 Tensor = torch.Tensor
-TRANSPORTS = ("auto", "send_recv", "peer_memory", "nvshmem")
-RESOLVED_TRANSPORTS = TRANSPORTS[1:]  # what a plan resolves ``auto`` to, and what a scan's Route takes
-TRANSPORT_ENV = "MEGATRON_ZECO_TRANSPORT"
 _ALIGN = 16
 _TILE_ROWS = 32
 # Programs of a send beside the local work (``aside``): a program per tile would fill every SM
 # until the whole state has gone, and the local work would run after it instead of beside it.
 _ASIDE_PROGRAMS = 16
 _FLAG_BYTES = 8  # flags, acknowledgements and call counters: 64-bit words (NVSHMEM's signal width)
-_ALLOCATED = False  # whether this process has allocated torch symmetric memory (fixing its backend)
-
-
-DEVICE_TRANSPORTS = ("peer_memory", "nvshmem")
-# Layers built in this process that scan over a device transport: layer -> (transport, its name).
-# Torch symmetric memory takes one backend per process (CUDA's for peer memory, NVSHMEM), fixed by
-# its first allocation, so one process cannot scan over both.
-_CLAIMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def claim_transport(owner, transport: str, name: str) -> None:
-    """Record that ``owner`` (a layer, named ``name``) scans over ``transport``: at model build, so that a
-    model whose layers ask for both device transports fails there, naming them, instead of at its
-    first step. ValueError if a layer of this process that is still alive asks for the other one,
-    or this process's symmetric memory already runs the other backend."""
-    if transport not in DEVICE_TRANSPORTS:
-        return
-    for other, (theirs, who) in list(_CLAIMS.items()):
-        if theirs != transport and other is not owner:
-            raise ValueError(f"{name}: cp_transport {transport!r}, but {who} in this process scans over {theirs!r}: "
-                             f"a process runs one device transport (torch symmetric memory takes one backend per "
-                             f"process). Give every layer the same cp_transport (or 'auto', which follows the "
-                             f"other layers), or set ${TRANSPORT_ENV}")
-    used = _symmetric_backend()
-    if used is not None and (used == "NVSHMEM") != (transport == "nvshmem"):
-        raise ValueError(f"{name}: cp_transport {transport!r}, but this process already allocates symmetric memory "
-                         f"with the {used!r} backend; use one transport per process (${TRANSPORT_ENV})")
-    _CLAIMS[owner] = (transport, name)
-
-
-def _symmetric_backend() -> Optional[str]:
-    """The backend this process's torch symmetric memory is fixed to, or None while it allocated none."""
-    if not torch.cuda.is_initialized():
-        return None
-    import torch.distributed._symmetric_memory as symm_mem
-
-    try:
-        return symm_mem.get_backend(torch.device("cuda")) if _ALLOCATED else None
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def _process_transport() -> Optional[str]:
-    """The device transport this process's layers, or its symmetric memory, have chosen (None: none yet)."""
-    claimed = {transport for transport, _ in _CLAIMS.values()}
-    if len(claimed) == 1:
-        return claimed.pop()
-    used = _symmetric_backend()
-    return None if used is None else ("nvshmem" if used == "NVSHMEM" else "peer_memory")
-
-
-def resolve_transport(transport: str, group, like: Tensor) -> str:
-    """``send_recv``, ``peer_memory`` or ``nvshmem`` for a scan over ``group`` of states like ``like``.
-    ``auto`` on one node takes the process's device transport (NVSHMEM where its layers asked for it,
-    else peer memory). A device transport installs the step check (:func:`install_step_check`)."""
-    if transport == "auto":
-        transport = os.environ.get(TRANSPORT_ENV) or ("peer_memory" if like.is_cuda and _one_host(group)
-                                                      else "send_recv")
-        if transport == "peer_memory" and _process_transport() == "nvshmem":
-            transport = "nvshmem"
-    if transport not in RESOLVED_TRANSPORTS:
-        raise ValueError(f"unknown All-Scan transport {transport!r}; expected one of {', '.join(TRANSPORTS)}"
-                         f" (argument transport, layer cp_transport, or ${TRANSPORT_ENV})")
-    if transport == "peer_memory":
-        if like.is_cuda and not _one_host(group):
-            raise ValueError("All-Scan transport 'peer_memory' needs every rank of the CP group on one node; "
-                             "use transport='nvshmem' or 'send_recv'")
-        if not like.is_cuda and not os.environ.get("TRITON_INTERPRET"):
-            raise ValueError("All-Scan transport 'peer_memory' on the CPU runs its Triton kernel under "
-                             "TRITON_INTERPRET=1 (for tests); use transport='send_recv'")
-    if transport == "nvshmem":
-        if not like.is_cuda:
-            raise ValueError("All-Scan transport 'nvshmem' needs CUDA tensors; use transport='send_recv' "
-                             "(or 'peer_memory' under TRITON_INTERPRET=1 for tests)")
-        import torch.distributed._symmetric_memory as symm_mem
-
-        if not symm_mem.is_nvshmem_available():
-            raise ValueError("All-Scan transport 'nvshmem': this torch build or machine has no NVSHMEM "
-                             "(pip install nvidia-nvshmem-cu12 or -cu13 to match CUDA); use transport='send_recv'")
-    if transport in DEVICE_TRANSPORTS:
-        install_step_check()
-    return transport
-
-
-def _one_host(group) -> bool:
-    """Whether every rank of ``group`` runs on this host (asked once per group; collective)."""
-    return len(set(host_nodes(group))) == 1
-
-
-class PeerBuffers:
-    """``nbytes`` of memory per rank of ``group``, zeroed, allocated collectively.
-
-    ``of(rank)`` is the buffer this process addresses for group rank ``rank`` (a uint8 tensor on this
-    rank's device): the peer's own buffer mapped here (peer memory: CUDA symmetric memory on one node,
-    ``/dev/shm`` files on the CPU), or, with ``nvshmem``, this rank's own symmetric buffer for every
-    rank: NVSHMEM addresses a peer's buffer by this rank's address of it and the peer's PE.
-    """
-
-    def __init__(self, group, nbytes: int, device: torch.device, nvshmem: bool = False):
-        # _handle keeps the symmetric allocation (and the peers' mappings) alive
-        self._ranks, self._handle = (_symmetric(group, nbytes, device, nvshmem) if device.type == "cuda"
-                                     else (_host_shared(group, nbytes), None))
-
-    def of(self, rank: int) -> Tensor:
-        return self._ranks[rank]
-
-
-def _symmetric(group, nbytes: int, device: torch.device, nvshmem: bool):
-    global _ALLOCATED
-    import torch.distributed._symmetric_memory as symm_mem
-
-    backend = symm_mem.get_backend(device)
-    if nvshmem and backend != "NVSHMEM":
-        try:
-            symm_mem.set_backend("NVSHMEM")  # for the whole process: fixed by its first allocation
-        except RuntimeError as e:
-            raise ValueError(f"All-Scan transport 'nvshmem' needs torch symmetric memory's NVSHMEM backend, but "
-                             f"this process already allocates symmetric memory with {backend!r}: use one "
-                             f"transport per process (${TRANSPORT_ENV})") from e
-    with warnings.catch_warnings():  # needed by older torch, deprecated (a no-op) by newer
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    _ALLOCATED = True
-    local = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-    handle = symm_mem.rendezvous(local, group.group_name) if group.size() > 1 else None  # one rank: no peers
-    local.zero_()
-    torch.cuda.synchronize(device)  # zeroed everywhere before any peer writes a flag
-    dist.barrier(group=group)
-    views = [local if nvshmem or r == group.rank() else handle.get_buffer(r, (nbytes,), torch.uint8, 0)
-             for r in range(group.size())]
-    return views, handle
-
-
-def _host_shared(group, nbytes: int) -> List[Tensor]:
-    names: List[Optional[str]] = [os.path.join(_shm_dir(), f"megatron_zeco_{uuid.uuid4().hex}")]
-    dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
-    path = f"{names[0]}_{group.rank()}"
-    with open(path, "wb") as f:
-        f.truncate(nbytes)  # zeros
-    dist.barrier(group=group)
-    views = [torch.from_file(f"{names[0]}_{r}", shared=True, size=nbytes, dtype=torch.uint8)
-             for r in range(group.size())]
-    dist.barrier(group=group)  # everyone has mapped every file: the names can go
-    os.unlink(path)
-    return views
-
-
-def _shm_dir() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
 class _Launch(NamedTuple):
@@ -338,141 +160,6 @@ def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
 
 
 _CHANNELS: Dict[_ChannelKey, _Channel] = {}
-TIMEOUT_ENV = "MEGATRON_ZECO_SCAN_TIMEOUT"
-_DEFAULT_TIMEOUT = 600.0  # seconds, where the group's own timeout cannot be read
-
-
-class ScanTimeoutError(RuntimeError):
-    """A peer-memory All-Scan gave up waiting for a peer: it died, stalled, or diverged."""
-
-
-class Watch:
-    """What bounds one process's waits on its peers, per device.
-
-    The scan kernels spin on flags that peers raise; a wait gives up after the scan's timeout (GPU
-    clock), records which launch waited for what in ``report`` (host memory the device writes: the
-    host reads it at any time without synchronising) and raises ``word`` (device memory), after which
-    every other wait of the process gives up at once, every flag it raises is marked poisoned, so
-    that its own peers give up at once too, and every state its kernels deliver is NaN. The host
-    raises :class:`ScanTimeoutError` naming the layer, the direction, the piece, the peer and the
-    call (:meth:`check`) at the start of every later scan and wherever :func:`check_scans` is
-    called (before each optimizer step: :func:`install_step_check`). After that the process's scans
-    stay failed: every later check raises the same error.
-    """
-
-    def __init__(self, device: torch.device):
-        self.word = torch.zeros(1, dtype=torch.int32, device=device)
-        self.report = torch.zeros(8, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self._launches: Dict[tuple, int] = {}
-        self._named: List[str] = []  # per launch id: what waited
-        self._peers: List[Tuple[Optional[int], Optional[int]]] = []  # ... for which global ranks
-        self._limits: Dict[int, float] = {}  # ... and for how long (seconds)
-        self._timeout: Dict[object, float] = {}
-
-    def launch_id(self, key: tuple, describe: Callable[[], Tuple[str, Tuple[Optional[int], Optional[int]]]]) -> int:
-        """A stable id for one launch of one scan (``key``), so a graph replay reports like the capture.
-        ``describe()``: the launch's name and the global ranks it may wait for (data, acknowledgement)."""
-        if key not in self._launches:
-            name, peers = describe()
-            self._launches[key] = len(self._named)
-            self._named.append(name)
-            self._peers.append(peers)
-        return self._launches[key]
-
-    def timeout(self, group) -> float:
-        """Seconds a wait may last: ``$MEGATRON_ZECO_SCAN_TIMEOUT``, else the group's own timeout."""
-        if os.environ.get(TIMEOUT_ENV):
-            try:
-                value = float(os.environ[TIMEOUT_ENV])
-            except ValueError:
-                value = -1.0
-            if not value > 0:
-                raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got "
-                                 f"{os.environ[TIMEOUT_ENV]!r}")
-            return value
-        if group not in self._timeout:
-            try:
-                backend = group._get_backend(self.word.device if self.word.is_cuda else torch.device("cpu"))
-                self._timeout[group] = backend.options._timeout.total_seconds()
-            except (AttributeError, RuntimeError):
-                self._timeout[group] = _DEFAULT_TIMEOUT
-        return self._timeout[group]
-
-    def arguments(self, who: int, timeout: float) -> Tuple[int, int, int, int]:
-        """What the kernels take (``kernels.scan_hop._watched``) for launch ``who`` waiting ``timeout`` s."""
-        self._limits[who] = timeout
-        return self.word.data_ptr(), self.report.data_ptr(), int(timeout * 1e9), who
-
-    @property
-    def failed(self) -> bool:
-        """Whether a wait of this process has given up (as far as the device has reported it)."""
-        return int(self.report[0]) != 0
-
-    def check(self) -> None:
-        """Raise :class:`ScanTimeoutError` if a wait of this process has given up."""
-        if not self.failed:
-            return
-        who, what, relayed, tile, wanted, seen = (int(x) for x in self.report[1:7])
-        from ..kernels.scan_hop import POISON_BIT
-
-        name, peer = self._named[who], self._peers[who][what - 1]
-        thing = "the state it passes on" if what == 1 else "the acknowledgement of what it was sent last"
-        why = (f"global rank {peer} gave up first (a rank before it died or stalled)" if relayed else
-               f"none came within {self._limits.get(who, float('nan')):g} s (${TIMEOUT_ENV} or the process "
-               f"group's timeout): the peer died, stalled, or diverged")
-        raise ScanTimeoutError(
-            f"{name}: global rank {dist.get_rank()} gave up waiting for {thing} from global rank {peer} "
-            f"(call {wanted}, tile {tile}, flag {seen & ~POISON_BIT}): {why}. What that scan and every later one "
-            f"delivered on this rank is NaN")
-
-
-_WATCHES: Dict[torch.device, Watch] = {}
-
-
-def _watch(device: torch.device) -> Watch:
-    if device not in _WATCHES:
-        _WATCHES[device] = Watch(device)
-    return _WATCHES[device]
-
-
-def check_scans() -> None:
-    """Raise :class:`ScanTimeoutError` if an All-Scan of this process over a device transport
-    (``peer_memory``, ``nvshmem``) has given up waiting for a peer.
-
-    A scan that gives up does not raise inside the call (on GPUs its kernels run after the host has
-    moved on): it delivers NaN, so everything computed from it is NaN, and records why. Call this
-    once per training step after the backward pass and before the optimizer applies the gradients
-    (Megatron's training loop and ``megatron_zeco.train`` do: :func:`install_step_check`). It reads
-    host memory the GPU writes, without synchronising; what it sees is complete once the device has
-    finished the step's backward pass (as it has when the optimizer has computed the gradient
-    norm). Costs nothing when no scan has run over a device transport."""
-    for watch in _WATCHES.values():
-        watch.check()
-
-
-def _check_before_step(optimizer, args, kwargs) -> None:
-    check_scans()
-
-
-_STEP_CHECK = None
-
-
-def install_step_check() -> None:
-    """Check the scans (:func:`check_scans`) before every ``torch.optim.Optimizer`` step of this process.
-
-    Megatron's optimizers (``megatron.core.optimizer``: its mixed-precision and distributed
-    optimizers, torch's, Apex's or TransformerEngine's Adam inside) call the inner torch optimizer's
-    ``step`` after they have reduced the gradients and computed their norm, which synchronises with
-    the device: by then every scan of the step has finished or given up, and a scan that gave up
-    raises :class:`ScanTimeoutError` before any parameter changes. Installed once per process, by
-    the first plan over a device transport."""
-    global _STEP_CHECK
-    if _STEP_CHECK is None:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        _STEP_CHECK = register_optimizer_step_pre_hook(_check_before_step)
-
-
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route, *,
                   reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
                   while_waiting: Optional[Callable[[], None]] = None,
@@ -484,7 +171,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     ``nvshmem``, the same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or
     another) instead of stores into the peers' mapped memory."""
     layout, group, num_blocks, what = route.layout, route.group, route.num_blocks, route.what
-    nvshmem = route.transport == "nvshmem"
+    nvshmem = route.transport is Transport.NVSHMEM
     from ..kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
 
     like = delta[0]
@@ -516,9 +203,9 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
-    watch = _watch(like.device)
-    timeout = watch.timeout(group)
-    watch.check()  # a wait of an earlier scan gave up: fail before issuing more
+    watcher = watch(like.device)
+    timeout = watcher.timeout(group)
+    watcher.check()  # a wait of an earlier scan gave up: fail before issuing more
     # The initial state as the kernel reads it: made on the current stream before ``aside`` waits for
     # it (a copy made later would race with the kernel reading it there).
     x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
@@ -543,7 +230,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         x = x_init if launch.kind in ("hop", "out") and first.first else None
         beside = main is not None and i < wait_at
         programs = _ASIDE_PROGRAMS if beside else None
-        bounded = watch.arguments(watch.launch_id((id(ch), reverse, i, what), lambda: _describe(
+        bounded = watcher.arguments(watcher.launch_id((id(ch), reverse, i, what), lambda: _describe(
             what, reverse, launch, layout, group, nvshmem)), timeout)
         remote = dict(watch=bounded, pes=ch.pes(launch), nvshmem=nvshmem)
         with torch.cuda.stream(aside) if beside else contextlib.nullcontext():

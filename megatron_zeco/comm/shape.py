@@ -5,8 +5,8 @@ the group's nodes. This module replays both shapes as built: the chain's hops th
 (:func:`chain_hops`, as ``all_scan`` walks them) and the hierarchical scan's messages step by step
 (:func:`hierarchical_steps`, as ``comm.hierarchical`` sends them), and times a path of messages
 (:func:`critical_path`) on stated links (:class:`Link`, :class:`Cluster`) and a per-hop cost per
-transport (:data:`HOP_COST`). The cost model (``megatron_zeco.cost_model``) times a whole layer
-with the same functions.
+transport (its ``hop_cost``, :data:`HOP_COST`; the transports: ``transport.py``). The cost model
+(``megatron_zeco.cost_model``) times a whole layer with the same functions.
 
 Standard library only: the choice needs no result files, and this file loads without torch.
 """
@@ -15,6 +15,8 @@ import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence, Tuple, Union
+
+from .transport import TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -48,30 +50,8 @@ class Cluster:
         return self.inter if P > self.gpus_per_node else self.intra
 
 
-@dataclass(frozen=True)
-class Transport:
-    """How All-Scan moves states (``comm.all_scan``'s ``transport``), its structure as built."""
-
-    name: str
-    one_node: bool = False  # every rank of the group on one node (peer memory)
-    block_messages: bool = True  # the chain's blocks are separate host-issued messages (else tiles of one kernel)
-    two_legs: bool = False  # a zigzag walk runs as two legs of P - 1 hops at once (the peer-memory kernels)
-    shapes: tuple = ("chain",)
-
-
-TRANSPORTS = {
-    "send_recv": Transport("send_recv", shapes=("chain", "hierarchical")),
-    "peer_memory": Transport("peer_memory", one_node=True, block_messages=False, two_legs=True),
-    # the device kernels run the chain (and two legs under zigzag); the hierarchical shape is built over
-    # messages only
-    "nvshmem": Transport("nvshmem", block_messages=False, two_legs=True),
-}
-
-# Per-hop cost beyond the wire (receive -> combine -> send), by transport, for the choice at run time:
-# the GPU time of a hop fitted on the measured scan rows (send/recv 20.7 us, peer memory 5.8 us;
-# docs/scaling.md, "What each transport's numbers rest on"), rounded; NVSHMEM, not measured, as peer
-# memory. Stated here so that the choice needs no result files.
-HOP_COST = {"send_recv": 21e-6, "peer_memory": 6e-6, "nvshmem": 6e-6}
+# Per-hop cost beyond the wire, by transport (its ``hop_cost``), for the choice at run time.
+HOP_COST = {name: transport.hop_cost for name, transport in TRANSPORTS.items()}
 
 Nodes = Union[int, Sequence[int]]
 

@@ -2,8 +2,9 @@
 
 On CUDA, for float32, bfloat16 and float16, the local work runs on GPU kernels (flash-linear-
 attention's and this package's Triton kernels); elsewhere, and for float64, on the chunked PyTorch
-forms (exact, slow on GPUs). ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms for every
-operator (the same numbers up to rounding).
+forms (exact, slow on GPUs). ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms for every
+operator (the same numbers up to rounding); ``MEGATRON_ZECO_GLA_BACKEND``, its earlier name, still works,
+with a deprecation warning.
 
 :func:`record` runs a differentiable function on autograd leaves of its inputs and keeps its own
 autograd record, so that :func:`replay` later costs what that function's backward costs.
@@ -13,12 +14,14 @@ import functools
 import importlib
 import importlib.metadata
 import os
+import warnings
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 Tensor = torch.Tensor
-BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
+BACKEND_ENV = "MEGATRON_ZECO_BACKEND"
+DEPRECATED_BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"  # its earlier name
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The fla-core release whose kernels (and internal functions, whose signatures change between releases)
 # the GPU paths call; setup.py's ``gpu`` extra installs it.
@@ -27,8 +30,22 @@ FLA_VERSION = "0.6.0"
 
 def uses_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> bool:
     """GPU kernels serve CUDA tensors of kernel dtypes unless the PyTorch forms are forced."""
-    return (torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES
-            and os.environ.get(BACKEND_ENV, "auto") != "torch")
+    return torch.device(device).type == "cuda" and dtype in KERNEL_DTYPES and backend_choice() != "torch"
+
+
+def backend_choice() -> str:
+    """``$MEGATRON_ZECO_BACKEND`` (``auto`` or ``torch``), else its deprecated name's value, else ``auto``."""
+    value = os.environ.get(BACKEND_ENV)
+    if value is None and DEPRECATED_BACKEND_ENV in os.environ:
+        _warn_deprecated()
+        value = os.environ[DEPRECATED_BACKEND_ENV]
+    return value or "auto"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_deprecated() -> None:
+    warnings.warn(f"${DEPRECATED_BACKEND_ENV} is deprecated (it sets the backend of every operator): set "
+                  f"${BACKEND_ENV} instead", DeprecationWarning, stacklevel=3)
 
 
 def fla(what: str, path: str):

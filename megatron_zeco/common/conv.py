@@ -12,7 +12,7 @@ whole unsplit sequence has zeros there, which is ``torch.nn.Conv1d`` with left p
 On CUDA flash-linear-attention's ``causal_conv1d`` runs it (the kernel Megatron-Core's
 GatedDeltaNet calls), whose ``initial_state`` ``[N, C, W]`` holds the same W - 1 inputs in its last
 W - 1 slots; elsewhere, and for float64, :func:`causal_conv1d` below in PyTorch. Differentiable in
-x, the weight, the bias and the initial state. ``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the
+x, the weight, the bias and the initial state. ``MEGATRON_ZECO_BACKEND=torch`` forces the
 PyTorch form.
 """
 

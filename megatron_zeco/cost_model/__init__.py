@@ -41,8 +41,9 @@ Run ``python -m megatron_zeco.cost_model --help`` for the command line. Standard
 no GPU (importing it through the ``megatron_zeco`` package imports torch with the package).
 """
 
-from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, Transport, chain_hops,
-                          critical_path, hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
+from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, chain_hops, critical_path,
+                          hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
+from ..comm.transport import Transport
 from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, PARTS, PASS_UNITS, Calibration, Residual,
                           calibrate, calibration_rows, default_rows, file_rows, load_rows)
 from .model import (ACT_BYTES, CHUNK, FOLD_LAUNCH, FWD_FRACTION, HBM_BANDWIDTH, LAYOUTS, REGIMES, SHAPES, STRATEGIES,

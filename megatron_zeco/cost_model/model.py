@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps
+from ..comm.transport import Transport
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
 SHAPES = ("chain", "hierarchical")
@@ -76,7 +77,7 @@ class Software:
     overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
     pass_unit: str = ""  # the Workload size the passes are charged per byte of ("pass_bytes", ...); "": none
-    transport: str = "send_recv"  # the All-Scan's transport (TRANSPORTS)
+    transport: str = Transport.SEND_RECV  # the All-Scan's transport (TRANSPORTS)
 
 
 # ---------------------------------------------------------------------------------------------- scan shapes
@@ -173,7 +174,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
     if strategy == "none" or w.P == 1:
         return t_op
     if strategy == "lasp1":  # its ring passes whole states over send/recv
-        return w.P * t_op + 2 * chain_time(w, c, replace(sw, transport="send_recv"), 1)
+        return w.P * t_op + 2 * chain_time(w, c, replace(sw, transport=Transport.SEND_RECV), 1)
     if strategy == "a2a":
         if w.heads % w.P:
             raise ValueError(f"a2a splits heads ({w.heads}) over P ({w.P}): P must divide heads")

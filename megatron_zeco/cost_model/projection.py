@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, replace
 
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
+from ..comm.transport import Transport
 from .calibration import Calibration, calibrate, default_rows, load_rows
 from .model import LAYOUTS, REGIMES, SHAPES, Workload, best_blocks, layer_time
 
@@ -70,7 +71,7 @@ def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster
         best = [ch for ch in zeco if ch.shape == shape]
         out.append(replace(best[0], strategy=f"zeco-{shape}") if best else
                    Choice(f"zeco-{shape}", math.inf, 0.0, why_not="no transport runs it here"))
-    sw = cal.sw("send_recv", regime)
+    sw = cal.sw(Transport.SEND_RECV, regime)
     for strategy in ("lasp2", "lasp1", "a2a"):
         if strategy == "a2a" and heads % P:
             out.append(Choice(strategy, math.inf, 0.0, why_not=f"needs the {heads} heads divisible by {P} GPUs"))

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import Layout
-from ..comm.peer import TRANSPORT_ENV
+from ..comm.transport import TRANSPORT_ENV
 from .strategies import STRATEGIES
 
 # What the local ops run (fla's kernels on CUDA, the PyTorch forms elsewhere and for float64). float8

@@ -19,19 +19,16 @@ What each operator allows is one entry of :data:`RULES` (its strategies, which a
 the pipeline blocks cut, what ``auto`` means for its transport, which knobs apply to it): a new
 operator is a new entry. A config is checked when it is made and names the knob and its layer
 keyword in every error, the same whichever entry point made it (the operator's keywords, a layer
-spec, a layer, ``megatron_zeco.train``'s flags). :meth:`CPConfig.plan` resolves what needs the
-process group and the device (``transport="auto"``, ``overlap=None``) once per layer into a
-:class:`~megatron_zeco.cp.plan.CPPlan`; everything below the plan receives resolved values only.
+spec, a layer, ``megatron_zeco.train``'s flags). ``cp.plan.make_plan`` resolves what needs the
+process group and the device (``transport="auto"``, ``overlap=None``, the strategy on one rank) once per
+layer into a ``CPPlan``; everything below the plan receives resolved values only.
 """
 
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, FrozenSet, List, Optional, Tuple, Union
+from typing import FrozenSet, List, Optional, Tuple, Union
 
 from ..comm import Layout
-from ..comm.peer import TRANSPORTS
-
-if TYPE_CHECKING:  # cp.plan makes plans of configs
-    from .plan import CPPlan
+from ..comm.transport import Transport, check_request
 
 PACKED_SPLITS = ("auto", "document", "sequence")
 # The knobs every operator takes; the others apply where an operator's rules list them.
@@ -47,16 +44,16 @@ class Rules:
         strategies: the CP strategies it runs (``none``, one rank, always).
         blocks: the state axis the All-Scan's pipeline blocks cut: ``rows`` (key rows: a diagonal
             transition acts row by row) or ``columns`` (value columns: a dense transition mixes rows).
-        auto_transport: what ``transport="auto"`` means: ``device`` (peer memory between the GPUs of
-            one node, else the group's messages; ``$MEGATRON_ZECO_TRANSPORT`` overrides) or
-            ``send_recv`` (the group's messages).
+        auto_transport: what ``transport="auto"`` means: None (by the group's hosts: peer memory between
+            the GPUs of one node, else the group's messages; ``$MEGATRON_ZECO_TRANSPORT`` overrides) or a
+            :class:`~megatron_zeco.comm.transport.Transport` (``comm.transport.resolve``).
         knobs: the knobs beyond :data:`SHARED_KNOBS` that apply to it.
     """
 
     name: str
     strategies: Tuple[str, ...]
     blocks: str
-    auto_transport: str
+    auto_transport: Optional[Transport]
     knobs: FrozenSet[str] = frozenset()
 
     def applies(self, knob: str) -> bool:
@@ -64,12 +61,12 @@ class Rules:
 
 
 RULES = {
-    "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport="device",
+    "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport=None,
                  knobs=frozenset({"piece_split", "node_size"})),
     # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default
     "gated_delta_rule": Rules("the gated delta rule", ("zeco", "lasp2", "a2a"), blocks="columns",
-                              auto_transport="send_recv"),
-    "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport="send_recv"),
+                              auto_transport=Transport.SEND_RECV),
+    "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport=Transport.SEND_RECV),
 }
 
 
@@ -132,8 +129,8 @@ class CPConfig:
             problems.append(f"cp_layout {self.layout!r} is not one of {', '.join(m.value for m in Layout)}")
         if not _is_int(self.num_blocks) or self.num_blocks < 1:
             problems.append(f"cp_num_blocks {self.num_blocks!r} must be a positive integer")
-        if self.transport not in TRANSPORTS:
-            problems.append(f"cp_transport {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if check_request(self.transport):
+            problems.append(check_request(self.transport))
         if self.overlap is not None and not isinstance(self.overlap, bool):
             problems.append(f"cp_overlap_scan {self.overlap!r} must be True, False or None")
         if self.piece_split is not None and (not _is_int(self.piece_split) or self.piece_split < 1):
@@ -159,15 +156,6 @@ class CPConfig:
         problems = self.dims_problems(K, V)
         if problems:
             raise ValueError("; ".join(problems))
-
-    def plan(self, group, like=None, name: str = "") -> "CPPlan":
-        """This config over ``group`` for states like ``like`` (its device): ``transport="auto"`` and
-        ``overlap=None`` resolved. Collective the first time per group (which hosts share a node).
-        ``name`` names the caller in communication errors."""
-        from .plan import resolve
-
-        return resolve(self, group, like, name)
-
 
 # Each knob's layer and spec keyword.
 KEYWORDS = {"strategy": "cp_strategy", "layout": "cp_layout", "num_blocks": "cp_num_blocks",

@@ -19,11 +19,11 @@ from typing import Callable, Optional, Tuple
 
 import torch
 
-from ..comm.peer import TRANSPORT_ENV
+from ..comm.transport import TRANSPORT_ENV
 from .checks import check_inputs, local_call_problems
 from .config import CPConfig
 from .packed import Packing
-from .plan import CPPlan, final_state_everywhere
+from .plan import CPPlan, final_state_everywhere, make_plan
 
 Tensor = torch.Tensor
 
@@ -131,7 +131,7 @@ def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: b
             check_inputs(op, config, problems, args, group, name)
         elif problems:
             raise ValueError(f"{name}: invalid input: " + "; ".join(problems))
-        plan, checked = config.plan(group, like=args.tensors[0], name=name), validate
+        plan, checked = make_plan(config, group, like=args.tensors[0], name=name), validate
         if key is not None:
             _PLANS[key] = (plan, checked)
             while len(_PLANS) > _PLANS_KEPT:
@@ -141,7 +141,7 @@ def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: b
 
 def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = False
                 ) -> Tuple[Tensor, Optional[Tensor]]:
-    """One call under a plan built beforehand (:meth:`CPConfig.plan`, once per layer). ``checked``: the
+    """One call under a plan built beforehand (:func:`~megatron_zeco.cp.plan.make_plan`, once per layer). ``checked``: the
     inputs passed :func:`check_inputs` (else the cheap local checks of the call's shape run here)."""
     q = args.tensors[0]
     packed = args.cu_seqlens is not None
@@ -154,10 +154,7 @@ def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = Fal
     packing = None if not packed else Packing.cached(args.cu_seqlens, plan.layout, plan.world, plan.rank,
                                                      q.shape[1], args.per_document, q.device)
     call = Call(scale, args.output_final_state, packing, piece_split)
-    from .strategies import LOCAL
-
-    strategy = LOCAL if plan.world == 1 else plan.strategy
-    o, final = strategy.run(op, plan, call, args.tensors, args.initial_state)
+    o, final = plan.strategy.run(op, plan, call, args.tensors, args.initial_state)
     if not args.output_final_state:
         return o, None
-    return o, (final if plan.world == 1 or not strategy.passes_states else final_state_everywhere(plan, final))
+    return o, (final if plan.world == 1 or not plan.strategy.passes_states else final_state_everywhere(plan, final))

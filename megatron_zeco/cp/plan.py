@@ -1,24 +1,23 @@
 """A context-parallel plan: a :class:`~megatron_zeco.cp.config.CPConfig` resolved over a process group.
 
 One frozen :class:`CPPlan` holds what every call of a layer shares: the group, the config, the
-strategy (an object of :mod:`megatron_zeco.cp.strategies`), and the knobs that needed the group or
-the device resolved (the All-Scan's transport, its side stream). :meth:`CPConfig.plan` makes it,
-collectively the first time per group, so every rank builds its plan at the same point. A layer
-builds one plan at its first forward pass; an operator called alone builds one per call.
+strategy object (:mod:`megatron_zeco.cp.strategies`; the local one on one rank), and the knobs that needed
+the group or the device resolved (the All-Scan's :class:`~megatron_zeco.comm.transport.Transport`, its
+side stream). :func:`make_plan` makes it, collectively the first time per group, so every rank builds its
+plan at the same point. A layer builds one plan at its first forward pass; an operator called alone
+builds one per group, knobs and input shapes (``cp.operator``).
 """
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
 from ..comm import Layout
 from ..comm.all_scan import Route
 from ..comm.functional import broadcast
-from ..comm.peer import DEVICE_TRANSPORTS, resolve_transport
-
-if TYPE_CHECKING:  # cp.config imports this module
-    from .config import CPConfig
+from ..comm.transport import Transport, resolve as resolve_transport
+from .strategies import LOCAL, STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -27,24 +26,20 @@ class CPPlan:
 
     Attributes:
         group: the CP process group, or None (one rank).
-        config: the knobs as given (``config.strategy`` is ``none`` on one rank).
-        transport: the All-Scan's transport: ``send_recv``, ``peer_memory`` or ``nvshmem``.
+        config: the knobs as given (a :class:`~megatron_zeco.cp.config.CPConfig`; ``config.strategy`` is
+            ``none`` on one rank).
+        strategy: the strategy object that runs the calls (:mod:`megatron_zeco.cp.strategies`).
+        transport: the All-Scan's :class:`~megatron_zeco.comm.transport.Transport`.
         overlap: whether a side CUDA stream runs beside the local work (``zeco``, ``lasp2``).
         name: names the caller in communication errors.
     """
 
     group: Optional[object]
-    config: "CPConfig"
-    transport: str = "send_recv"
+    config: object
+    strategy: object = LOCAL
+    transport: Transport = Transport.SEND_RECV
     overlap: bool = False
     name: str = ""
-
-    @property
-    def strategy(self):
-        """The strategy object (:mod:`megatron_zeco.cp.strategies`) this plan runs."""
-        from .strategies import STRATEGIES
-
-        return STRATEGIES[self.config.strategy]
 
     @property
     def layout(self) -> Layout:
@@ -88,29 +83,26 @@ class CPPlan:
         return Route(self.layout, self.group, self.num_blocks, self.transport, self.node_size, what=what)
 
 
-def resolve(config: "CPConfig", group, like: Optional[torch.Tensor], name: str) -> CPPlan:
-    """:meth:`CPConfig.plan`: ``config`` over ``group`` (None or a group of one: no context parallelism)
-    for states like ``like``; ``transport="auto"`` by the operator's rules; ``overlap=None`` on for
-    zeco over a device transport."""
+def make_plan(config, group, like: Optional[torch.Tensor] = None, name: str = "") -> CPPlan:
+    """``config`` (a :class:`~megatron_zeco.cp.config.CPConfig`) over ``group`` (None or a group of one: no
+    context parallelism) for states like ``like`` (its device): the strategy's object,
+    ``transport="auto"`` by the operator's rules and the group's hosts, ``overlap=None`` on for zeco over a
+    device transport. Collective the first time per group (which hosts share a node). ``name`` names the
+    caller in communication errors."""
     world = 1 if group is None else group.size()
     if world == 1:
-        return CPPlan(None, _with_strategy(config, "none"), name=name)
-    from .strategies import STRATEGIES
-
-    all_scan = STRATEGIES[config.strategy].all_scan
-    transport = "send_recv"
-    if all_scan:
-        transport = config.transport
-        if transport == "auto" and config.rules.auto_transport == "send_recv":
-            transport = "send_recv"
+        return CPPlan(None, _with_strategy(config, "none"), LOCAL, name=name)
+    strategy = STRATEGIES[config.strategy]
+    transport = Transport.SEND_RECV
+    if strategy.all_scan:
         try:
-            transport = resolve_transport(transport, group, like)
+            transport = resolve_transport(config.transport, group, like, auto=config.rules.auto_transport)
         except ValueError as e:  # named as the caller's, like every other input error
             raise ValueError(f"{name}: {e}") from None
     overlap = config.overlap
     if overlap is None:
-        overlap = all_scan and transport in DEVICE_TRANSPORTS
-    return CPPlan(group, config, transport, bool(overlap), name)
+        overlap = strategy.all_scan and transport.device
+    return CPPlan(group, config, strategy, transport, bool(overlap), name)
 
 
 def _with_strategy(config, strategy: str):

@@ -25,7 +25,6 @@ the scan carries one chain per document where each document is split on its own.
 import torch
 
 from ..comm import all_scan, gather_scan
-from ..comm.peer import DEVICE_TRANSPORTS
 from ..comm.transition import transition_of
 from .local import initial_state_grad
 
@@ -160,7 +159,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
         if device not in _SIDE_STREAMS:
             _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side = _SIDE_STREAMS[device]
-    if use_all_scan and (side is None or plan.transport in DEVICE_TRANSPORTS):
+    if use_all_scan and (side is None or plan.transport.device):
         return all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan
     if side is None:  # the all-gather scan

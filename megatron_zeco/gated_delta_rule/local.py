@@ -11,7 +11,7 @@ As ``gla/local.py`` for GLA:
   kernels and a correction for the entering state (``fla_piece.py``), elsewhere the chunked form
   (``common.piece.ChunkedPiece`` on ``chunk.py``).
 
-``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
+``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
 from typing import Optional, Tuple, Union

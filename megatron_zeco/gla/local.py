@@ -19,7 +19,7 @@ one state each, in and out), and, as fla does, an optional host copy ``cu_seqlen
 fla builds its launch tables from it instead of reading the offsets back from the device
 (a copy that would wait for all queued GPU work).
 
-``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms everywhere (``common/backend.py``).
+``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms everywhere (``common/backend.py``).
 """
 
 from typing import Optional, Tuple, Union

@@ -10,7 +10,7 @@
   value columns from ``[0 | I]``, then the call from ``S_in`` and its backward); elsewhere the PyTorch
   chunked form (``common.piece.ChunkedPiece`` on ``chunk.py``).
 
-``MEGATRON_ZECO_GLA_BACKEND=torch`` forces the PyTorch forms here too.
+``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
 from typing import Optional, Tuple, Union

@@ -465,7 +465,7 @@ def _shape(delta, tiles, programs=None):
 
 def _watched(watch, like) -> dict:
     """The bounded waits' kernel arguments: ``watch`` = (address of the process's watch word, address of
-    its host report, timeout in ns, launch id) (``comm.peer.Watch``); the host's clock under the
+    its host report, timeout in ns, launch id) (``comm.watch.Watch``); the host's clock under the
     interpreter (CPU tensors)."""
     address, report, timeout_ns, who = watch
     return dict(watch=address, report=report, timeout_ns=timeout_ns, who=who, INTERPRETED=not like.is_cuda)

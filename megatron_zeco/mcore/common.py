@@ -10,11 +10,12 @@ from typing import Tuple
 from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from ..comm.peer import ScanTimeoutError, check_scans, claim_transport
+from ..comm.transport import claim_transport
+from ..comm.watch import ScanTimeoutError, check_scans
 from ..cp.checks import check_inputs
 from ..cp.config import PACKED_SPLITS, CPConfig
 from ..cp.operator import Arguments
-from ..cp.plan import CPPlan
+from ..cp.plan import CPPlan, make_plan
 from ..cp.strategies import STRATEGIES
 
 
@@ -50,7 +51,7 @@ def check_scans_when_gradients_finish(config) -> None:
     """Check this process's scans (:func:`megatron_zeco.check_scans`) where Megatron-LM's training loop
     finishes each step's gradients: it sets ``config.finalize_model_grads_func`` (``pretrain_gpt.py``,
     ``pretrain_hybrid.py``) before the first forward pass, which calls this. (Every optimizer step
-    checks them too: ``comm.peer.install_step_check``.)"""
+    checks them too: ``comm.watch.install_step_check``.)"""
     finalize = getattr(config, "finalize_model_grads_func", None)
     if finalize is not None and not isinstance(finalize, _ScansChecked):
         config.finalize_model_grads_func = _ScansChecked(finalize)
@@ -184,6 +185,6 @@ class LayerCP:
                 check_inputs(self.op, self.config, [], args, group, self.who)
             except ValueError as e:
                 raise ValueError(f"{e}\n  {SEQUENCE_HINT}") from None
-            self.plan = self.config.plan(group, like=args.tensors[0], name=self.who)
+            self.plan = make_plan(self.config, group, like=args.tensors[0], name=self.who)
             check_scans_when_gradients_finish(megatron_config)
         return self.plan

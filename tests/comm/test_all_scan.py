@@ -161,13 +161,14 @@ def test_peer_memory_state_counts_change_between_calls(seed):
 
 def _bad_transport_worker(rank, world):
     from megatron_zeco.cp import CPConfig
+    from megatron_zeco.cp.plan import make_plan
 
     with pytest.raises(ValueError, match="cp_transport 'nvlink' is not one of auto, send_recv, peer_memory, nvshmem"):
         CPConfig(transport="nvlink")
     with pytest.raises(ValueError, match="a scan's transport is one of send_recv, peer_memory, nvshmem"):
         Route(Layout.CONTIGUOUS, dist.group.WORLD, transport="auto")
     with pytest.raises(ValueError, match="'nvshmem' needs CUDA tensors; use transport='send_recv'"):
-        CPConfig(transport="nvshmem").plan(dist.group.WORLD, like=torch.rand(2, 3))
+        make_plan(CPConfig(transport="nvshmem"), dist.group.WORLD, like=torch.rand(2, 3))
     return True
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from megatron_zeco import Layout, packed_positions
 from megatron_zeco.cp import CPConfig
 from megatron_zeco.cp.conv import planned_causal_conv1d
+from megatron_zeco.cp.plan import make_plan
 from tests.helpers.checks import above, assert_no_failures
 from tests.helpers.marks import slow_except
 from tests.helpers.reference import SPLITS, document_lengths, rel_err
@@ -74,12 +75,12 @@ def _check(group, seed):
     # unpacked: B rows; zigzag pieces of 6, 3 and 1 tokens (1 < W - 1: halos over several pieces)
     for n, (layout, local_len, W) in enumerate(itertools.product(Layout, (12, 6, 2), (4, 2))):
         x, dy, weight, bias = _problem(seed + n, B, world * local_len, W)
-        plan = CPConfig(layout=layout, transport="send_recv").plan(group, like=x, name="test")
+        plan = make_plan(CPConfig(layout=layout, transport="send_recv"), group, like=x, name="test")
         mine = layout.shard(torch.arange(world * local_len), rank, world, dim=0)
         record(f"{layout.value} T={local_len} W={W}", _compare(group, plan, x, dy, weight, bias, mine))
     # packed: the documents of tests/cp/test_packed.py (one-token ones, ones at piece boundaries, one over all ranks)
     for n_split, (layout, per_document) in enumerate(SPLITS):
-        plan = CPConfig(layout=layout, transport="send_recv").plan(group, like=torch.zeros(()), name="test")
+        plan = make_plan(CPConfig(layout=layout, transport="send_recv"), group, like=torch.zeros(()), name="test")
         for n_case, lengths in enumerate(document_lengths(seed + n_split, world, 8, per_document)):
             cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
             x, dy, weight, bias = _problem(seed + 100 * n_split + n_case, 1, world * 8, 4)

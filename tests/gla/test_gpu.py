@@ -416,7 +416,9 @@ def _loopback(rank, world, seed, transport):
     rule's dense hop (``M x + delta`` per column tile, tl.dot in IEEE float32). Then a receive that
     nothing sends must give up after its timeout (the GPU clock) and the host must raise
     ``ScanTimeoutError`` from the report the kernel wrote."""
-    from megatron_zeco.comm.peer import _FLAG_BYTES, PeerBuffers, ScanTimeoutError, _aligned, _watch
+    from megatron_zeco.comm.peer import _FLAG_BYTES, _aligned
+    from megatron_zeco.comm.symmetric import PeerBuffers
+    from megatron_zeco.comm.watch import ScanTimeoutError, watch as _watch
     from megatron_zeco.kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
 
     group = dist.new_group([0])

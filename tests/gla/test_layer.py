@@ -88,7 +88,7 @@ def test_layer_accepts_transformer_layer_keywords():
     assert "no document offsets" in r["thd"] and "only 'thd'" in r["sbhd"]  # packed: tests/mcore/test_packed.py
 
 
-BACKEND_ENV = "MEGATRON_ZECO_GLA_BACKEND"
+BACKEND_ENV = "MEGATRON_ZECO_BACKEND"
 FLA = importlib.util.find_spec("fla") is not None
 
 
@@ -205,7 +205,7 @@ def test_misuse_fails_at_start_up_naming_the_flag(misuse_errors, name):
 
 
 def test_torch_backend_override_lifts_the_fla_requirement(misuse_errors):
-    """With MEGATRON_ZECO_GLA_BACKEND=torch the build passes the fla check (and, on a machine
+    """With MEGATRON_ZECO_BACKEND=torch the build passes the fla check (and, on a machine
     without CUDA, fails only where torch allocates on the GPU)."""
     for ranks in misuse_errors:
         error = ranks["fla missing on GPU, torch backend"]
