@@ -123,6 +123,8 @@ def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: b
     key = _call_key(op, knobs, args, group, name)
     plan, checked = _PLANS.get(key, (None, False)) if key is not None else (None, False)
     if plan is None or (validate and not checked):
+        _refuse_capture(name, "its first call with these shapes and knobs checks the inputs across ranks and makes "
+                              "its plan (collectives, host reads): make one call before capturing")
         try:
             config, problems = CPConfig(operator=op.key, **knobs), []
         except ValueError as e:
@@ -139,6 +141,27 @@ def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: b
     return run_planned(op, plan, args, checked=checked)
 
 
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture(name: str, why: str) -> None:
+    """RuntimeError naming ``why`` if the current CUDA stream is being captured into a graph: a path that
+    cannot be captured fails at once, by name, rather than hang or fail inside the capture."""
+    if _capturing():
+        raise RuntimeError(f"{name}: cannot be captured in a CUDA graph: {why}")
+
+
+def _check_capture(plan: CPPlan) -> None:
+    """The paths of a planned call that a CUDA graph cannot hold (see :func:`_refuse_capture`)."""
+    if not _capturing():
+        return
+    if plan.world > 1 and plan.strategy.all_scan and not plan.transport.device:
+        _refuse_capture(plan.name, f"its All-Scan goes over {plan.transport.value} (host-issued messages); the "
+                                   "device transports are capturable: cp_transport / transport='peer_memory' (one "
+                                   "node) or 'nvshmem'")
+
+
 def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = False
                 ) -> Tuple[Tensor, Optional[Tensor]]:
     """One call under a plan built beforehand (:func:`~megatron_zeco.cp.plan.make_plan`, once per layer). ``checked``: the
@@ -150,6 +173,7 @@ def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = Fal
         problems = local_call_problems(plan, args, piece_split)
         if problems:
             raise ValueError(f"{plan.name}: invalid input: " + "; ".join(problems))
+    _check_capture(plan)
     scale = q.shape[-1] ** -0.5 if args.scale is None else args.scale
     packing = None if not packed else Packing.cached(args.cu_seqlens, plan.layout, plan.world, plan.rank,
                                                      q.shape[1], args.per_document, q.device)

@@ -139,3 +139,30 @@ def _bad_after_good(group):
 def test_a_bad_call_after_a_good_one_is_still_refused_on_every_rank(pool):
     messages = pool.run(_bad_after_good, 2)
     assert all(m is not None and "cp_num_blocks 3 must divide the key head dim" in m for m in messages), messages
+
+
+def _under_capture(group):
+    """What a CUDA-graph capture meets (the capture itself mocked: no GPU here): the first call of a shape,
+    then, warm, an All-Scan over host-issued messages; each refused by name, on every rank."""
+    import megatron_zeco.cp.operator as operator
+
+    messages = []
+    zeco_gla(*_inputs(T=16), group=group, name="warm")  # the plan of T = 16, made before the capture
+    real = operator._capturing
+    operator._capturing = lambda: True
+    try:
+        for T in (20, 16):  # a shape never called, then the warm one (over send/recv, gloo's messages)
+            try:
+                zeco_gla(*_inputs(T=T), group=group, name="warm")
+                messages.append(None)
+            except RuntimeError as e:
+                messages.append(str(e))
+    finally:
+        operator._capturing = real
+    return messages
+
+
+def test_a_capture_that_cannot_work_is_refused_by_name(pool):
+    for first, warm in pool.run(_under_capture, 2):
+        assert first is not None and "cannot be captured in a CUDA graph: its first call" in first, first
+        assert warm is not None and "All-Scan goes over send_recv" in warm and "'peer_memory'" in warm, warm

@@ -200,3 +200,16 @@ def test_piece_in_float32_at_a_million_tokens_is_within_1e4_of_float64(seed):
     errors = {"M": rel_err(piece.M, M), "S_out": rel_err(piece.M @ S_in.cuda().float() + piece.E, M @ S_in.cuda() + E),
               "o": rel_err(o, o_ref)}
     assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cuda_graph_replays_match_eager(seed, world):
+    """forward + backward captured in one CUDA graph, at one rank and at CP = 2 over peer memory (the
+    scan's counters and signals on the device), replayed on fresh inputs between eager calls: each
+    replay equals the eager op on the same inputs (tests/helpers/graphs.py)."""
+    from tests.helpers.graphs import replays
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    failures = run_ranks(replays, world, seed, "gated_delta_rule", "peer_memory", backend="nccl", timeout=900)
+    assert not any(failures), failures

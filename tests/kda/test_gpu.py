@@ -164,3 +164,16 @@ def test_layer_on_cuda_matches_float64_on_the_cpu(seed):
     out = run_ranks(_layer_outputs, 1, seed, backend="nccl")[0]
     for a, b in zip(out["cuda"], out["cpu"]):
         assert rel_err(a, b) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_cuda_graph_replays_match_eager(seed, world):
+    """forward + backward captured in one CUDA graph, at one rank and at CP = 2 over peer memory (the
+    scan's counters and signals on the device), replayed on fresh inputs between eager calls: each
+    replay equals the eager op on the same inputs (tests/helpers/graphs.py)."""
+    from tests.helpers.graphs import replays
+
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    failures = run_ranks(replays, world, seed, "kda", "peer_memory", backend="nccl", timeout=900)
+    assert not any(failures), failures
