@@ -52,12 +52,13 @@ def _pieces(bounds: Sequence[int], layout: Layout, world: int, rank: int, per_do
     return ranges
 
 
-def _bounds(cu_seqlens: Tensor, layout: Layout, world: int, total: int, per_document: bool) -> List[int]:
-    """Document offsets as a sorted list without empty documents; ValueError if unusable."""
+def _bounds(cu_seqlens: Tensor, layout: Layout, world: int, total: int, per_document: bool,
+            who: str = "packed documents") -> List[int]:
+    """Document offsets as a sorted list without empty documents; ValueError naming ``who`` if unusable."""
     cu = [int(c) for c in cu_seqlens.tolist()]
     problems = cu_seqlens_problems(cu, total, document_pieces(layout, world, per_document))
     if problems:
-        raise ValueError("zeco_gla: invalid input: " + "; ".join(problems))
+        raise ValueError(f"{who}: invalid input: " + "; ".join(problems))
     return sorted(set(cu))
 
 
@@ -68,7 +69,7 @@ def packed_positions(cu_seqlens: Tensor, layout, world: int, rank: int, per_docu
     ``per_document=True`` and the zigzag layout, what Megatron's THD split gives it.
     """
     layout = Layout(layout)
-    bounds = _bounds(cu_seqlens, layout, world, int(cu_seqlens[-1]), per_document)
+    bounds = _bounds(cu_seqlens, layout, world, int(cu_seqlens[-1]), per_document, "packed_positions")
     return _positions(_pieces(bounds, layout, world, rank, per_document))
 
 
