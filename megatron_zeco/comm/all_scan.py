@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import inject
 from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
-from .layout import Layout
+from .layout import Layout, Link
 from .nodes import group_nodes
 from .peer import peer_all_scan
 from .shape import scan_choice
@@ -123,17 +123,8 @@ def chain_scan(
         The state entering each local slot (``out`` if given), and the state leaving the
         walk's last piece on the rank holding it (None elsewhere).
     """
-    layout, group, num_blocks, what = route.layout, route.group, route.num_blocks, route.what
-    size = like.shape[block_dim]
-    rows = [slice(b * size // num_blocks, (b + 1) * size // num_blocks) for b in range(num_blocks)]
-    block_shape = list(like.shape)
-    block_shape[block_dim] = size // num_blocks
-    walk = layout.links(dist.get_rank(group), dist.get_world_size(group), reverse)
-    shift = -1 if reverse else 1
-
-    def tag(piece: int, block: int) -> int:  # message = block `block` of the state leaving `piece`
-        return piece * num_blocks + block
-
+    blocks = _Blocks(like, route, block_dim, reverse)
+    walk = route.layout.links(dist.get_rank(route.group), dist.get_world_size(route.group), reverse)
     # Each receive is posted just before its block is needed. Backends that run point-to-point
     # operations in issue order (NCCL: one stream per communicator) would deadlock on receives
     # posted ahead of the sends a peer is waiting for (the zigzag chain goes both ways).
@@ -144,24 +135,11 @@ def chain_scan(
         if i == wait_at and while_waiting is not None:
             while_waiting()
         xs, ys = [], []
-        for b, r in enumerate(rows):
-            if link.first:
-                x = like.new_zeros(block_shape) if init is None else init.narrow(block_dim, r.start, r.stop - r.start)
-            elif link.src is not None:
-                x = like.new_empty(block_shape)
-                src = dist.get_global_rank(group, link.src)
-                inject.delay(x.device)  # test hook: no-op unless a stress test sets delays
-                with _naming_failures(what, f"receiving block {b} of the state leaving piece "
-                                            f"{link.piece - shift} from global rank {src}"):
-                    inject.recv(x, src, group, tag(link.piece - shift, b))  # dist.recv (+ latency test hook)
-                inject.delay(x.device)
-            else:  # previous piece is ours (zigzag turn-around on the last rank)
-                x = carried[b]
+        for b, r in enumerate(blocks.slices):
+            x = blocks.entering(link, b, init, carried)
             y = step(link.slot, r, x)
             if link.dst is not None:
-                dst = dist.get_global_rank(group, link.dst)
-                inject.delay(y.device)
-                sends.append((link, dst, inject.isend(y.contiguous(), dst, group, tag(link.piece, b))))
+                sends.append(blocks.send(link, b, y))
             xs.append(x)
             ys.append(y)
         inputs[link.slot] = _join(xs, block_dim) if out is None else out[link.slot].copy_(_join(xs, block_dim))
@@ -170,10 +148,65 @@ def chain_scan(
             last = _join(ys, block_dim)
     if wait_at == len(walk) and while_waiting is not None:
         while_waiting()
-    for link, dst, work in sends:
-        with _naming_failures(what, f"sending the state leaving piece {link.piece} to global rank {dst}"):
-            work.wait()
+    blocks.wait_for(sends)
     return inputs, last
+
+
+class _Blocks:
+    """The blocks a chain passes over the group's messages: the slices of the state they are (along
+    ``block_dim``), and how block b of a piece's state enters it (from the scan's initial state, from
+    the rank holding the previous piece, or from this rank's own previous piece) and leaves it."""
+
+    def __init__(self, like: Tensor, route: Route, block_dim: int, reverse: bool):
+        self.like, self.block_dim, self.group, self.what = like, block_dim, route.group, route.what
+        self.num_blocks = num_blocks = route.num_blocks
+        size = like.shape[block_dim]
+        self.slices = [slice(b * size // num_blocks, (b + 1) * size // num_blocks) for b in range(num_blocks)]
+        self.shape = list(like.shape)
+        self.shape[block_dim] = size // num_blocks
+        self.shift = -1 if reverse else 1
+
+    def tag(self, piece: int, block: int) -> int:
+        """The message tag of block ``block`` of the state leaving ``piece``."""
+        return piece * self.num_blocks + block
+
+    def entering(self, link: Link, block: int, init: Optional[Tensor], carried: Optional[List[Tensor]]) -> Tensor:
+        """Block ``block`` of the state entering ``link``'s piece: of ``init`` (None: zeros) for the first
+        piece, else received from the rank holding the previous piece, or, where that piece is this
+        rank's too, ``carried`` (its blocks leaving it)."""
+        if link.first:
+            if init is None:
+                return self.like.new_zeros(self.shape)
+            r = self.slices[block]
+            return init.narrow(self.block_dim, r.start, r.stop - r.start)
+        if link.src is not None:
+            return self.receive(link, block)
+        return carried[block]  # previous piece is ours (zigzag turn-around on the last rank)
+
+    def receive(self, link: Link, block: int) -> Tensor:
+        """Block ``block`` of the state leaving the piece before ``link``'s, from the rank holding it."""
+        x = self.like.new_empty(self.shape)
+        src = dist.get_global_rank(self.group, link.src)
+        inject.delay(x.device)  # test hook: no-op unless a stress test sets delays
+        with _naming_failures(self.what, f"receiving block {block} of the state leaving piece "
+                                         f"{link.piece - self.shift} from global rank {src}"):
+            # dist.recv (+ latency test hook)
+            inject.recv(x, src, self.group, self.tag(link.piece - self.shift, block))
+        inject.delay(x.device)
+        return x
+
+    def send(self, link: Link, block: int, y: Tensor) -> Tuple[Link, int, object]:
+        """Start sending block ``block`` of the state leaving ``link``'s piece, ``y``, to the rank holding the
+        next piece: ``(link, its global rank, the pending send)``."""
+        dst = dist.get_global_rank(self.group, link.dst)
+        inject.delay(y.device)
+        return link, dst, inject.isend(y.contiguous(), dst, self.group, self.tag(link.piece, block))
+
+    def wait_for(self, sends: List[Tuple[Link, int, object]]) -> None:
+        """Wait for the sends (:meth:`send`) to complete, naming the one that fails."""
+        for link, dst, work in sends:
+            with _naming_failures(self.what, f"sending the state leaving piece {link.piece} to global rank {dst}"):
+                work.wait()
 
 
 def _join(blocks: List[Tensor], dim: int) -> Tensor:

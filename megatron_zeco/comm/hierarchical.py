@@ -92,100 +92,148 @@ def hierarchical_scan(
     """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape (module docstring), over the
     group's point-to-point messages; the same arguments (``nodes``: the node of each group rank;
     of ``route``, the layout, the group and the name) and result."""
-    layout, group, what = route.layout, route.group, route.what
-    world, me = group.size(), group.rank()
-    walk = Walk(layout, world, nodes, reverse)
-    mine = [i for i, (rank, _) in enumerate(walk.owners) if rank == me]
-    like = delta[0]
-    kind = transition_of(gamma[0], like)
-    steps = _Steps(group, what, while_waiting)
-
-    # A: prefix maps inside each segment. prefix[i] = (Gamma_i, S_i) for this rank's walk index i.
-    prefix: Dict[int, Tuple[Tensor, Tensor]] = {}
-    for i in mine:
-        if walk.segments[walk.segment_of[i]][0] == i:
-            if i == 0:  # the first segment starts from the initial state: its prefixes are states
-                state = like.new_zeros(like.shape) if init is None else init.to(like.dtype).expand(like.shape)
-                prefix[i] = (like.new_zeros(gamma[0].shape), state)
-            else:
-                prefix[i] = (kind.identity(gamma[0]), like.new_zeros(like.shape))
-    position = {i: i - walk.segments[walk.segment_of[i]][0] for i in range(len(walk.owners))}
-    longest = max(len(seg) for seg in walk.segments)
-    for t in range(longest - 1):
-        sends, recvs = [], []
-        for i in mine:
-            if position[i] == t and i + 1 < len(walk.owners) and walk.segment_of[i + 1] == walk.segment_of[i]:
-                nxt = _compose(kind, gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
-                if walk.rank(i + 1) == me:
-                    prefix[i + 1] = nxt
-                else:
-                    sends.append((walk.rank(i + 1), kind.pack(*nxt).contiguous(),
-                                  f"the prefix map of piece step {i + 1}"))
-            if position[i] == t + 1 and walk.rank(i - 1) != me:
-                recvs.append((walk.rank(i - 1), i))
-        got = steps.run(sends, [(src, _empty_map(kind, like)) for src, _ in recvs], f"inside a node, step {t}")
-        for (_, i), buffer in zip(recvs, got):
-            prefix[i] = kind.unpack(buffer, like.shape[-1])
-
-    # B: Kogge-Stone over the segments' maps, among the leaders.
-    M = len(walk.segments)
-    led = [j for j in range(M) if walk.leader(j) == me]
-    composite = {}
-    for j in led:
-        i = walk.segments[j][-1]
-        composite[j] = _compose(kind, gamma[walk.owners[i][1]], delta[walk.owners[i][1]], *prefix[i])
-    for r in range(walk.rounds):
-        d = 1 << r
-        sends, recvs, local = [], [], {}
-        for j in led:
-            if j + d < M - 1:
-                if walk.leader(j + d) == me:
-                    local[j + d] = composite[j]
-                else:
-                    sends.append((walk.leader(j + d), kind.pack(*composite[j]).contiguous(),
-                                  f"segment {j}'s map (round {r})"))
-            if d <= j < M - 1 and walk.leader(j - d) != me:
-                recvs.append((walk.leader(j - d), j))
-        got = steps.run(sends, [(src, _empty_map(kind, like)) for src, _ in recvs], f"between nodes, round {r}")
-        earlier = {**local, **{j: kind.unpack(buffer, like.shape[-1]) for (_, j), buffer in zip(recvs, got)}}
-        composite = {j: (_compose(kind, *composite[j], *earlier[j]) if j in earlier else composite[j]) for j in led}
-
-    # C: the state leaving segment j (now held by its leader) enters segment j + 1.
-    entering: Dict[int, Tensor] = {}
-    sends, recvs = [], []
-    for j in range(M - 1):
-        first = walk.rank(walk.segments[j + 1][0])
-        if walk.leader(j) == me:
-            if first == me:
-                entering[j + 1] = composite[j][1]
-            else:
-                sends.append((first, composite[j][1].contiguous(), f"the state entering segment {j + 1}"))
-        elif first == me:
-            recvs.append((walk.leader(j), j + 1))
-    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "into the next node")
-    entering.update({j: x for (_, j), x in zip(recvs, got)})
-    sends, recvs = [], []
-    for j in range(1, M):
-        first = walk.rank(walk.segments[j][0])
-        others = sorted({walk.rank(i) for i in walk.segments[j]} - {first})
-        if first == me:
-            sends += [(rank, entering[j], f"the state entering segment {j}") for rank in others]
-        elif me in others:
-            recvs.append((first, j))
-    got = steps.run(sends, [(src, like.new_empty(like.shape)) for src, _ in recvs], "inside the next node")
-    entering.update({j: x for (_, j), x in zip(recvs, got)})
+    group = route.group
+    walk = Walk(route.layout, group.size(), nodes, reverse)
+    steps = _Steps(group, route.what, while_waiting)
+    scan = _RankScan(walk, group.rank(), gamma, delta, steps)
+    prefix = scan.prefix_maps(init)
+    composite = scan.segment_maps(prefix)
+    entering = scan.into_next_node(composite)
+    scan.inside_next_node(entering)
     steps.finish()
+    return scan.results(prefix, entering, out)
 
-    inputs: List[Optional[Tensor]] = [None] * len(delta)
-    last = None
-    for i in mine:
-        slot, j = walk.owners[i][1], walk.segment_of[i]
-        Gamma, S = prefix[i]
-        x = S if j == 0 else kind.combine(Gamma, S, entering[j])
-        inputs[slot] = x if out is None else out[slot].copy_(x)
-        if i == len(walk.owners) - 1:
-            last = kind.combine(gamma[slot], delta[slot], x)
-    return inputs, last
+
+class _RankScan:
+    """One rank's part of a hierarchical scan over ``walk`` (``me``: its group rank): the steps A, B and C
+    of the module docstring, each from what the one before gave this rank."""
+
+    def __init__(self, walk: Walk, me: int, gamma: Sequence[Tensor], delta: Sequence[Tensor], steps: "_Steps"):
+        self.walk, self.me, self.gamma, self.delta, self.steps = walk, me, gamma, delta, steps
+        self.mine = [i for i, (rank, _) in enumerate(walk.owners) if rank == me]  # this rank's walk indices
+        self.like = delta[0]
+        self.kind = transition_of(gamma[0], self.like)
+
+    def _piece_map(self, i: int) -> Tuple[Tensor, Tensor]:
+        """The map of the piece at walk index ``i`` (this rank's)."""
+        slot = self.walk.owners[i][1]
+        return self.gamma[slot], self.delta[slot]
+
+    def _receive_maps(self, recvs: List[Tuple[int, int]]) -> List[Tuple[int, Tensor]]:
+        """Receive buffers for maps from the group ranks of ``recvs`` (``(rank, index)`` pairs)."""
+        return [(src, _empty_map(self.kind, self.like)) for src, _ in recvs]
+
+    def _receive_states(self, recvs: List[Tuple[int, int]]) -> List[Tuple[int, Tensor]]:
+        """Receive buffers for states from the group ranks of ``recvs`` (``(rank, index)`` pairs)."""
+        return [(src, self.like.new_empty(self.like.shape)) for src, _ in recvs]
+
+    def prefix_maps(self, init: Optional[Tensor]) -> Dict[int, Tuple[Tensor, Tensor]]:
+        """A: prefix maps inside each segment, ``(Gamma_i, S_i)`` for each of this rank's walk indices i,
+        passed along the segment's chain (the first segment's start from ``init``: states)."""
+        walk, me, kind, like = self.walk, self.me, self.kind, self.like
+        prefix: Dict[int, Tuple[Tensor, Tensor]] = {}
+        for i in self.mine:
+            if walk.segments[walk.segment_of[i]][0] == i:
+                if i == 0:  # the first segment starts from the initial state: its prefixes are states
+                    state = like.new_zeros(like.shape) if init is None else init.to(like.dtype).expand(like.shape)
+                    prefix[i] = (like.new_zeros(self.gamma[0].shape), state)
+                else:
+                    prefix[i] = (kind.identity(self.gamma[0]), like.new_zeros(like.shape))
+        position = {i: i - walk.segments[walk.segment_of[i]][0] for i in range(len(walk.owners))}
+        longest = max(len(seg) for seg in walk.segments)
+        for t in range(longest - 1):
+            sends, recvs = [], []
+            for i in self.mine:
+                if position[i] == t and i + 1 < len(walk.owners) and walk.segment_of[i + 1] == walk.segment_of[i]:
+                    nxt = _compose(kind, *self._piece_map(i), *prefix[i])
+                    if walk.rank(i + 1) == me:
+                        prefix[i + 1] = nxt
+                    else:
+                        sends.append((walk.rank(i + 1), kind.pack(*nxt).contiguous(),
+                                      f"the prefix map of piece step {i + 1}"))
+                if position[i] == t + 1 and walk.rank(i - 1) != me:
+                    recvs.append((walk.rank(i - 1), i))
+            got = self.steps.run(sends, self._receive_maps(recvs), f"inside a node, step {t}")
+            for (_, i), buffer in zip(recvs, got):
+                prefix[i] = kind.unpack(buffer, like.shape[-1])
+        return prefix
+
+    def segment_maps(self, prefix: Dict[int, Tuple[Tensor, Tensor]]) -> Dict[int, Tuple[Tensor, Tensor]]:
+        """B: Kogge-Stone over the segments' maps, among the leaders. For each segment j this rank leads,
+        the composite of the segments up to j: its state is the one leaving segment j."""
+        walk, me, kind, like = self.walk, self.me, self.kind, self.like
+        M = len(walk.segments)
+        led = [j for j in range(M) if walk.leader(j) == me]
+        composite = {}
+        for j in led:
+            i = walk.segments[j][-1]
+            composite[j] = _compose(kind, *self._piece_map(i), *prefix[i])
+        for r in range(walk.rounds):
+            d = 1 << r
+            sends, recvs, local = [], [], {}
+            for j in led:
+                if j + d < M - 1:
+                    if walk.leader(j + d) == me:
+                        local[j + d] = composite[j]
+                    else:
+                        sends.append((walk.leader(j + d), kind.pack(*composite[j]).contiguous(),
+                                      f"segment {j}'s map (round {r})"))
+                if d <= j < M - 1 and walk.leader(j - d) != me:
+                    recvs.append((walk.leader(j - d), j))
+            got = self.steps.run(sends, self._receive_maps(recvs), f"between nodes, round {r}")
+            earlier = {**local, **{j: kind.unpack(buffer, like.shape[-1]) for (_, j), buffer in zip(recvs, got)}}
+            composite = {j: (_compose(kind, *composite[j], *earlier[j]) if j in earlier else composite[j])
+                         for j in led}
+        return composite
+
+    def into_next_node(self, composite: Dict[int, Tuple[Tensor, Tensor]]) -> Dict[int, Tensor]:
+        """C, first hop: the state leaving segment j (held by its leader) to the first rank of segment
+        j + 1. Returns the states entering the segments this rank starts."""
+        walk, me = self.walk, self.me
+        entering: Dict[int, Tensor] = {}
+        sends, recvs = [], []
+        for j in range(len(walk.segments) - 1):
+            first = walk.rank(walk.segments[j + 1][0])
+            if walk.leader(j) == me:
+                if first == me:
+                    entering[j + 1] = composite[j][1]
+                else:
+                    sends.append((first, composite[j][1].contiguous(), f"the state entering segment {j + 1}"))
+            elif first == me:
+                recvs.append((walk.leader(j), j + 1))
+        got = self.steps.run(sends, self._receive_states(recvs), "into the next node")
+        entering.update({j: x for (_, j), x in zip(recvs, got)})
+        return entering
+
+    def inside_next_node(self, entering: Dict[int, Tensor]) -> None:
+        """C, then: each segment's first rank passes the state entering it on to the segment's other
+        ranks; adds the states this rank receives to ``entering``."""
+        walk, me = self.walk, self.me
+        sends, recvs = [], []
+        for j in range(1, len(walk.segments)):
+            first = walk.rank(walk.segments[j][0])
+            others = sorted({walk.rank(i) for i in walk.segments[j]} - {first})
+            if first == me:
+                sends += [(rank, entering[j], f"the state entering segment {j}") for rank in others]
+            elif me in others:
+                recvs.append((first, j))
+        got = self.steps.run(sends, self._receive_states(recvs), "inside the next node")
+        entering.update({j: x for (_, j), x in zip(recvs, got)})
+
+    def results(self, prefix: Dict[int, Tuple[Tensor, Tensor]], entering: Dict[int, Tensor],
+                out: Optional[Sequence[Tensor]]) -> Tuple[List[Tensor], Optional[Tensor]]:
+        """The state entering each local slot, ``Gamma_i X + S_i`` (into ``out`` if given), and the state
+        leaving the walk's last piece on the rank holding it (None elsewhere)."""
+        inputs: List[Optional[Tensor]] = [None] * len(self.delta)
+        last = None
+        for i in self.mine:
+            slot, j = self.walk.owners[i][1], self.walk.segment_of[i]
+            Gamma, S = prefix[i]
+            x = S if j == 0 else self.kind.combine(Gamma, S, entering[j])
+            inputs[slot] = x if out is None else out[slot].copy_(x)
+            if i == len(self.walk.owners) - 1:
+                last = self.kind.combine(self.gamma[slot], self.delta[slot], x)
+        return inputs, last
 
 
 def _compose(kind: Kind, g: Tensor, d: Tensor, Gamma: Tensor, S: Tensor) -> Tuple[Tensor, Tensor]:

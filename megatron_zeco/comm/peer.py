@@ -95,7 +95,7 @@ class _Channel:
         size = self.data + 3 * self.flags + (self.data + _ALIGN if nvshmem else 0)
         buffers = PeerBuffers(group, 4 * size, device, nvshmem)
         rank, world = group.rank(), group.size()
-        self.nvshmem = nvshmem
+        self.nvshmem, self.dense, self.tiles = nvshmem, dense, tiles
         # NVSHMEM processing elements: torch's NVSHMEM backend numbers them by global rank
         self._pe = [dist.get_global_rank(group, r) for r in range(world)] if nvshmem else None
 
@@ -160,6 +160,8 @@ def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
 
 
 _CHANNELS: Dict[_ChannelKey, _Channel] = {}
+
+
 def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route, *,
                   reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
                   while_waiting: Optional[Callable[[], None]] = None,
@@ -170,14 +172,40 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     ``route.what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. Over
     ``nvshmem``, the same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or
     another) instead of stores into the peers' mapped memory."""
-    layout, group, num_blocks, what = route.layout, route.group, route.num_blocks, route.what
-    nvshmem = route.transport is Transport.NVSHMEM
-    from ..kernels.scan_hop import all_scan_close, all_scan_dense_hop, all_scan_hop, all_scan_map
+    from ..kernels import scan_hop
 
     like = delta[0]
+    dense = transition_of(gamma[0], like) is Dense
+    ch = _channel(route, like, dense)
+    inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
+    operands = _operands(gamma, delta, inputs, dense)
+    launcher = _Launcher(scan_hop, ch, operands, like, init, route, reverse)
+    plan = ch.plan(reverse)
+    wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
+    main = torch.cuda.current_stream() if aside is not None else None
+    if main is not None:
+        aside.wait_stream(main)
+    last = y_a = None
+    for i, launch in enumerate(plan):
+        if i == wait_at:
+            _local_work(while_waiting, main, aside)
+        y = launcher.issue(i, launch, y_a, aside if main is not None and i < wait_at else None)
+        if launch.kind not in ("map", "close"):
+            y_a = y
+        last = y if launch.links[-1].last else last
+    if wait_at == len(plan):
+        _local_work(while_waiting, main, aside)
+    if operands.s_ins is not inputs:
+        for target, s_in in zip(inputs, operands.s_ins):
+            target.copy_(s_in)
+    return inputs, last
+
+
+def _channel(route, like: Tensor, dense: bool) -> _Channel:
+    """The channel for scans of states like ``like`` over ``route`` (set up with every rank of the group
+    on first use)."""
     K, V = like.shape[-2:]
     N = like.numel() // (K * V)
-    dense = transition_of(gamma[0], like) is Dense
     # Channels hold a power of two of states: packed batches split per document pass one state
     # per document, a count that changes every step, and each new channel is a collective
     # allocation that is never freed (a peer may still be writing into it). A call uses the first N.
@@ -186,16 +214,32 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     # and a finer pipeline through the zigzag turn-around (what a per-document packed batch's one
     # state per document needs to keep the link busy; bench_op.py's scan part times it).
     # Dense transitions: blocks and tiles of columns instead (a row of M S reads every row of S).
-    rows = (V if dense else K) // num_blocks
-    tiles = num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
-    key = _ChannelKey(group, layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
+    rows = (V if dense else K) // route.num_blocks
+    tiles = route.num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
+    nvshmem = route.transport is Transport.NVSHMEM
+    key = _ChannelKey(route.group, route.layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
     ch = _CHANNELS.get(key)
     if ch is None:
-        with naming_failures(what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
+        with naming_failures(route.what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
             ch = _CHANNELS[key] = _Channel(key)
-    inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
-    # The kernel reads and writes the slots in place where one stride of dim 0 addresses them
-    # (ScanGLA's slot views of its batches); otherwise through contiguous copies.
+    return ch
+
+
+class _Operands(NamedTuple):
+    """What a scan's kernels read and write, per local slot: the transitions, the deltas and the entering
+    states; and the stride of dim 0 that addresses the transitions, and the one for the deltas and the
+    states (:func:`_dim0_stride`)."""
+
+    gammas: List[Tensor]
+    deltas: List[Tensor]
+    s_ins: List[Tensor]
+    strides: Tuple[int, int]
+
+
+def _operands(gamma: Sequence[Tensor], delta: Sequence[Tensor], inputs: List[Tensor], dense: bool) -> _Operands:
+    """The kernels' operands, the entering states written into ``inputs``: in place where one stride of
+    dim 0 addresses them (ScanGLA's slot views of its batches); otherwise contiguous copies (``s_ins``
+    then new tensors, to copy into ``inputs`` after the scan)."""
     gammas, deltas, s_ins = list(gamma), list(delta), inputs
     tail = 2 if dense else 1  # trailing dims of a transition: [K, K] or [K]
     strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
@@ -203,64 +247,79 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
-    watcher = watch(like.device)
-    timeout = watcher.timeout(group)
-    watcher.check()  # a wait of an earlier scan gave up: fail before issuing more
-    # The initial state as the kernel reads it: made on the current stream before ``aside`` waits for
-    # it (a copy made later would race with the kernel reading it there).
-    x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
-    last = y_a = None
-    plan = ch.plan(reverse)
-    wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
-    sizes = (tiles, ch.data, ch.flags)
-    main = torch.cuda.current_stream() if aside is not None else None
+    return _Operands(gammas, deltas, s_ins, strides)
+
+
+def _local_work(while_waiting: Optional[Callable[[], None]], main, aside) -> None:
+    """At the rank's first wait for a peer: ``while_waiting()`` on the current stream, which then waits for
+    the sends that ran beside it on ``aside`` (``main``: the current stream; None without ``aside``)."""
+    if while_waiting is not None:
+        while_waiting()
     if main is not None:
-        aside.wait_stream(main)
-    for i, launch in enumerate(plan):
-        if i == wait_at:
-            if while_waiting is not None:
-                while_waiting()
-            if main is not None:
-                main.wait_stream(aside)
-        links, regions = launch.links, launch.regions
-        first, final = links[0], links[-1]
+        main.wait_stream(aside)
+
+
+class _Launcher:
+    """Issues the launches of one scan over a channel (``scan_hop``: the hop kernels' module), each with
+    its operands, its bounded waits and its peers. Checks first that no earlier wait of the process gave
+    up."""
+
+    def __init__(self, scan_hop, ch: _Channel, operands: _Operands, like: Tensor, init: Optional[Tensor], route,
+                 reverse: bool):
+        self.scan_hop, self.ch, self.operands, self.like = scan_hop, ch, operands, like
+        self.route, self.reverse = route, reverse
+        self.watcher = watch(like.device)
+        self.timeout = self.watcher.timeout(route.group)
+        self.watcher.check()  # a wait of an earlier scan gave up: fail before issuing more
+        # The initial state as the kernel reads it: made on the current stream before ``aside`` waits for
+        # it (a copy made later would race with the kernel reading it there).
+        K, V = like.shape[-2:]
+        N = like.numel() // (K * V)
+        self.x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
+
+    def issue(self, i: int, launch: _Launch, y_a: Optional[Tensor], side=None) -> Optional[Tensor]:
+        """Issue launch ``i`` of the plan, on stream ``side`` if given (a send beside the local work, on
+        fewer programs). ``y_a``: the state leaving this rank's outgoing piece, which ``close`` reads.
+        Returns the state leaving the launch's pieces where one is kept (the walk's last piece, or
+        ``out``'s), else None."""
+        ch, like, route = self.ch, self.like, self.route
+        first, final = launch.links[0], launch.links[-1]
         # allocated on the current stream, whichever stream the kernel runs on, and held to the end
         # (past the current stream's wait for ``aside``)
         y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
-        x = x_init if launch.kind in ("hop", "out") and first.first else None
-        beside = main is not None and i < wait_at
-        programs = _ASIDE_PROGRAMS if beside else None
-        bounded = watcher.arguments(watcher.launch_id((id(ch), reverse, i, what), lambda: _describe(
-            what, reverse, launch, layout, group, nvshmem)), timeout)
-        remote = dict(watch=bounded, pes=ch.pes(launch), nvshmem=nvshmem)
-        with torch.cuda.stream(aside) if beside else contextlib.nullcontext():
+        x = self.x_init if launch.kind in ("hop", "out") and first.first else None
+        programs = _ASIDE_PROGRAMS if side is not None else None
+        describe = lambda: _describe(route.what, self.reverse, launch, route.layout, route.group, ch.nvshmem)
+        bounded = self.watcher.arguments(self.watcher.launch_id((id(ch), self.reverse, i, route.what), describe),
+                                         self.timeout)
+        remote = dict(watch=bounded, pes=ch.pes(launch), nvshmem=ch.nvshmem)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             inject.delay(like.device)  # test hook: no-op unless a stress test sets delays
-            if launch.kind == "map":
-                all_scan_map([gammas[first.slot], gammas[final.slot]], [deltas[first.slot], deltas[final.slot]],
-                             regions, *strides, ch.decays, *sizes, has_src=launch.waits, programs=programs,
-                             **remote)
-            elif launch.kind == "close":
-                all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions, *strides,
-                               ch.decays, *sizes, **remote)
-            else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
-                slots = [link.slot for link in links]
-                hop = all_scan_dense_hop if dense else all_scan_hop
-                hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
-                    [s_ins[s] for s in slots], y, regions, *strides, *sizes,
-                    has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
-                    programs=programs, **remote)
-                y_a = y
+            self._kernel(launch, x, y, y_a, programs, remote)
             inject.delay(like.device)
-        last = y if final.last else last
-    if wait_at == len(plan):
-        if while_waiting is not None:
-            while_waiting()
-        if main is not None:
-            main.wait_stream(aside)
-    if s_ins is not inputs:
-        for target, s_in in zip(inputs, s_ins):
-            target.copy_(s_in)
-    return inputs, last
+        return y
+
+    def _kernel(self, launch: _Launch, x: Optional[Tensor], y: Optional[Tensor], y_a: Optional[Tensor],
+                programs: Optional[int], remote: dict) -> None:
+        """The launch's kernel: ``all_scan_map``, ``all_scan_close``, or a hop (``x``: the initial state it
+        reads, or None; ``y``: where the state leaving its last piece goes, or None)."""
+        ch, (gammas, deltas, s_ins, strides) = self.ch, self.operands
+        first, final, regions = launch.links[0], launch.links[-1], launch.regions
+        sizes = (ch.tiles, ch.data, ch.flags)
+        if launch.kind == "map":
+            self.scan_hop.all_scan_map([gammas[first.slot], gammas[final.slot]],
+                                       [deltas[first.slot], deltas[final.slot]], regions, *strides, ch.decays, *sizes,
+                                       has_src=launch.waits, programs=programs, **remote)
+        elif launch.kind == "close":
+            self.scan_hop.all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions,
+                                         *strides, ch.decays, *sizes, **remote)
+        else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
+            slots = [link.slot for link in launch.links]
+            hop = self.scan_hop.all_scan_dense_hop if ch.dense else self.scan_hop.all_scan_hop
+            hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
+                [s_ins[s] for s in slots], y, regions, *strides, *sizes,
+                has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
+                programs=programs, **remote)
 
 
 def _describe(what: str, reverse: bool, launch: _Launch, layout, group, nvshmem: bool):

@@ -8,6 +8,7 @@ import os
 import re
 from dataclasses import dataclass, replace
 from importlib import resources
+from typing import Optional
 
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops
 from .model import (ACT_BYTES, FOLD_LAUNCH, REGIMES, STRATEGIES, Software, Workload, _a2a_wire, _hop_times,
@@ -231,201 +232,303 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
     version of the scan code over each transport, zeco's transport.
     """
-    def by(**kv):
-        return [r for r in rows if all(r.get(k) == v for k, v in kv.items())]
+    fit = _Fit(rows, cluster, build)
+    residuals = fit.kernel_residuals() + fit.scan_residuals() + fit.op_residuals()
+    outside = fit.outside_ms()
+    residuals += fit.model_residuals(outside)
+    builds = fit.builds()
+    return Calibration(builds[build], builds, fit.transports(), fit.nccl_call, fit.op_ms, _mean_per_shape(outside),
+                       residuals)
 
-    op_ms: dict[str, dict[tuple[int, int, int], float]] = {}
-    own: dict[tuple, float] = {}
-    for regime in REGIMES:
-        times: dict[tuple[int, int, int], list[float]] = {}
-        for r in by(part="op", strategy="none", mode=regime):
-            times.setdefault(_shape(r), []).append(r["ms"])
-            own[(regime, r["file"], *_shape(r))] = r["ms"]
-        op_ms[regime] = {k: sum(v) / len(v) for k, v in times.items()}
 
-    def t_op(r, regime="eager"):  # the one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean
-        if _shape(r) not in op_ms[regime]:
+class _Fit:
+    """:func:`calibrate`'s fit of one set of rows. Built in steps, each reading what the ones before
+    it found: the one-GPU op times, what each build measured, the passes of each build, the scan codes
+    (each moves states over one transport), their fits per version and regime, NCCL's all-gather call,
+    the a2a copies and wire. Then the residuals of each kind of row, the time outside GLA per layer,
+    and the code as built, per build and per transport."""
+
+    def __init__(self, rows: list[dict], cluster: Cluster, build: str):
+        self.rows, self.cluster, self.build = rows, cluster, build
+        self.op_ms, self._own_op_ms = self._one_gpu_op_times()
+        self.measured = self._what_each_build_measured()
+        self.passes, self.kernels = self._fit_passes()
+        # per regime, the build's passes and no scan costs yet
+        self.base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
+                                      a2a_copy=0.0, **self.passes[build]) for regime in REGIMES}
+        self.version_transport = self._scan_code_transports()
+        self.scan_fits, self.gather_fits, self.scans, self.gathers = self._fit_scan_codes()
+        self.build_code = self._build_scan_code()
+        # the code as built, per regime
+        self.software = {regime: replace(self.base[regime], **self.fits(self.build_code, regime)) for regime in REGIMES}
+        self.nccl_gathers = _pooled(self.by(part="scan", method="nccl all_gather"), "ms")
+        self.nccl_call = self._fit_nccl_call()
+        a2a = self._fit_a2a()
+        if a2a is not None:
+            copy, wire = a2a
+            self.software = {regime: replace(sw, a2a_copy=copy, a2a_wire=wire) for regime, sw in self.software.items()}
+
+    def by(self, **kv) -> list[dict]:
+        """The rows with these values."""
+        return [r for r in self.rows if all(r.get(k) == v for k, v in kv.items())]
+
+    def _one_gpu_op_times(self) -> tuple[dict[str, dict[tuple[int, int, int], float]], dict[tuple, float]]:
+        """From the ``none`` op rows: per regime, the one-GPU op time per shape (the mean of its runs); and
+        each run's own, by regime, file and shape."""
+        op_ms: dict[str, dict[tuple[int, int, int], float]] = {}
+        own: dict[tuple, float] = {}
+        for regime in REGIMES:
+            times: dict[tuple[int, int, int], list[float]] = {}
+            for r in self.by(part="op", strategy="none", mode=regime):
+                times.setdefault(_shape(r), []).append(r["ms"])
+                own[(regime, r["file"], *_shape(r))] = r["ms"]
+            op_ms[regime] = {k: sum(v) / len(v) for k, v in times.items()}
+        return op_ms, own
+
+    def op_time(self, r: dict, regime: str = "eager") -> float:
+        """The one-GPU op time of the row's own run (runs differ by up to ~15%), else the mean."""
+        if _shape(r) not in self.op_ms[regime]:
             raise ValueError(f"{r['file']}: no {regime} 'none' op row at tokens/heads/dim {_shape(r)} to compare with")
-        return own.get((regime, r["file"], *_shape(r)), op_ms[regime][_shape(r)])
+        return self._own_op_ms.get((regime, r["file"], *_shape(r)), self.op_ms[regime][_shape(r)])
 
-    def fit_constant(rs, known):  # y = constant + known(row)
-        return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - known(r) for r in rs])[0]
+    def _what_each_build_measured(self) -> dict[str, dict]:
+        """What each build measured (its files' meta, the same in each); the build whose costs are wanted,
+        if it has no rows, as it is now."""
+        measured: dict[str, dict] = {}
+        for r in self.rows:
+            if measured.setdefault(r["build"], r["build_meta"]) != r["build_meta"]:
+                raise ValueError(f"{r['file']}: build {r['build']!r} measured {r['build_meta']} here and "
+                                 f"{measured[r['build']]} in another file: one build, one meta")
+        if self.build not in measured:
+            if self.build != BUILD:
+                raise ValueError(f"no rows of build {self.build!r} (measured: {', '.join(measured)})")
+            measured[self.build] = BUILD_META
+        return measured
 
-    # What each build measured (its files' meta); the build whose costs are wanted, if it has no rows,
-    # as it is now.
-    measured: dict[str, dict] = {}
-    for r in rows:
-        if measured.setdefault(r["build"], r["build_meta"]) != r["build_meta"]:
-            raise ValueError(f"{r['file']}: build {r['build']!r} measured {r['build_meta']} here and "
-                             f"{measured[r['build']]} in another file: one build, one meta")
-    if build not in measured:
-        if build != BUILD:
-            raise ValueError(f"no rows of build {build!r} (measured: {', '.join(measured)})")
-        measured[build] = BUILD_META
+    def _fit_passes(self) -> tuple[dict[str, dict], dict[tuple[str, str], tuple]]:
+        """The passes of each build measured, each fitted per byte of what it touches: per build, its
+        :class:`Software` fields (a build whose kernel rows are missing has none); and per (build, kernel),
+        its rows, cost per byte and unit."""
+        kernels, passes = {}, {}
+        for b, meta in self.measured.items():
+            if meta["passes"] is None:  # no separate pass: its cost is inside the op rows
+                passes[b] = dict(pass_unit="", state_pass=0.0, state_grad_pass=0.0)
+                continue
+            fwd, bwd, unit = meta["passes"]["forward"], meta["passes"]["backward"], meta["passes"]["per_byte_of"]
+            rows_of = {name: self.by(part="kernel", name=name, build=b) for name in (fwd, bwd)}
+            if not any(rows_of.values()):
+                continue
+            if not all(rows_of.values()):
+                raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
+            per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
+                                            [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
+            passes[b] = dict(pass_unit=unit, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
+            kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
+        return passes, kernels
 
-    # The passes of each build measured, each fitted per byte of what it touches.
-    kernels, passes = {}, {}
-    for b, meta in measured.items():
-        if meta["passes"] is None:  # no separate pass: its cost is inside the op rows
-            passes[b] = dict(pass_unit="", state_pass=0.0, state_grad_pass=0.0)
-            continue
-        fwd, bwd, unit = meta["passes"]["forward"], meta["passes"]["backward"], meta["passes"]["per_byte_of"]
-        rows_of = {name: by(part="kernel", name=name, build=b) for name in (fwd, bwd)}
-        if not any(rows_of.values()):
-            continue
-        if not all(rows_of.values()):
-            raise ValueError(f"calibration needs 'kernel' rows for both {fwd!r} and {bwd!r} (build {b!r})")
-        per_byte = {name: _weighted_fit([[getattr(_workload(r, 0.0), unit)] for r in rs],
-                                        [r["ms"] * 1e-3 for r in rs])[0] for name, rs in rows_of.items()}
-        passes[b] = dict(pass_unit=unit, state_pass=per_byte[fwd], state_grad_pass=per_byte[bwd])
-        kernels.update({(b, name): (rs, per_byte[name], unit) for name, rs in rows_of.items()})
-    base = {regime: Software(message=0.0, scan_call=0.0, gather_call=0.0, fold_launch=FOLD_LAUNCH[regime],
-                             a2a_copy=0.0, **passes[build]) for regime in REGIMES}
+    def code_of(self, b: str, transport: str) -> str:
+        """The version of the scan code build ``b`` ran over ``transport``."""
+        return self.measured[b]["scan_code"].get(transport, f"{b}/{transport}")
 
-    # Per version of the scan code and regime: All-Scan = scan_call + (K - 1) * message + hops * hop
-    # + wire (stated links), the all-gather scan = gather_call + its wire and fold. Device costs
-    # (steady) first: a host-issued call's hops are the device's.
-    def code_of(b, transport):  # the version of the scan code build b ran over transport
-        return measured[b]["scan_code"].get(transport, f"{b}/{transport}")
-
-    def scan_transport(r):  # a scan row's: the one its method names, else its file's
+    def scan_transport(self, r: dict) -> str:
+        """A scan row's transport: the one its method names, else its file's."""
         m = _CHAIN.match(r["method"])
         if m and m.group(1) and m.group(1) not in TRANSPORTS:
             raise ValueError(f"{r['file']}: scan row {r['method']!r} names no transport among {', '.join(TRANSPORTS)}")
-        return m.group(1) if m and m.group(1) else measured[r["build"]]["transport"]
+        return m.group(1) if m and m.group(1) else self.measured[r["build"]]["transport"]
 
-    def scan_code(r):
-        return code_of(r["build"], scan_transport(r))
+    def scan_code(self, r: dict) -> str:
+        """The version of the scan code a scan row ran."""
+        return self.code_of(r["build"], self.scan_transport(r))
 
-    version_transport = {}  # the transport each version of the scan code moves states over
-    used = [(b, t) for b, meta in measured.items() for t in (meta["transport"], *meta["scan_code"])]
-    for b, transport in used + [(r["build"], scan_transport(r)) for r in by(part="scan")]:
-        version = code_of(b, transport)
-        if version_transport.setdefault(version, transport) != transport:
-            raise ValueError(f"scan code {version!r} runs over {version_transport[version]!r} and {transport!r}")
-    scan_fits, gather_fits, scans, gathers = {}, {}, [], []
+    def _scan_code_transports(self) -> dict[str, str]:
+        """The transport each version of the scan code moves states over (one per version)."""
+        version_transport = {}
+        used = [(b, t) for b, meta in self.measured.items() for t in (meta["transport"], *meta["scan_code"])]
+        for b, transport in used + [(r["build"], self.scan_transport(r)) for r in self.by(part="scan")]:
+            version = self.code_of(b, transport)
+            if version_transport.setdefault(version, transport) != transport:
+                raise ValueError(f"scan code {version!r} runs over {version_transport[version]!r} and {transport!r}")
+        return version_transport
 
-    def method(r):  # the same for one code's chain in every file: "all_scan K=4"
-        m = _CHAIN.match(r["method"])
-        return f"all_scan K={m.group(2)}" if m else r["method"]
+    def _fit_scan_codes(self) -> tuple[dict, dict, list[tuple], list[tuple]]:
+        """Per version of the scan code and regime: All-Scan = scan_call + (K - 1) * message + hops * hop
+        + wire (stated links), the all-gather scan = gather_call + its wire and fold. Device costs
+        (steady) first: a host-issued call's hops are the device's.
 
-    for version in dict.fromkeys(scan_code(r) for r in by(part="scan")):
-        mine = [dict(r, method=method(r)) for r in by(part="scan") if scan_code(r) == version]
-        hop = None
-        for regime, key in (("steady", "gpu_ms"), ("eager", "ms")):
-            pooled = _pooled(mine, key)
-            chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
-                     for r in pooled if _CHAIN.match(r["method"])]
-            gather = [r for r in pooled if r["method"] == "gather_scan"]
-            sw = replace(base[regime], transport=version_transport[version])
-            if chain:
-                scan_fits[version, regime] = fit = _fit_scan(chain, cluster, sw, key, hop)
-                hop = fit["hop"] if regime == "steady" else hop
-                scans += [(r, w, K, version, regime, key) for r, w, K in chain]
-            if gather:
-                gather_fits[version, regime] = _fit_gather(gather, cluster, sw, key)
-                gathers += [(r, version, regime, key) for r in gather]
-    build_code = code_of(build, measured[build]["transport"])
-    if (build_code, "eager") not in scan_fits or (build_code, "eager") not in gather_fits:
-        raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {build!r}'s scan code "
-                         f"({build_code!r})")
+        Returns the chain's and the all-gather scan's costs by (version, regime), and the rows each was
+        fitted on (with their workload, blocks, version, regime and time key for the chain's)."""
+        scan_fits, gather_fits, scans, gathers = {}, {}, [], []
+        for version in dict.fromkeys(self.scan_code(r) for r in self.by(part="scan")):
+            mine = [dict(r, method=_code_method(r)) for r in self.by(part="scan") if self.scan_code(r) == version]
+            hop = None
+            for regime, key in (("steady", "gpu_ms"), ("eager", "ms")):
+                pooled = _pooled(mine, key)
+                chain = [(r, _scan_workload(r), int(_CHAIN.match(r["method"]).group(2)))
+                         for r in pooled if _CHAIN.match(r["method"])]
+                gather = [r for r in pooled if r["method"] == "gather_scan"]
+                sw = replace(self.base[regime], transport=self.version_transport[version])
+                if chain:
+                    scan_fits[version, regime] = fit = _fit_scan(chain, self.cluster, sw, key, hop)
+                    hop = fit["hop"] if regime == "steady" else hop
+                    scans += [(r, w, K, version, regime, key) for r, w, K in chain]
+                if gather:
+                    gather_fits[version, regime] = _fit_gather(gather, self.cluster, sw, key)
+                    gathers += [(r, version, regime, key) for r in gather]
+        return scan_fits, gather_fits, scans, gathers
 
-    def fits(version, regime):  # the scan code's chain and all-gather costs in regime
-        return {**scan_fits.get((version, regime), {}), **gather_fits.get((version, regime), {})}
+    def _build_scan_code(self) -> str:
+        """The version of the scan code the build runs over its transport; checked to have scan rows."""
+        code = self.code_of(self.build, self.measured[self.build]["transport"])
+        if (code, "eager") not in self.scan_fits or (code, "eager") not in self.gather_fits:
+            raise ValueError(f"calibration needs 'scan' rows (all_scan K=*, gather_scan) of build {self.build!r}'s "
+                             f"scan code ({code!r})")
+        return code
 
-    def built(r, regime="eager"):  # the Software a row was measured with: its build's passes and scan code
-        if r["build"] not in passes:
+    def fits(self, version: str, regime: str) -> dict:
+        """The scan code's chain and all-gather costs in ``regime``."""
+        return {**self.scan_fits.get((version, regime), {}), **self.gather_fits.get((version, regime), {})}
+
+    def built(self, r: dict, regime: str = "eager") -> Software:
+        """The :class:`Software` a row was measured with: its build's passes and scan code."""
+        if r["build"] not in self.passes:
             raise ValueError(f"{r['file']}: no 'kernel' rows of build {r['build']!r} to charge its passes")
-        transport = measured[r["build"]]["transport"]
-        code = code_of(r["build"], transport)
-        if (code, regime) not in scan_fits or (code, regime) not in gather_fits:
+        transport = self.measured[r["build"]]["transport"]
+        code = self.code_of(r["build"], transport)
+        if (code, regime) not in self.scan_fits or (code, regime) not in self.gather_fits:
             raise ValueError(f"{r['file']}: no {regime} 'scan' rows of scan code {code!r} (build {r['build']!r})")
-        return replace(sw_of[regime], **passes[r["build"]], **fits(code, regime), transport=transport)
+        return replace(self.software[regime], **self.passes[r["build"]], **self.fits(code, regime), transport=transport)
 
-    sw_of = {regime: replace(base[regime], **fits(build_code, regime)) for regime in REGIMES}
-    ring = lambda r: (r["cp"] - 1) * cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
-    nccl_gathers = _pooled(by(part="scan", method="nccl all_gather"), "ms")
-    nccl_call = fit_constant(nccl_gathers, ring)
-    a2a = [r for r in by(part="op", strategy="a2a", mode="eager") if r["cp"] > 1]
-    if a2a:
-        # copies (the same at every P) and the wire ((P - 1) / P of the bytes cross links): both fitted
-        # where rows at two or more P allow it, else the wire at the stated bandwidth.
-        xs = [[_workload(r, 0.0).a2a_bytes, _a2a_wire(_workload(r, 0.0), cluster)] for r in a2a]
-        ys = [(r["ms"] - t_op(r)) * 1e-3 for r in a2a]
+    def ring(self, r: dict) -> float:
+        """The wire time of a scan row's state all-gathered as a ring: P - 1 steps over the slowest link."""
+        return (r["cp"] - 1) * self.cluster.slowest(r["cp"]).time(r["state_mib"] * 2 ** 20)
+
+    def _fit_nccl_call(self) -> float:
+        """NCCL's own all-gather call: what its rows take beyond the ring's wire."""
+        rs = self.nccl_gathers
+        return _weighted_fit([[1.0] for _ in rs], [r["ms"] * 1e-3 - self.ring(r) for r in rs])[0]
+
+    def _fit_a2a(self) -> Optional[tuple[float, float]]:
+        """``(a2a_copy, a2a_wire)`` from the eager CP > 1 ``a2a`` op rows, or None without any: the copies
+        (the same at every P) and the wire ((P - 1) / P of the bytes cross links), both fitted where rows
+        at two or more P allow it, else the wire at the stated bandwidth."""
+        a2a = [r for r in self.by(part="op", strategy="a2a", mode="eager") if r["cp"] > 1]
+        if not a2a:
+            return None
+        xs = [[_workload(r, 0.0).a2a_bytes, _a2a_wire(_workload(r, 0.0), self.cluster)] for r in a2a]
+        ys = [(r["ms"] - self.op_time(r)) * 1e-3 for r in a2a]
         fit = _weighted_fit(xs, ys) if len({r["cp"] for r in a2a}) > 1 else None
         if fit is None or min(fit) <= 0:
             fit = _weighted_fit([x[:1] for x in xs], [y - x[1] for x, y in zip(xs, ys)])[0], 1.0
-        copy, wire = fit
-        sw_of = {regime: replace(sw, a2a_copy=copy, a2a_wire=wire) for regime, sw in sw_of.items()}
+        return fit
 
-    res = [Residual(f"kernel {name} ({build}) T={r['tokens_per_gpu']}", r["ms"],
-                    per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
-           for (build, name), (rs, per_byte, unit) in kernels.items() for r in rs]
-    gpu = {"eager": "", "steady": ", GPU"}
-    res += [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v}{gpu[regime]})", r[key],
-                     chain_time(w, cluster, replace(sw_of[regime], **scan_fits[v, regime],
-                                                    transport=version_transport.get(v, "send_recv")), K) * 1e3,
-                     True) for r, w, K, v, regime, key in scans]
-    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v}{gpu[regime]})", r[key],
-                     sum(gather_time(_scan_workload(r), cluster, replace(sw_of[regime], **gather_fits[v, regime])))
-                     * 1e3, True) for r, v, regime, key in gathers]
-    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"], (nccl_call + ring(r)) * 1e3,
-                     True) for r in nccl_gathers]
-    # one hop: NCCL's call (as its all-gathers cost) + one message
-    res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
-                     (nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
-            for r in _pooled(by(part="scan", method="nccl send/recv hop"), "ms")]
-    # One point per configuration, regime and build: the mean of its runs (files), each modelled from
-    # its own run's one-GPU time, as the same configuration measured in separate runs differs by up
-    # to ~17%. The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool
-    # across builds. Eager rows from an empty queue; steady rows back to back (the host ahead).
-    runs: dict[tuple, list[dict]] = {}
-    for r in by(part="op"):
-        if r["strategy"] in STRATEGIES[1:] and r["mode"] in REGIMES:
-            if r["mode"] == "steady" and (_shape(r) not in op_ms["steady"] or r["build"] not in passes):
-                continue
-            build_of = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
-            runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build_of, r["mode"], *_shape(r)),
-                            []).append(r)
-    for (strategy, P, layout, build_of, regime, T, *_), rs in runs.items():
-        n = len(rs)
-        label = f"op {strategy} CP={P} {layout} T={T} ({build_of})" + (" steady" if regime == "steady" else "")
-        res.append(Residual(label + (f" (mean of {n} runs)" if n > 1 else ""), sum(x["ms"] for x in rs) / n,
-                            sum(layer_time(strategy, _workload(x, t_op(x, regime)), cluster, built(x, regime))
-                                for x in rs) / n * 1e3,
-                            strategy == "a2a" and regime == "eager"))
+    def kernel_residuals(self) -> list[Residual]:
+        """The passes' kernel rows against their cost per byte (fitted)."""
+        return [Residual(f"kernel {name} ({b}) T={r['tokens_per_gpu']}", r["ms"],
+                         per_byte * getattr(_workload(r, 0.0), unit) * 1e3, True)
+                for (b, name), (rs, per_byte, unit) in self.kernels.items() for r in rs]
 
-    # Per-layer time outside GLA from each file's CP = 1 run (its own GPUs and data-parallel size);
-    # Calibration.other_ms is their mean per shape, for projections.
-    models = by(part="model")
-    per_file = {(r["file"], *_shape(r), r["layers"]): _model_ms(r) / r["layers"] - t_op(r)
-                for r in models if r["cp"] == 1}
+    def scan_residuals(self) -> list[Residual]:
+        """The scan rows: each scan code's chains and all-gather scans and NCCL's all-gathers (fitted), and
+        NCCL's one hop (predicted: NCCL's call, as its all-gathers cost, plus one message)."""
+        cluster, gpu = self.cluster, {"eager": "", "steady": ", GPU"}
+        res = [Residual(f"scan P={w.P} {r['state_mib']:g} MiB all_scan K={K} (code {v}{gpu[regime]})", r[key],
+                        chain_time(w, cluster, replace(self.software[regime], **self.scan_fits[v, regime],
+                                                       transport=self.version_transport.get(v, "send_recv")), K) * 1e3,
+                        True) for r, w, K, v, regime, key in self.scans]
+        res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB gather_scan (code {v}{gpu[regime]})", r[key],
+                         sum(gather_time(_scan_workload(r), cluster,
+                                         replace(self.software[regime], **self.gather_fits[v, regime]))) * 1e3, True)
+                for r, v, regime, key in self.gathers]
+        res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl all_gather", r["ms"],
+                         (self.nccl_call + self.ring(r)) * 1e3, True) for r in self.nccl_gathers]
+        res += [Residual(f"scan P={r['cp']} {r['state_mib']:g} MiB nccl send/recv hop", r["ms"],
+                         (self.nccl_call + cluster.intra.time(r["state_mib"] * 2 ** 20)) * 1e3, False)
+                for r in _pooled(self.by(part="scan", method="nccl send/recv hop"), "ms")]
+        return res
+
+    def op_residuals(self) -> list[Residual]:
+        """The CP > 1 op rows (predicted, but the eager a2a rows, fitted).
+
+        One point per configuration, regime and build: the mean of its runs (files), each modelled from
+        its own run's one-GPU time, as the same configuration measured in separate runs differs by up
+        to ~17%. The build only changes the scan strategies (zeco, lasp2): lasp1's and a2a's runs pool
+        across builds. Eager rows from an empty queue; steady rows back to back (the host ahead)."""
+        runs: dict[tuple, list[dict]] = {}
+        for r in self.by(part="op"):
+            if r["strategy"] in STRATEGIES[1:] and r["mode"] in REGIMES:
+                if r["mode"] == "steady" and (_shape(r) not in self.op_ms["steady"] or r["build"] not in self.passes):
+                    continue
+                build_of = r["build"] if r["strategy"] in ("zeco", "lasp2") else "any build"
+                runs.setdefault((r["strategy"], r["cp"], _workload(r, 0.0).layout, build_of, r["mode"], *_shape(r)),
+                                []).append(r)
+        res = []
+        for (strategy, P, layout, build_of, regime, T, *_), rs in runs.items():
+            n = len(rs)
+            label = f"op {strategy} CP={P} {layout} T={T} ({build_of})" + (" steady" if regime == "steady" else "")
+            res.append(Residual(label + (f" (mean of {n} runs)" if n > 1 else ""), sum(x["ms"] for x in rs) / n,
+                                sum(layer_time(strategy, _workload(x, self.op_time(x, regime)), self.cluster,
+                                               self.built(x, regime)) for x in rs) / n * 1e3,
+                                strategy == "a2a" and regime == "eager"))
+        return res
+
+    def outside_ms(self) -> dict[tuple, float]:
+        """Per-layer time outside GLA from each file's CP = 1 model row (its own GPUs and data-parallel
+        size), by (file, tokens, heads, dim, layers)."""
+        return {(r["file"], *_shape(r), r["layers"]): _model_ms(r) / r["layers"] - self.op_time(r)
+                for r in self.by(part="model") if r["cp"] == 1}
+
+    def model_residuals(self, outside: dict[tuple, float]) -> list[Residual]:
+        """The CP > 1 model rows of the strategies modelled (predicted): per layer, the time outside GLA
+        of the CP = 1 row of their file (``outside``) and the layer's modelled time."""
+        res = []
+        for r in self.by(part="model"):
+            if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
+                key = (r["file"], *_shape(r), r["layers"])
+                if key not in outside:
+                    raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in "
+                                     f"its file")
+                layer = layer_time(r["strategy"], _workload(r, self.op_time(r)), self.cluster, self.built(r))
+                model = r["layers"] * (outside[key] + layer * 1e3)
+                res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
+                                    f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model,
+                                    False))
+        return res
+
+    def builds(self) -> dict[str, Software]:
+        """Each build whose passes are known, eager: its passes and the scan code over its transport."""
+        return {b: replace(self.software["eager"], **p, **self.fits(self.code_of(b, self.measured[b]["transport"]),
+                                                                      "eager"), transport=self.measured[b]["transport"])
+                for b, p in self.passes.items()}
+
+    def transports(self) -> dict[tuple[str, str], Software]:
+        """The code as built over each transport, per regime: the scan code the build runs over it (over
+        NVSHMEM until measured, the one over the transport it is priced as: :data:`NVSHMEM_PROJECTION`)."""
+        transports = {}
+        for name in TRANSPORTS:
+            fitted = all((self.code_of(self.build, name), regime) in self.scan_fits for regime in REGIMES)
+            projected = name == NVSHMEM_PROJECTION["transport"] and not fitted
+            code = self.code_of(self.build, NVSHMEM_PROJECTION["priced_as"] if projected else name)
+            for regime in REGIMES:
+                if (code, regime) in self.scan_fits:
+                    transports[name, regime] = replace(self.software[regime], **self.scan_fits[code, regime],
+                                                       transport=name)
+        return transports
+
+
+def _code_method(r: dict) -> str:
+    """A scan row's method as one scan code's chain is named in every file: ``all_scan K=4``."""
+    m = _CHAIN.match(r["method"])
+    return f"all_scan K={m.group(2)}" if m else r["method"]
+
+
+def _mean_per_shape(outside: dict[tuple, float]) -> dict[tuple[int, int, int, int], float]:
+    """``Calibration.other_ms``: the time outside GLA per layer, the mean over files per (tokens, heads,
+    dim, layers), for projections."""
     by_shape: dict[tuple[int, int, int, int], list[float]] = {}
-    for (_, *key), ms in per_file.items():
+    for (_, *key), ms in outside.items():
         by_shape.setdefault(tuple(key), []).append(ms)
-    other_ms = {k: sum(v) / len(v) for k, v in by_shape.items()}
-    for r in models:
-        if r["cp"] > 1 and r["strategy"] in STRATEGIES:  # variants of a strategy are not modelled
-            key = (r["file"], *_shape(r), r["layers"])
-            if key not in per_file:
-                raise ValueError(f"{r['file']}: model row at CP={r['cp']} has no CP=1 row of the same shape in "
-                                 f"its file")
-            layer = layer_time(r["strategy"], _workload(r, t_op(r)), cluster, built(r))
-            model = r["layers"] * (per_file[key] + layer * 1e3)
-            res.append(Residual(f"model {r['strategy']} CP={r['cp']} {_workload(r, 0.0).layout} "
-                                f"T={r['tokens_per_gpu']} L={r['layers']} ({r['build']})", _model_ms(r), model, False))
-
-    builds = {b: replace(sw_of["eager"], **p, **fits(code_of(b, measured[b]["transport"]), "eager"),
-                         transport=measured[b]["transport"]) for b, p in passes.items()}
-    transports = {}
-    for name in TRANSPORTS:  # the code as built over each transport: the scan code build ``build`` runs over it
-        fitted = all((code_of(build, name), regime) in scan_fits for regime in REGIMES)
-        projected = name == NVSHMEM_PROJECTION["transport"] and not fitted
-        code = code_of(build, NVSHMEM_PROJECTION["priced_as"] if projected else name)
-        for regime in REGIMES:
-            if (code, regime) in scan_fits:
-                transports[name, regime] = replace(sw_of[regime], **scan_fits[code, regime], transport=name)
-    return Calibration(builds[build], builds, transports, nccl_call, op_ms, other_ms, res)
+    return {k: sum(v) / len(v) for k, v in by_shape.items()}
 
 
 def _pooled(scan_rows: list[dict], key: str) -> list[dict]:
