@@ -12,7 +12,7 @@ without latency, which gives this machine's cost per message and per call (a lea
 squares fit over every case), then with alpha. The cost model (``cost_model.scan_time``: the chain's
 hops, the hierarchical scan's schedule and critical path, as built) with those two fitted costs and
 alpha as the latency between nodes then predicts each emulated time. The records of the messages give
-the hops between nodes each scan waits for one after another (``inject.critical_path``).
+the hops between nodes each scan waits for one after another (``inject.longest_message_chain``).
 
 Writes ``{"meta": ..., "rows": [...]}`` (rows ``part: "emulated"``) and prints the table of
 docs/scaling.md. Wall times on a shared CPU: run it on an idle machine.
@@ -70,7 +70,7 @@ def _worker(rank, world, store, cases, reps, results):
                 times.append(total)
         if rank == 0:
             node = lambda r: r // node_size  # noqa: E731
-            count = lambda weight: sum(inject.critical_path(t, weight) for t in traces.values())  # noqa: E731
+            count = lambda weight: sum(inject.longest_message_chain(t, weight) for t in traces.values())  # noqa: E731
             rows.append(dict(part="emulated", cp=world, layout=layout.value, node_size=node_size, shape=shape,
                              alpha_ms=alpha * 1e3, ms=min(times) * 1e3, runs_ms=[t * 1e3 for t in times],
                              hops=count(lambda a, b: 1.0), inter_hops=count(lambda a, b: float(node(a) != node(b)))))

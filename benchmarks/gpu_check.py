@@ -179,8 +179,8 @@ def test_results(junit, log):
     return files
 
 
-def run_tests(args, env, logs, gpus, clock, step="tests"):
-    junit = os.path.join(logs, f"{step}.xml")
+def run_tests(args, env, logs, gpus, clock):
+    junit = os.path.join(logs, "tests.xml")
     if os.path.exists(junit):
         os.remove(junit)
     command = [sys.executable, "-m", "pytest", *TEST_FILES, "-m", "not slow", "-v", "-rs", "--durations=15",
@@ -189,9 +189,9 @@ def run_tests(args, env, logs, gpus, clock, step="tests"):
         command += ["-n", str(args.jobs)]
     if args.keyword:
         command += ["-k", args.keyword]
-    status, seconds = run(step, command, env, logs, clock)
-    return {"exit": status, "seconds": round(seconds, 1), "files": test_results(junit, os.path.join(logs, f"{step}.log")),
-            "gpus": gpus}
+    status, seconds = run("tests", command, env, logs, clock)
+    files = test_results(junit, os.path.join(logs, "tests.log"))
+    return {"exit": status, "seconds": round(seconds, 1), "files": files, "gpus": gpus}
 
 
 def bench_rows(path):
@@ -202,19 +202,19 @@ def bench_rows(path):
         return None
 
 
-def run_bench(args, env, logs, gpus, clock, prefix=""):
+def run_bench(args, env, logs, gpus, clock):
     """The short rows; each step's JSON (bench_op's) and its exit status."""
     steps = {}
-    out = os.path.join(logs, f"{prefix}piece-gdn.json")
-    status, seconds = run(f"{prefix}bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
+    out = os.path.join(logs, "piece-gdn.json")
+    status, seconds = run("bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
                                               "--tokens", str(args.tokens), "--iters", str(args.iters),
                                               "--out", out], env, logs, clock)
     steps["piece-gdn"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
     if gpus >= 2:
         for op in OPS:
-            out = os.path.join(logs, f"{prefix}op-{op}.json")
+            out = os.path.join(logs, f"op-{op}.json")
             strategies = ["zeco", "lasp2", "a2a"] + ([] if op == "gla" else ["fla-cp"])
-            status, seconds = run(f"{prefix}bench-op-{op}", [
+            status, seconds = run(f"bench-op-{op}", [
                 sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "benchmarks/bench_op.py",
                 "--op", op, "--parts", "op", "--modes", "eager", "--tokens", str(args.tokens),
                 "--iters", str(args.iters), "--strategies", *strategies, "--out", out], env, logs, clock)

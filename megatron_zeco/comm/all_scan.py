@@ -39,7 +39,7 @@ import torch.distributed as dist
 from . import inject
 from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
-from .layout import Layout, Link
+from .layout import ChainLink, Layout
 from .nodes import group_nodes
 from .peer import peer_all_scan
 from .shape import scan_choice
@@ -170,7 +170,7 @@ class _Blocks:
         """The message tag of block ``block`` of the state leaving ``piece``."""
         return piece * self.num_blocks + block
 
-    def entering(self, link: Link, block: int, init: Optional[Tensor], carried: Optional[List[Tensor]]) -> Tensor:
+    def entering(self, link: ChainLink, block: int, init: Optional[Tensor], carried: Optional[List[Tensor]]) -> Tensor:
         """Block ``block`` of the state entering ``link``'s piece: of ``init`` (None: zeros) for the first
         piece, else received from the rank holding the previous piece, or, where that piece is this
         rank's too, ``carried`` (its blocks leaving it)."""
@@ -183,7 +183,7 @@ class _Blocks:
             return self.receive(link, block)
         return carried[block]  # previous piece is ours (zigzag turn-around on the last rank)
 
-    def receive(self, link: Link, block: int) -> Tensor:
+    def receive(self, link: ChainLink, block: int) -> Tensor:
         """Block ``block`` of the state leaving the piece before ``link``'s, from the rank holding it."""
         x = self.like.new_empty(self.shape)
         src = dist.get_global_rank(self.group, link.src)
@@ -195,14 +195,14 @@ class _Blocks:
         inject.delay(x.device)
         return x
 
-    def send(self, link: Link, block: int, y: Tensor) -> Tuple[Link, int, object]:
+    def send(self, link: ChainLink, block: int, y: Tensor) -> Tuple[ChainLink, int, object]:
         """Start sending block ``block`` of the state leaving ``link``'s piece, ``y``, to the rank holding the
         next piece: ``(link, its global rank, the pending send)``."""
         dst = dist.get_global_rank(self.group, link.dst)
         inject.delay(y.device)
         return link, dst, inject.isend(y.contiguous(), dst, self.group, self.tag(link.piece, block))
 
-    def wait_for(self, sends: List[Tuple[Link, int, object]]) -> None:
+    def wait_for(self, sends: List[Tuple[ChainLink, int, object]]) -> None:
         """Wait for the sends (:meth:`send`) to complete, naming the one that fails."""
         for link, dst, work in sends:
             with _naming_failures(self.what, f"sending the state leaving piece {link.piece} to global rank {dst}"):
@@ -276,8 +276,8 @@ def scan_shape(route: Route, like: Tensor) -> str:
         raise ValueError(f"unknown All-Scan shape {shape!r}; expected one of {', '.join(SHAPES)} "
                          f"(argument shape, or ${SHAPE_ENV})")
     if shape not in ("auto", *route.transport.shapes):
-        raise ValueError(f"All-Scan shape {shape!r} runs over transport "
-                         f"{', '.join(repr(t.value) for t in Transport if shape in t.shapes)}, not {route.transport.value!r}")
+        over = ", ".join(repr(t.value) for t in Transport if shape in t.shapes)
+        raise ValueError(f"All-Scan shape {shape!r} runs over transport {over}, not {route.transport.value!r}")
     if shape != "auto":
         return shape
     if route.group.size() < 3 or len(route.transport.shapes) == 1:

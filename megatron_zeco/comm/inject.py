@@ -11,7 +11,7 @@ the host sleeps (the interpreted kernels run on the host).
 :func:`link_latency` emulates latency between nodes on one host: a message of the send/recv
 transport (``isend``, ``recv``, ``batch_isend_irecv`` here, which the scans call) that goes to a
 rank of another node is handed to the transport a fixed time after it is issued, and every
-message is recorded, so that :func:`critical_path` can count the hops a scan waits for one after
+message is recorded, so that :func:`longest_message_chain` can count the hops a scan waits for one after
 another (``benchmarks/emulate_latency.py``, ``tests/comm/test_hierarchical.py``).
 
 Nothing here runs in training: with no delays or latency set, :func:`delay` returns at once and
@@ -151,7 +151,7 @@ def link_latency(seconds: float, node_size: int):
     another node (nodes of ``node_size`` consecutive global ranks) is handed to the transport
     ``seconds`` after it is issued: latency between nodes, emulated on one host. Messages inside a
     node go at once. Yields the record (a list, in program order, of ``("send" | "recv", peer)``,
-    peers as global ranks) that :func:`critical_path` reads."""
+    peers as global ranks) that :func:`longest_message_chain` reads."""
     global _LINK
     previous, _LINK = _LINK, _LinkLatency(seconds, lambda rank: rank // node_size)
     try:
@@ -197,7 +197,7 @@ def batch_isend_irecv(ops: Sequence["dist.P2POp"]) -> list:
     return works
 
 
-def critical_path(traces: Sequence[Sequence[Tuple[str, int]]], weight: Callable[[int, int], float]) -> float:
+def longest_message_chain(traces: Sequence[Sequence[Tuple[str, int]]], weight: Callable[[int, int], float]) -> float:
     """The longest chain of messages through the recorded program orders (``traces[r]``: what
     :func:`link_latency` yielded on global rank r), each message from a to b weighing ``weight(a, b)``:
     with 1 between nodes and 0 inside, the hops between nodes a scan must wait for one after
@@ -223,5 +223,5 @@ def critical_path(traces: Sequence[Sequence[Tuple[str, int]]], weight: Callable[
                 at[r] += 1
                 progress = True
         if not progress:
-            raise ValueError("critical_path: the traces wait for messages nobody sends")
+            raise ValueError("longest_message_chain: the traces wait for messages nobody sends")
     return max(clock)

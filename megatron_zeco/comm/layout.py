@@ -19,7 +19,7 @@ import torch
 
 
 @dataclass(frozen=True)
-class Link:
+class ChainLink:
     """One of a rank's pieces in the walk of the chain (peers as ranks of the group)."""
 
     slot: int  # the piece's local slot
@@ -51,7 +51,7 @@ class Layout(str, Enum):
             return piece, 0
         return 2 * world - 1 - piece, 1
 
-    def links(self, rank: int, world: int, reverse: bool = False) -> List[Link]:
+    def links(self, rank: int, world: int, reverse: bool = False) -> List[ChainLink]:
         """``rank``'s pieces in the order a chain visits them (pieces 0, 1, ..., or backwards)."""
         n, step = self.num_pieces(world), (-1 if reverse else 1)
         links = []
@@ -60,12 +60,12 @@ class Layout(str, Enum):
             first, last = not 0 <= prev < n, not 0 <= nxt < n
             src, src_slot = (None, None) if first else self.owner(prev, world)
             dst, dst_slot = (None, None) if last else self.owner(nxt, world)
-            links.append(Link(slot, piece, None if src == rank else src, src_slot, None if dst == rank else dst,
+            links.append(ChainLink(slot, piece, None if src == rank else src, src_slot, None if dst == rank else dst,
                               dst_slot, first, last))
         return sorted(links, key=lambda link: link.piece, reverse=reverse)
 
     @staticmethod
-    def first_wait(walk: Sequence[Link]) -> int:
+    def first_wait(walk: Sequence[ChainLink]) -> int:
         """Index in a rank's walk (``links``) of its first piece whose state comes from another
         rank (``len(walk)`` if none): where the rank first waits on the chain. Local work that needs
         no scan result is best issued just before it: the rank computes while the chain reaches it

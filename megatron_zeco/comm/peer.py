@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from . import inject
 from .failures import naming_failures
-from .layout import Layout, Link
+from .layout import ChainLink, Layout
 from .symmetric import PeerBuffers
 from .transition import Dense, transition_of
 from .transport import Transport
@@ -40,7 +40,7 @@ class _Launch(NamedTuple):
     acknowledgement it needs before sending again; None: no such wait), named when a wait times out."""
 
     kind: str
-    links: List[Link]
+    links: List[ChainLink]
     regions: Tuple[int, ...]
     waits: bool
     peers: Tuple[Optional[int], Optional[int]]

@@ -171,7 +171,8 @@ def resolve(requested, group, like, auto: Optional[str] = None) -> Transport:
     ``requested`` (``auto`` or a transport's name). ``auto``: the operator's rule ``auto`` if it has one
     (``cp.config.RULES``: the delta rules' scans take ``send_recv``), else ``$MEGATRON_ZECO_TRANSPORT`` if
     set, else on one node the process's device transport (NVSHMEM where its layers asked for it, else peer
-    memory) for CUDA states, else ``send_recv``. A device transport installs the step check (``watch.install_step_check``).
+    memory) for CUDA states, else ``send_recv``. A device transport installs the step check
+    (``watch.install_step_check``).
     ValueError where the transport cannot run here."""
     if requested == AUTO:
         requested = auto or os.environ.get(TRANSPORT_ENV) or (

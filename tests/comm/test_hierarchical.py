@@ -414,7 +414,7 @@ def test_latency_emulation_counts_the_hops_the_cost_model_counts(pool, seed, P):
         for reverse in (False, True):
             runs = [rank[2 * n + reverse] for rank in results]
             assert all(exact for exact, *_ in runs), (layout, node_size, shape, reverse)
-            recorded = {k: inject.critical_path([events for *_, events in runs], w) for k, w in weights.items()}
+            recorded = {k: inject.longest_message_chain([events for *_, events in runs], w) for k, w in weights.items()}
             if shape == "chain":  # (the blocks follow one another: the path counts each hop once)
                 intra, inter, _ = cm.chain_hops(P, layout, node_size)
                 model = {"inter": inter, "all": intra + inter, "mixed": inter + 1e-3 * intra}
