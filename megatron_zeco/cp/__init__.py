@@ -14,8 +14,8 @@ The operators themselves are folders of their own (``megatron_zeco/gla``,
 from .config import RULES, CPConfig, Rules
 from .packed import Packing, packed_positions
 from .plan import CPPlan
-from .strategies import STRATEGIES as _STRATEGIES
+from .strategies import BY_NAME
 
-STRATEGIES = tuple(_STRATEGIES)  # every strategy's name ("none": one rank)
+STRATEGIES = tuple(BY_NAME)  # every strategy's name ("none": one rank)
 
 __all__ = ["CPConfig", "CPPlan", "RULES", "Rules", "STRATEGIES", "Packing", "packed_positions"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from ..comm import Layout
 from ..comm.transport import TRANSPORT_ENV
-from .strategies import STRATEGIES
+from .strategies import BY_NAME
 
 # What the local ops run (fla's kernels on CUDA, the PyTorch forms elsewhere and for float64). float8
 # and complex dtypes are not: the ops have no fp8 path (with --fp8-format only the layers' linears use it).
@@ -131,9 +131,9 @@ def packed_problems(args, strategy: Optional[str], world: int) -> List[str]:
     if args.initial_state is not None or args.output_final_state:
         problems.append("packed sequences (cu_seqlens) start every document from a zero state: "
                         "initial_state and output_final_state are not supported with them")
-    if strategy is not None and not STRATEGIES[strategy].packed and world > 1:
+    if strategy is not None and not BY_NAME[strategy].packed and world > 1:
         problems.append(f"strategy {strategy!r} does not support packed sequences (cu_seqlens); use "
-                        f"{', '.join(s.name for s in STRATEGIES.values() if s.packed and s.name != 'none')}")
+                        f"{', '.join(s.name for s in BY_NAME.values() if s.packed and s.name != 'none')}")
     return problems
 
 
@@ -214,7 +214,7 @@ def check_inputs(op, config, config_problems: List[str], args, group, name: str)
     if strategy == "none" and world > 1:
         errors.append(f"strategy 'none' runs on one rank, but the group has {world}; "
                       "pick a context-parallel strategy or pass group=None")
-    if strategy is not None and STRATEGIES[strategy].splits_heads and not errors and q.shape[2] % world:
+    if strategy is not None and BY_NAME[strategy].splits_heads and not errors and q.shape[2] % world:
         errors.append(f"strategy {strategy!r} splits heads over the group: H = {q.shape[2]} heads "
                       f"is not divisible by the group size {world}")
     if errors:

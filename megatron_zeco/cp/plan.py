@@ -17,7 +17,7 @@ from ..comm import Layout
 from ..comm.all_scan import Route
 from ..comm.functional import broadcast
 from ..comm.transport import Transport, resolve as resolve_transport
-from .strategies import LOCAL, STRATEGIES
+from .strategies import BY_NAME, LOCAL
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ def make_plan(config, group, like: Optional[torch.Tensor] = None, name: str = ""
     world = 1 if group is None else group.size()
     if world == 1:
         return CPPlan(None, _with_strategy(config, "none"), LOCAL, name=name)
-    strategy = STRATEGIES[config.strategy]
+    strategy = BY_NAME[config.strategy]
     transport = Transport.SEND_RECV
     if strategy.all_scan:
         try:

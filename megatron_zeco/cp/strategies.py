@@ -99,4 +99,5 @@ class HeadAllToAll(Strategy):
 
 
 LOCAL = Local()
-STRATEGIES = {s.name: s for s in (Scan("zeco"), Ring(), Scan("lasp2"), HeadAllToAll(), LOCAL)}
+# Every strategy object by its name (``cp.STRATEGIES`` lists the names).
+BY_NAME = {s.name: s for s in (Scan("zeco"), Ring(), Scan("lasp2"), HeadAllToAll(), LOCAL)}

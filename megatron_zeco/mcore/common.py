@@ -16,7 +16,7 @@ from ..cp.checks import check_inputs
 from ..cp.config import PACKED_SPLITS, CPConfig
 from ..cp.operator import Arguments
 from ..cp.plan import CPPlan, make_plan
-from ..cp.strategies import STRATEGIES
+from ..cp.strategies import BY_NAME
 
 
 class _ScansChecked:
@@ -152,7 +152,7 @@ class LayerCP:
         if heads % tp:  # TransformerConfig checks its own tensor_model_parallel_size; this is the group's
             raise ValueError(f"{who}: {flag} ({heads}) must be divisible by "
                              f"--tensor-model-parallel-size ({tp}): each TP rank holds whole heads")
-        if STRATEGIES[config.strategy].splits_heads and cp > 1 and (heads // tp) % cp:
+        if BY_NAME[config.strategy].splits_heads and cp > 1 and (heads // tp) % cp:
             raise ValueError(f"{who}: the a2a strategy splits each TP rank's {heads // tp} heads over "
                              f"--context-parallel-size ({cp}): make {flag} / --tensor-model-parallel-size a "
                              f"multiple of --context-parallel-size, or use the zeco strategy "
