@@ -94,9 +94,6 @@ MUTATIONS = [
              "b_M = b_M * _exp(b_gl, G_LOG2)[:, None]", "b_M = b_M * _exp(b_gl, G_LOG2)[None, :]",
              "a chunk's decay per key channel applied to the columns of the sub-piece map (M Diag(a)), not its "
              "rows (Diag(a) M)"),
-    Mutation("local-op-piece-no-identity", "megatron_zeco/common/piece.py",
-             "h0[..., V:] = torch.eye(K, dtype=dtype, device=q.device)", "pass",
-             "KDA's piece summary entered from [0 | 0] instead of [0 | I] (its transition M = 0)"),
 ]
 
 TIERS = {"fast": ["-m", "not slow"], "full": []}
