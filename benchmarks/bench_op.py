@@ -4,6 +4,7 @@
     python benchmarks/plot_op.py results/op.json docs/img/op.png
     torchrun --nproc-per-node 2 benchmarks/bench_op.py --op gdn --out results/op-gdn.json
     python benchmarks/bench_op.py --op gdn --piece --out results/piece-gdn.json
+    python benchmarks/bench_op.py --op kda --piece --tokens 16384 32768 65536 --out results/piece-kda.json
 
 ``--op gdn`` times the gated delta rule instead (``zeco_gated_delta_rule`` against fla's
 ``chunk_gated_delta_rule`` on one GPU, and fla's own context parallelism, row ``fla-cp``:
@@ -14,10 +15,11 @@ backward: Hopper with Triton 3.4 - 3.7.0, fla's issue #640).
 ``--op kda`` times Kimi Delta Attention the same way (``zeco_kda`` against fla's ``chunk_kda`` on one
 GPU and fla's KDA context parallelism, row ``fla-cp``; g a log decay per key channel in float32).
 
-``--op gdn --piece`` runs on one GPU without torchrun: one rank's local work with the exchange
-stubbed (a piece first, middle and last in the chain, and strategy a2a at a group of one with the
-all-to-alls a device copy or nothing) against fla's op on the same tokens, kernel by kernel:
-``benchmarks/profile_gdn_piece.py``'s cases, whose table gives each case's ratio to fla's op.
+``--op gdn --piece`` and ``--op kda --piece`` run on one GPU without torchrun: one rank's local work
+with the exchange stubbed (a piece first, middle and last in the chain, and strategy a2a at a group of
+one with the all-to-alls a device copy or nothing) against fla's op on the same tokens, kernel by
+kernel, GPU time and host issue time: ``benchmarks/profile_piece.py``'s cases, whose table gives each
+case's ratio to fla's op.
 
 Four parts (``--parts``), all in one run so that the figures compare side by side:
 
@@ -109,14 +111,15 @@ def parse_args():
     p.add_argument("--parts", nargs="+", default=None, choices=["op", "scan", "accuracy", "packed"],
                    help="default: all four (--op gdn: op)")
     p.add_argument("--piece", action="store_true",
-                   help="--op gdn on one GPU, no torchrun: one rank's local work (the exchange stubbed) against fla's op")
+                   help="--op gdn or kda on one GPU, no torchrun: one rank's local work (the exchange stubbed) "
+                        "against fla's op")
     p.add_argument("--autotune", action="store_true",
                    help="autotune every kernel; by default the configs recorded for this GPU are replayed "
                         "(megatron_zeco/common/tuning.py) where $MEGATRON_ZECO_TUNED_CONFIGS does not say otherwise")
     p.add_argument("--out", default="op.json")
     args = p.parse_args()
-    if args.piece and args.op != "gdn":
-        p.error("--piece times the gated delta rule's piece: add --op gdn")
+    if args.piece and args.op == "gla":
+        p.error("--piece times a delta rule's piece: add --op gdn or --op kda")
     if args.strategies is None:
         args.strategies = (["fla-cp", "zeco", "zeco@peer_memory", "lasp2", "a2a"] if args.op != "gla" else
                            ["zeco", "zeco:1", "zeco@send_recv", "zeco+overlap", "lasp1", "lasp2", "a2a"])
@@ -493,10 +496,10 @@ def tuned_configs(autotune):
 def main():
     args = parse_args()
     if args.piece:
-        import profile_gdn_piece  # this folder's
+        import profile_piece  # this folder's
 
-        return profile_gdn_piece.main([
-            "--tokens", *map(str, args.tokens), "--heads", str(args.heads), "--dim", str(args.dim),
+        return profile_piece.main([
+            "--op", args.op, "--tokens", *map(str, args.tokens), "--heads", str(args.heads), "--dim", str(args.dim),
             "--a2a-world", "1", "--cases", "fla", "piece", "a2a P=1", "--iters", str(args.iters),
             "--warmup", str(args.warmup), "--out", args.out] + (["--forward-only"] if args.forward_only else [])
             + (["--autotune"] if args.autotune else []))

@@ -8,9 +8,10 @@
    pytest-xdist workers; per file the counts of passed, failed and skipped tests with each skip's reason
    and each failure's first lines.
 2. **Short benchmark rows** at ``--tokens`` per GPU (bf16, H = 16, K = V = 128), each operator:
-   one GPU: the gated delta rule's piece with the exchange stubbed against fla's op, GPU and host time
-   (``bench_op.py --op gdn --piece``); two GPUs: fla on one GPU, fla's CP (gated delta rule, KDA), zeco,
-   lasp2 and a2a in both layouts (``torchrun --nproc-per-node 2 bench_op.py --op OP``, eager mode).
+   one GPU: the gated delta rule's and KDA's pieces with the exchange stubbed against fla's op, GPU,
+   CUDA-graph and host time (``bench_op.py --op gdn|kda --piece``); two GPUs: fla on one GPU, fla's CP
+   (gated delta rule, KDA), zeco, lasp2 and a2a in both layouts (``torchrun --nproc-per-node 2
+   bench_op.py --op OP``, eager mode).
 3. **Summary**: a table (printed last) and ``--out`` (JSON) with the device, date, commit and versions.
 
 Autotuned kernels replay the configs recorded for this GPU's chip (``megatron_zeco/common/configs/``, see
@@ -205,11 +206,12 @@ def bench_rows(path):
 def run_bench(args, env, logs, gpus, clock):
     """The short rows; each step's JSON (bench_op's) and its exit status."""
     steps = {}
-    out = os.path.join(logs, "piece-gdn.json")
-    status, seconds = run("bench-piece-gdn", [sys.executable, "benchmarks/bench_op.py", "--op", "gdn", "--piece",
-                                              "--tokens", str(args.tokens), "--iters", str(args.iters),
-                                              "--out", out], env, logs, clock)
-    steps["piece-gdn"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
+    for op in ("gdn", "kda"):
+        out = os.path.join(logs, f"piece-{op}.json")
+        status, seconds = run(f"bench-piece-{op}", [sys.executable, "benchmarks/bench_op.py", "--op", op, "--piece",
+                                                    "--tokens", str(args.tokens), "--iters", str(args.iters),
+                                                    "--out", out], env, logs, clock)
+        steps[f"piece-{op}"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
     if gpus >= 2:
         for op in OPS:
             out = os.path.join(logs, f"op-{op}.json")
@@ -277,7 +279,7 @@ def summary_lines(report):
             lines += [f"    skipped ({sum(r == s for s in e['skips'].values())}): {r}"[:200] for r in reasons]
     for step, result in (report.get("bench") or {}).items():
         lines.append(f"\n{step} ({result['seconds']:.0f} s, exit {result['exit']}):")
-        if step == "piece-gdn":
+        if step.startswith("piece-"):
             lines.append(f"  {'case':22s} {'dir':8s} {'gpu ms':>8s} {'graph ms':>8s} {'host ms':>8s} {'x fla':>6s}")
             lines += [f"  {c:22s} {d:8s} {g:8.3f} {'-' if gr is None else f'{gr:8.3f}':>8s} {h:8.3f} {x:6.2f}"
                       for c, d, g, gr, h, x in piece_table(result["result"])]

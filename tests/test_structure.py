@@ -170,10 +170,10 @@ def test_nothing_imports_the_main_job():
 # conventions, every keyword a user sets) and the Triton kernels and their launchers (one argument
 # per kernel argument).
 PUBLIC_OPS = {"zeco_gla", "zeco_gated_delta_rule", "zeco_kda", "chunk_gla", "chunk_gated_delta_rule", "chunk_kda"}
-# Triton kernels and their launchers, which take what the kernels take (as fla's do); the gated delta
-# rule's float64 correction mirrors its kernels' signatures.
-KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels", "megatron_zeco.gated_delta_rule.kernels",
-                  "megatron_zeco.gated_delta_rule.correction"}
+# Triton kernels and their launchers, which take what the kernels take (as fla's do); the delta rules'
+# float64 correction mirrors its kernels' signatures.
+KERNEL_MODULES = {"megatron_zeco.kernels.scan_hop", "megatron_zeco.gla.kernels", "megatron_zeco.kernels.delta_correction",
+                  "megatron_zeco.kernels.delta_reference"}
 
 
 def test_no_function_takes_more_than_eight_parameters():

@@ -4,7 +4,7 @@ A piece of a ZeCO sequence gets its entering state ``S_in`` and the gradient of 
 from the scans, which need the piece's map ``S_out = M S_in + E`` first. The piece runs fla's ordinary
 forward from a zero state at once (what one GPU computes anyway: the output ``o^0``, the chunk
 states, and the final state, which is ``E``) and adds what ``S_in`` contributes afterwards, a term
-linear in ``S_in`` (``kernels.py``):
+linear in ``S_in`` (``megatron_zeco/kernels/delta_correction.py``, shared with KDA's piece):
 
     o_c = o^0_c + Qt_c (M_{<c} S_in),   Qt_c = scale (q_c exp(G)) - Aqk_c w_c,   M_{<c} = T_{c-1} ... T_0
 
@@ -23,7 +23,7 @@ backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradi
 Results are those of fla's ``chunk_gated_delta_rule`` with ``initial_state=S_in`` and final-state
 gradient ``D``, up to rounding. For 16-bit inputs the maps' products round their float32 operands to
 the input dtype, as fla's own state pass rounds its states; for float32 inputs they keep float32
-accuracy (``kernels.py``, "Precision"). Dense input (B sequences of T tokens) runs on fla's dense
+accuracy (``delta_correction.py``, "Precision"). Dense input (B sequences of T tokens) runs on fla's dense
 kernels, packed documents on its varlen ones; this package's kernels see B sequences as B segments of
 one row either way (the same memory).
 
@@ -33,17 +33,15 @@ imported on first use.
 
 import functools
 from types import SimpleNamespace
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 
 from ..common.backend import require_fla
-from . import kernels
-from .correction import SubPieces
+from ..kernels.delta_correction import PieceCorrection, SubPieces, plan_sub_pieces
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for the gated delta rule
-_SIDE_STREAMS: Dict[torch.device, torch.cuda.Stream] = {}
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,18 +72,12 @@ class _Segments(NamedTuple):
 @functools.lru_cache(maxsize=64)
 def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device: torch.device) -> _Segments:
     host = torch.tensor(offsets, dtype=torch.long)
-    plan = kernels.plan_sub_pieces(host, CHUNK, heads, K, device)
+    plan = plan_sub_pieces(host, CHUNK, heads, K, device)
     if not packed:
         return _Segments({}, plan)
     cu = host.pin_memory().to(device, non_blocking=True)
     indices = _fla().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
     return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 class FlaDeltaPiece:
@@ -107,25 +99,21 @@ class FlaDeltaPiece:
         self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
         w, u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
                                                                chunk_size=CHUNK, **self.kw)
-        # 16-bit inputs: the maps' products round as fla's state pass does; float32: float32 accuracy
-        self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
-        main, side = torch.cuda.current_stream(q.device), _side_stream(q.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):  # the maps beside fla's state pass
-            self.R, self.P, self.M = kernels.piece_transition(
-                self.q, self.k, w, self.g, scale, self.plan, r_dtype=q.dtype, precision=self.precision)
+        # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
+        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=True)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
             **segments.fla)
-        main.wait_stream(side)
-        for t in (self.R, self.P, self.M):  # made on the side stream, used on this one
-            t.record_stream(main)
-        w.record_stream(side)  # read on the side stream; fla's backward recomputes it
+        self.correction.join()
         self.o0 = None
 
     @property
+    def M(self) -> Tensor:
+        return self.correction.M
+
+    @property
     def transition(self) -> Tensor:
-        return self.M
+        return self.correction.M
 
     def before_output(self) -> None:
         """fla's output kernel from the zero-state chunk states: runs while the scan is in flight."""
@@ -141,14 +129,14 @@ class FlaDeltaPiece:
         """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
         self.before_output()
         self.S_in = S_in.contiguous()
-        o = kernels.output_correction(self.o0, self.R, self.P, self.S_in, self.plan, precision=self.precision)
+        o = self.correction.output(self.o0, self.S_in)
         self.o0 = None
         return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
         self.do = do.contiguous()
-        return kernels.entering_grad(self.R, self.P, self.do, self.plan, precision=self.precision)
+        return self.correction.entering_grad(self.do)
 
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """dq, dk, dv, dg, dbeta (dtypes of the inputs) given ``D [N, H, K, V]``, the gradient of the

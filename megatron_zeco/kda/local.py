@@ -6,9 +6,8 @@
 * ``kda_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
   ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
-  ``chunk_kda`` by linearity in the state (``common/piece.py``: the summary as one call over V + K
-  value columns from ``[0 | I]``, then the call from ``S_in`` and its backward); elsewhere the PyTorch
-  chunked form (``common.piece.ChunkedPiece`` on ``chunk.py``).
+  KDA kernels from a zero state and a correction for the entering state (``fla_piece.py``), elsewhere
+  the chunked form (``common.piece.ChunkedPiece`` on ``chunk.py``).
 
 ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -18,7 +17,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..common.backend import fla, uses_kernels, varlen
-from ..common.piece import ChunkedForms, ChunkedPiece, LocalOpPiece
+from ..common.piece import ChunkedForms, ChunkedPiece
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
@@ -56,21 +55,26 @@ def kda_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tupl
 
 def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-    """The operator's piece (``cp.operator.Operator.piece``): :class:`~megatron_zeco.common.piece.LocalOpPiece`
-    on fla's ``chunk_kda`` where the local op runs on kernels, else
-    :class:`~megatron_zeco.common.piece.ChunkedPiece` on ``chunk.py``."""
+    """A piece of a sequence whose entering state comes later (from a scan).
+
+    Inputs as :func:`kda_local`. The result holds the piece's summary ``E [N, HV, K, V]`` and
+    ``M [N, HV, K, K]`` (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with
+    ``cu_seqlens``), ``transition`` (= ``M``), and, called in this order:
+
+    * ``before_output()``: work that needs no entering state (on CUDA fla's output kernel from the
+      zero-state chunk states, while the scan is in flight);
+    * ``output(S_in) -> o [B, T, HV, V]``: the output given the entering state ``[N, HV, K, V]``;
+    * ``entering_grad(do) -> A [N, HV, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
+      (that of the whole loss is ``A + M^T D``);
+    * ``before_grads()``: likewise (a no-op here);
+    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
+      state leaving the piece.
+    """
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_kda()  # the clear ImportError if fla is missing
-        return LocalOpPiece(kda_local_fn, (q, k, v, g, beta), scale, cu_seqlens, cu_seqlens_cpu)
+        from .fla_piece import FlaKdaPiece
+        return FlaKdaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
     return ChunkedPiece(CHUNKED_FORMS, (q, k, v, g, beta), scale, cu_seqlens)
-
-
-def kda_local_fn(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
-                 output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
-                 cu_seqlens_cpu: Optional[Tensor] = None):
-    """:func:`kda_local` with fla's call signature, ``(q, k, v, g, beta)`` positional (what
-    ``LocalOpPiece`` calls)."""
-    return kda_local(inputs, scale, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
 
 
 def _fla_chunk_kda():

@@ -1,5 +1,7 @@
-"""Triton kernels (GPU; on the CPU under TRITON_INTERPRET=1 for tests). Import submodules
-explicitly: importing this package does not import Triton."""
+"""Triton kernels (GPU; on the CPU under TRITON_INTERPRET=1 for tests): the All-Scan hop (``scan_hop``), its
+NVSHMEM build (``nvshmem``), and the delta rules' entering-state correction (``delta_correction``; its plan
+and float64 reference ``delta_reference``, which imports no Triton). Import submodules explicitly:
+importing this package does not import Triton."""
 
 import os
 

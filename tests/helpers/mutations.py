@@ -74,25 +74,26 @@ MUTATIONS = [
     Mutation("zigzag-unshard-slots-swapped", "megatron_zeco/comm/layout.py",
              "ordered.append(slots[rank][slot])", "ordered.append(slots[rank][-1 - slot])",
              "unshard puts a rank's two zigzag pieces back in the wrong order"),
-    Mutation("gdn-prefix-map-off-by-one", "megatron_zeco/gated_delta_rule/kernels.py",
+    Mutation("delta-prefix-map-off-by-one", "megatron_zeco/kernels/delta_correction.py",
              "        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])\n"
              "        b_L = tl.load(L + base + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.)\n"
              "        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)\n",
              "        b_L = tl.load(L + base + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :], other=0.)\n"
              "        b_P = _dot(b_L, b_P, tl.zeros([BK, BC], dtype=tl.float32), PRECISION, INTERPRETED)\n"
              "        tl.store(P + base + o_k[:, None] * K + o_c[None, :], b_P, mask=m_k[:, None] & m_c[None, :])\n",
-             "the gated delta rule's sub-piece prefix P_j includes sub-piece j's own map"),
-    Mutation("gdn-fourth-row-tile-offset", "megatron_zeco/gated_delta_rule/kernels.py",
-             "b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 3 * BK, K, BK, PRECISION, INTERPRETED)",
-             "b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 2 * BK, K, BK, PRECISION, INTERPRETED)",
+             "the delta rules' sub-piece prefix P_j includes sub-piece j's own map"),
+    Mutation("delta-fourth-row-tile-offset", "megatron_zeco/kernels/delta_correction.py",
+             "b_M4 = _maps_update(k, g, rows_k, rows, last, m_t, b_M4, b_wm, 3 * BK,",
+             "b_M4 = _maps_update(k, g, rows_k, rows, last, m_t, b_M4, b_wm, 2 * BK,",
              "the sub-piece map's fourth row tile updated with the third tile's keys"),
-    Mutation("gdn-segment-gradient-skips-first-sub-piece", "megatron_zeco/gated_delta_rule/kernels.py",
+    Mutation("delta-segment-gradient-skips-first-sub-piece", "megatron_zeco/kernels/delta_correction.py",
              "    for j in range(j0, j1):\n        b_A += tl.load(Z",
              "    for j in range(j0 + 1, j1):\n        b_A += tl.load(Z",
              "a packed segment's entering gradient A_n leaves out its first sub-piece's term"),
-    Mutation("local-op-piece-no-identity", "megatron_zeco/common/piece.py",
-             "h0[..., V:] = torch.eye(K, dtype=dtype, device=q.device)", "pass",
-             "KDA's piece summary entered from [0 | 0] instead of [0 | I] (its transition M = 0)"),
+    Mutation("kda-channel-decay-on-columns", "megatron_zeco/kernels/delta_correction.py",
+             "b_M = b_M * _exp(b_gl, G_LOG2)[:, None]", "b_M = b_M * _exp(b_gl, G_LOG2)[None, :]",
+             "a chunk's decay per key channel applied to the columns of the sub-piece map (M Diag(a)), not its "
+             "rows (Diag(a) M)"),
 ]
 
 TIERS = {"fast": ["-m", "not slow"], "full": []}

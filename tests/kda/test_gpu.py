@@ -1,6 +1,6 @@
-"""KDA's CUDA path (fla's chunk_kda for the local op and, by linearity, for a piece; NCCL) against the float64
-token loop and against fla's chunk_kda on one GPU; the KDA layer on CUDA against the same layer in float64
-on the CPU with the same weights.
+"""KDA's CUDA path (fla's chunk_kda for the local op; for a piece fla's KDA forward from a zero state plus the
+correction kernels, kda/fla_piece.py; NCCL) against the float64 token loop and against fla's chunk_kda on one
+GPU; the KDA layer on CUDA against the same layer in float64 on the CPU with the same weights.
 
 Skipped without CUDA; the two-rank test needs two GPUs. float32 results are held to a tolerance; bf16 ones
 to the bound of fla's own bf16 error on the same tokens (tests/helpers/bounds.py).
@@ -70,19 +70,27 @@ def test_one_gpu_is_fla_chunk_kda(seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lengths", [None, [1, 70, 300, 5, 100, 164]], ids=["dense", "packed"])
-def test_piece_matches_float64(seed, dtype, lengths):
-    """kda_piece on CUDA (fla's chunk_kda by linearity): the summary [E | M], the output from a given
-    entering state, A + M^T D and every input's gradient from D; per sequence or packed segment."""
+@pytest.mark.parametrize("gate", ["normal", "mixed"])
+def test_piece_matches_float64(seed, dtype, lengths, gate):
+    """kda_piece on CUDA (FlaKdaPiece: fla's forward from a zero state, the correction kernels, fla's backward
+    from S_in): the summary (E from fla's zero-state pass, M from the correction kernels), the output from a
+    given entering state, A + M^T D and every input's gradient from D; per sequence or packed segment, each
+    result's error over all of them; gates per channel ``mixed``: none, ~1, strong and underflowing side by
+    side. bf16: within the bound of fla's own error (tests/helpers/bounds.py), fla's chunk_kda run on the
+    same segments from the same entering states."""
     from megatron_zeco.kda import kda_piece
+    from megatron_zeco.kda.fla_piece import FlaKdaPiece
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
-    x = kda_problem(seed, B=B, T=T, H=4, K=64, V=64)
+    x = kda_problem(seed, B=B, T=T, H=4, K=64, V=64, gate=gate)
     cu = None if lengths is None else torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
     spans = [(b, 0, T) for b in range(B)] if cu is None else \
         [(0, a, e) for a, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     S_in, D = (torch.randn(len(spans), 4, 64, 64, dtype=torch.float64) for _ in range(2))
     piece = kda_piece(*(x[n].to("cuda", torch.float32 if n == "g" else dtype) for n in NAMES), 64 ** -0.5,
                       cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
+    assert isinstance(piece, FlaKdaPiece) and piece.M.shape == (len(spans), 4, 64, 64)
+    assert piece.E.dtype == piece.M.dtype == torch.float32
     S_out = piece.M @ S_in.cuda().float() + piece.E
     o = piece.output(S_in.cuda().float())
     dS_in = piece.entering_grad(x["do"].to("cuda", dtype)) + piece.M.transpose(-1, -2) @ D.cuda().float()
@@ -177,3 +185,50 @@ def test_cuda_graph_replays_match_eager(seed, world):
         pytest.skip(f"needs {world} GPUs")
     failures = run_ranks(replays, world, seed, "kda", "peer_memory", backend="nccl", timeout=900)
     assert not any(failures), failures
+
+
+def test_piece_issues_without_host_sync(seed):
+    """A piece's forward and backward, dense and packed, issue no device-to-host read (under CP a rank's
+    host read stalls its peers' hops): ``torch.cuda.set_sync_debug_mode("error")``."""
+    from megatron_zeco.kda import kda_piece
+
+    x = kda_problem(seed, B=1, T=300, H=4, K=64, V=64)
+    inputs = [x[n].to("cuda", torch.float32 if n == "g" else torch.bfloat16) for n in NAMES]
+    S, D = (torch.randn(2, 4, 64, 64, device="cuda") for _ in range(2))
+    cu = torch.tensor([0, 100, 300])
+    for kw, n in (({}, 1), (dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu), 2)):
+        kda_piece(*inputs, 64 ** -0.5, **kw)  # first call: autotuning and the per-shape tables
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            piece = kda_piece(*inputs, 64 ** -0.5, **kw)
+            piece.before_output()
+            piece.output(S[:n])
+            piece.entering_grad(x["do"].to("cuda", torch.bfloat16))
+            piece.before_grads()
+            piece.grads(D[:n])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.slow
+def test_piece_in_float32_over_long_segments_is_within_1e4_of_float64(seed):
+    """A float32 piece of 4 packed segments of 64K tokens (H = 2 heads of 64): its transition M, the state
+    leaving it and its output from a random entering state against the chunked form in float64 on the same
+    GPU (the product of many transitions is where error grows; the float64 form holds a decay per pair of
+    tokens and key channel, which bounds the length)."""
+    from megatron_zeco.kda import chunk_kda, chunk_kda_state, kda_piece
+
+    lengths = [64 * 1024] * 4
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    x = kda_problem(seed, B=1, T=sum(lengths), H=2, K=64, V=64, gate="normal", initial_state=False)
+    S_in = torch.randn(len(lengths), 2, 64, 64, dtype=torch.float64)
+    piece = kda_piece(*(x[n].to("cuda", torch.float32) for n in NAMES), 64 ** -0.5, cu_seqlens=cu.cuda(),
+                      cu_seqlens_cpu=cu)
+    o = piece.output(S_in.cuda().float())
+    exact = {n: x[n].cuda() for n in NAMES}
+    E, M = chunk_kda_state(exact["k"], exact["v"], exact["g"], exact["beta"], cu_seqlens=cu.cuda())
+    o_ref, _ = chunk_kda(*exact.values(), 64 ** -0.5, S_in.cuda(), cu_seqlens=cu.cuda())
+    errors = {"M": rel_err(piece.M, M), "S_out": rel_err(piece.M @ S_in.cuda().float() + piece.E, M @ S_in.cuda() + E),
+              "o": rel_err(o, o_ref)}
+    assert max(errors.values()) < 1e-4, errors

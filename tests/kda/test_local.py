@@ -4,9 +4,9 @@ token loop (gradients: autograd of the loop)."""
 import pytest
 import torch
 
-from megatron_zeco.common.piece import ChunkedPiece, LocalOpPiece
+from megatron_zeco.common.piece import ChunkedPiece
 from megatron_zeco.kda import chunk_kda, kda_local, naive_recurrent_kda
-from megatron_zeco.kda.local import CHUNKED_FORMS, kda_local_fn
+from megatron_zeco.kda.local import CHUNKED_FORMS
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
 from tests.helpers.reference import GATES, kda_problem, rel_err
 
@@ -71,11 +71,11 @@ def test_loop_with_equal_channel_decays_is_gated_delta_rule(seed):
 
 @pytest.mark.parametrize("gate", GATES)
 @pytest.mark.parametrize("lengths", [None, [3, 0, 1, 40, 17]], ids=["dense", "packed"])
-@pytest.mark.parametrize("kind", ["torch", "local op"])
-def test_piece_matches_loop(seed, gate, lengths, kind):
-    """ChunkedPiece on chunk.py, and LocalOpPiece on the local op (what CUDA runs on fla's chunk_kda): the summary ``S_out = M S_in + E`` for any entering state, the output from it, the
-    entering-state gradient ``A + M^T D`` and every input's gradient from the leaving state's ``D``; per
-    sequence or per packed segment (an empty segment passes its state through)."""
+def test_piece_matches_loop(seed, gate, lengths):
+    """ChunkedPiece on chunk.py (the CPU's piece): the summary ``S_out = M S_in + E`` for any entering state,
+    the output from it, the entering-state gradient ``A + M^T D`` and every input's gradient from the leaving
+    state's ``D``; per sequence or per packed segment (an empty segment passes its state through). The CUDA
+    piece's decomposition: tests/kernels/test_delta_correction.py."""
     B, T = (2, 45) if lengths is None else (1, sum(lengths))
     H, K, V = 2, 8, 5
     x = kda_problem(seed, B=B, T=T, H=H, K=K, V=V, gate=gate)
@@ -86,8 +86,7 @@ def test_piece_matches_loop(seed, gate, lengths, kind):
     gen = torch.Generator().manual_seed(seed + 1)
     S_in, D = (torch.randn(N, H, K, V, generator=gen, dtype=torch.float64) for _ in range(2))
     inputs = tuple(x[n] for n in NAMES)
-    piece = ChunkedPiece(CHUNKED_FORMS, inputs, K ** -0.5, cu_seqlens=cu) if kind == "torch" else \
-        LocalOpPiece(kda_local_fn, inputs, K ** -0.5, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    piece = ChunkedPiece(CHUNKED_FORMS, inputs, K ** -0.5, cu_seqlens=cu)
     assert piece.transition is piece.M and piece.M.dtype == torch.float64 and piece.M.shape == (N, H, K, K) and piece.E.shape == (N, H, K, V)
     piece.before_output()
     S_out = piece.M @ S_in + piece.E

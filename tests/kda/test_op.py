@@ -6,13 +6,10 @@ columns, decay regimes per key channel (none, ~1, strong, underflowing, mixed; b
 some tokens), with and without initial and final state, K != V, pieces of 13 and 26 tokens (chunks of
 16), odd rank counts, packed documents under both splits. Outputs, final states and the gradients of
 q, k, v, g, beta and the initial state to 1e-10; bad input gets the same ValueError on every rank.
-The piece CUDA runs (``common.piece.LocalOpPiece`` on the local op) across ranks, packed, at P = 2 and 3.
 One case at P = 2 of each is in the fast tier (with bad input); the rest is marked slow.
 """
 
-import dataclasses
 import itertools
-from unittest import mock
 
 import pytest
 import torch
@@ -127,32 +124,9 @@ def _check_packed(group, seed, local_len):
     return failures
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", slow_except([1, 2, 3], 2))
 def test_packed_documents_match_each_document_alone(pool, seed, world):
     assert_no_failures(pool.run(_check_packed, world, seed, 16))
-
-
-def _check_packed_on_local_op_piece(group, seed, local_len):
-    """``_check_packed`` with the piece CUDA runs (``common.piece.LocalOpPiece``: the summary by linearity
-    from one call of the local op over ``[v | 0]``, then the call from ``S_in`` and its autograd), here
-    on the local op's PyTorch form in float64."""
-    from megatron_zeco.common.piece import LocalOpPiece
-    from megatron_zeco.kda import op as kda_op
-    from megatron_zeco.kda.local import kda_local_fn
-
-    def piece(q, k, v, g, beta, scale, cu_seqlens=None, cu_seqlens_cpu=None):
-        return LocalOpPiece(kda_local_fn, (q, k, v, g, beta), scale, cu_seqlens, cu_seqlens_cpu)
-
-    with mock.patch.object(kda_op, "KDA", dataclasses.replace(kda_op.KDA, piece=piece)):
-        return _check_packed(group, seed, local_len)
-
-
-@pytest.mark.parametrize("world", slow_except([2, 3], 2))
-def test_local_op_piece_across_ranks_matches_each_document_alone(pool, seed, world):
-    """The CUDA piece's protocol on real processes (zeco and lasp2 call the piece; a2a the local op): packed
-    documents under both splits, documents starting and ending inside pieces."""
-    assert_no_failures(pool.run(_check_packed_on_local_op_piece, world, seed, 16))
 
 
 def _inputs(rank, T=12, H=2, beta_shape=None, dims_g=4):

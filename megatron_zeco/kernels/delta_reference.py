@@ -1,20 +1,26 @@
-"""The gated delta rule's ZeCO piece as a zero-state run plus a correction: the PyTorch reference.
+"""A delta-rule piece as a zero-state run plus a correction: the sub-piece plan and the float64 reference.
 
-One piece of a sequence (a segment, or its part on one context-parallel rank) is entered by a state
-``S_in [K, V]`` per head that the scan delivers late. fla's forward run from a ZERO entering state gives
-the output ``o^0`` and the leaving state ``E``; everything ``S_in`` adds is linear in it and is computed
-here, in the conventions of fla's ``chunk_gated_delta_rule`` (state ``h [K, V]``, chunks of BT tokens):
+The gated delta rule (fla's ``chunk_gated_delta_rule``: a log decay ``g`` per head and token) and KDA (fla's
+``chunk_kda``: a log decay per head, token and key channel) share fla's chunk form. One piece of a sequence
+(a segment, or its part on one context-parallel rank) is entered by a state ``S_in [K, V]`` per head that
+the scan delivers late. fla's forward run from a ZERO entering state gives the output ``o^0`` and the
+leaving state ``E``; everything ``S_in`` adds is linear in it and is computed here, in fla's conventions
+(state ``h [K, V]``, chunks of BT tokens; ``*`` the product per key channel, a scalar gate acting on
+every channel alike):
 
     G        the log decay summed inside the chunk up to and including each token (fla's
-             ``chunk_local_cumsum(g)``; natural log, or base 2 as fla stores it, ``g_log2=True``)
-    w        ``(I + L)^-1 (beta exp(G) k)`` per chunk (fla's ``recompute_w_u_fwd`` /
-             ``chunk_gated_delta_rule_fwd_intra``), ``L_ij = beta_i exp(G_i - G_j) k_i . k_j (j < i)``
+             ``chunk_local_cumsum(g)``; natural log, or base 2 as fla stores it, ``g_log2=True``):
+             ``[B, T, H]`` (the gated delta rule) or ``[B, T, H, K]`` (KDA)
+    w        ``(I + L)^-1 (beta exp(G) * k)`` per chunk (fla's ``chunk_gated_delta_rule_fwd_intra``,
+             ``chunk_kda_fwd_intra``), ``L_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` (j < i)
+    Aqk      ``scale tril_incl(sum_c q_ic k_jc exp(G_ic - G_jc))`` per chunk ([BT, BT]; fla's KDA
+             forward returns it, its gated-delta-rule output kernel forms it in place)
     per chunk c entered by h_c:
-             v_new_c = u_c - w_c h_c,   h_{c+1} = exp(G_last) h_c + (k_c exp(G_last - G))^T v_new_c
-             o_c     = scale (q_c exp(G)) h_c + Aqk_c v_new_c,   Aqk_c = scale tril_incl(q_c k_c^T exp(G_i - G_j))
+             v_new_c = u_c - w_c h_c,   h_{c+1} = Diag(exp(G_last)) h_c + (k_c * exp(G_last - G))^T v_new_c
+             o_c     = scale (q_c * exp(G)) h_c + Aqk_c v_new_c
 
-so the chunk maps the state by ``T_c = exp(G_last) I - (k_c exp(G_last - G))^T w_c`` (K x K) and the
-outputs read it through ``Qt_c = scale (q_c exp(G)) - Aqk_c w_c`` ([BT, K]):
+so the chunk maps the state by ``T_c = Diag(exp(G_last)) - (k_c * exp(G_last - G))^T w_c`` (K x K) and the
+outputs read it through ``Qt_c = scale (q_c * exp(G)) - Aqk_c w_c`` ([BT, K]):
 
     h_{c+1} = T_c h_c + (...),        o_c = o^0_c + Qt_c M_{<c} S_in,     M_{<c} = T_{c-1} ... T_0.
 
@@ -28,20 +34,25 @@ sequential work runs on many programs at once:
     K4 output    o_c = o^0_c + R_c X_j,  X_j = P_j S_in                                (parallel; after the scan)
     K5 gradient  A = sum_j P_j^T (sum_{c in j} R_c^T do_c)                             (parallel reduction)
 
-``S_out = M S_in + E`` (``M`` as ``chunk.chunk_gated_delta_rule_state``: latest token leftmost,
-acting on the K rows of the state), and the entering state's gradient from the piece's outputs is ``A``;
-the backward scan adds ``M^T D`` (D: the leaving state's gradient). The gradients of the inputs are
-fla's ``chunk_gated_delta_rule_bwd`` from ``initial_state=S_in`` with ``dht=D``: the piece computes
+Only K1 and K2 read the gate. ``S_out = M S_in + E`` (``M`` as the operators' ``chunk_*_state``: latest
+token leftmost, acting on the K rows of the state), and the entering state's gradient from the piece's
+outputs is ``A``; the backward scan adds ``M^T D`` (D: the leaving state's gradient). The gradients of
+the inputs are fla's backward from ``initial_state=S_in`` with ``dht=D``: the piece computes
 ``o = f(x, S_in)``, ``S_out = F(x, S_in)``, and nothing here changes f or F.
+
+Heads: q and k may have fewer heads than the rest (fla's grouped value attention: value head h reads
+query/key head ``h // (H // HQ)``); w, G, Aqk, Qt, R and the states are per value head.
 
 Packed input: ``cu_seqlens`` offsets of N segments in one row (B = 1); every segment has its own
 ``S_in``, ``M``, ``A`` and chunks (fla's varlen chunking: chunks restart at each segment's start, the
 last one may be partial, a segment may be shorter than a chunk). Dense input ``[B, T, ...]`` is B
 segments of T tokens (:meth:`SubPieces.dense`). :class:`SubPieces` is the host-side plan shared with the
-Triton kernels (``megatron_zeco.gated_delta_rule.kernels``); this module is their reference (the tests'; the
-CPU runs the chunked form, ``chunk.py``) and imports no Triton. Every function computes in float64 for float64 inputs and in float32
-otherwise, and takes the keyword arguments of its kernel counterpart (dtype and precision choices of
-the GPU path are accepted and only the output dtypes honoured).
+Triton kernels (``megatron_zeco.kernels.delta_correction``); this module is their reference (the tests';
+the CPU runs the operators' chunked forms) and imports no Triton. Every function computes in float64
+for float64 inputs and in float32 otherwise, and takes the keyword arguments of its kernel counterpart
+(dtype and precision choices of the GPU path are accepted and only the output dtypes honoured). Pair
+decays are formed per pair and channel, ``exp(G_i - G_j)`` with ``j <= i`` (never ``exp(G_i) exp(-G_j)``),
+so strong decay neither overflows nor cancels.
 """
 
 import math
@@ -194,9 +205,32 @@ def _exp(x: Tensor, log2: bool) -> Tensor:
     return torch.exp2(x) if log2 else torch.exp(x)
 
 
+def _gate_rows(g: Tensor, plan: SubPieces, dt: torch.dtype) -> Tensor:
+    """G as token rows ``[tokens, H, 1]`` (a gate per head) or ``[tokens, H, K]`` (per key channel)."""
+    G = _rows(g, plan).to(dt)
+    return G.unsqueeze(-1) if G.dim() == 2 else G
+
+
+def _value_heads(x: Tensor, heads: int) -> Tensor:
+    """Query/key rows ``[tokens, HQ, K]`` -> ``[tokens, H, K]`` (value head h reads head ``h // (H // HQ)``)."""
+    if heads % x.shape[1]:
+        raise ValueError(f"{heads} value heads are not a multiple of {x.shape[1]} query/key heads")
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _pair_decays(Gc: Tensor, log2: bool, strict: bool) -> Tensor:
+    """``exp(G_i - G_j)`` per head, pair and channel ``[H, C, C, K or 1]`` for ``j <= i`` (``j < i`` if
+    ``strict``), zero elsewhere; ``Gc [C, H, K or 1]`` one chunk's G."""
+    C = Gc.shape[0]
+    keep = torch.ones(C, C, dtype=torch.bool, device=Gc.device).tril(-1 if strict else 0)
+    G = Gc.transpose(0, 1)  # [H, C, Kg]
+    diff = G[:, :, None, :] - G[:, None, :, :]
+    return _exp(torch.where(keep[None, :, :, None], diff, -math.inf), log2)
+
+
 def chunk_local_cumsum(g: Tensor, plan: SubPieces, log2: bool = False) -> Tensor:
-    """G: ``g [B, T, H]`` summed inside each chunk up to and including each token (times 1/ln 2 when
-    ``log2``, fla's convention), in the compute dtype."""
+    """G: ``g [B, T, H]`` or ``[B, T, H, K]`` summed inside each chunk up to and including each token (times
+    1/ln 2 when ``log2``, fla's convention), in the compute dtype."""
     dt = _dtype(g)
     gr, out = _rows(g, plan).to(dt), torch.zeros(plan.tokens, *g.shape[2:], dtype=dt, device=g.device)
     for n, c, _ in plan.chunks:
@@ -206,61 +240,84 @@ def chunk_local_cumsum(g: Tensor, plan: SubPieces, log2: bool = False) -> Tensor
 
 
 def wy_representation(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, plan: SubPieces) -> Tuple[Tensor, Tensor]:
-    """fla's WY transform per chunk from raw log decays ``g [B, T, H]`` (natural log):
-    ``w = (I + L)^-1 (beta exp(G) k)`` ``[B, T, H, K]`` and ``u = (I + L)^-1 (beta v)`` ``[B, T, H, V]``,
-    ``L_ij = beta_i exp(G_i - G_j) k_i . k_j`` for ``j < i`` (compute dtype)."""
+    """fla's WY transform per chunk from raw log decays ``g [B, T, H]`` or ``[B, T, H, K]`` (natural log):
+    ``w = (I + L)^-1 (beta exp(G) * k)`` ``[B, T, H, K]`` and ``u = (I + L)^-1 (beta v)`` ``[B, T, H, V]``,
+    ``L_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)`` for ``j < i`` (compute dtype); k ``[B, T, HQ, K]``."""
     dt = _dtype(k, v, g, beta)
-    kr, vr, br = (_rows(x, plan).to(dt) for x in (k, v, beta))
-    G = _rows(chunk_local_cumsum(g, plan), plan)
+    vr, br = (_rows(x, plan).to(dt) for x in (v, beta))
+    H = vr.shape[1]
+    kr = _value_heads(_rows(k, plan).to(dt), H)
+    G = _gate_rows(chunk_local_cumsum(g, plan), plan, dt)
     w, u = torch.zeros_like(kr), torch.zeros_like(vr)
     for n, c, _ in plan.chunks:
         s, e = plan.chunk_bounds(n, c)
-        kc, Gc, bc = kr[s:e].transpose(0, 1), G[s:e].T, br[s:e].T  # [H, C, K], [H, C]
-        below = torch.ones(e - s, e - s, dtype=torch.bool, device=k.device).tril(-1)
-        decay = torch.where(below, Gc[:, :, None] - Gc[:, None, :], -math.inf).exp()
-        lower = torch.eye(e - s, dtype=dt, device=k.device) + bc[..., None] * decay * (kc @ kc.transpose(1, 2))
+        kc, bc = kr[s:e].transpose(0, 1), br[s:e].T  # [H, C, K], [H, C]
+        decay = _pair_decays(G[s:e], log2=False, strict=True)
+        pairs = torch.einsum("hic,hjc,hijc->hij", kc, kc, decay.expand(-1, -1, -1, kc.shape[-1]))
+        lower = torch.eye(e - s, dtype=dt, device=k.device) + bc[..., None] * pairs
         solve = lambda rhs: torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)  # noqa: E731
-        w[s:e] = solve((bc * Gc.exp())[..., None] * kc).transpose(0, 1)
+        w[s:e] = solve(bc[..., None] * G[s:e].transpose(0, 1).exp() * kc).transpose(0, 1)
         u[s:e] = solve(bc[..., None] * vr[s:e].transpose(0, 1)).transpose(0, 1)
-    return w.view(k.shape), u.view(v.shape)
+    return w.view(*v.shape[:3], kr.shape[-1]), u.view(v.shape)
+
+
+def attention(q: Tensor, k: Tensor, g: Tensor, scale: float, plan: SubPieces, *, g_log2: bool = True,
+              out_dtype: torch.dtype = torch.float32) -> Tensor:
+    """``Aqk [B, T, H, BT]``: per chunk ``scale tril_incl(sum_c q_ic k_jc exp(G_ic - G_jc))``, row i a token,
+    column j the j-th token of its chunk (fla's layout of ``chunk_kda_fwd_intra``'s Aqk; zero above the
+    diagonal and past the chunk's end). q, k ``[B, T, HQ, K]``; g: G ``[B, T, H]`` or ``[B, T, H, K]``."""
+    dt = _dtype(q, k, g)
+    G = _gate_rows(g, plan, dt)
+    H = G.shape[1]
+    qr, kr = (_value_heads(_rows(x, plan).to(dt), H) for x in (q, k))
+    out = torch.zeros(plan.tokens, H, plan.chunk_size, dtype=dt, device=q.device)
+    for n, c, _ in plan.chunks:
+        s, e = plan.chunk_bounds(n, c)
+        qc, kc = qr[s:e].transpose(0, 1), kr[s:e].transpose(0, 1)
+        decay = _pair_decays(G[s:e], g_log2, strict=False).expand(-1, -1, -1, qc.shape[-1])
+        out[s:e, :, :e - s] = scale * torch.einsum("hic,hjc,hijc->ihj", qc, kc, decay)
+    return out.view(*g.shape[:3], plan.chunk_size).to(dt if dt == torch.float64 else out_dtype)
 
 
 def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                     g_log2: bool = True, out_dtype: torch.dtype = torch.float32, precision: str = "tf32x3") -> Tensor:
-    """K1: ``Qt_c = scale (q_c exp(G)) - Aqk_c w_c``, ``Aqk_c = scale tril_incl((q_c k_c^T) exp(G_i - G_j))``.
+                     aqk: Optional[Tensor] = None, g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
+                     precision: str = "tf32x3") -> Tensor:
+    """K1: ``Qt_c = scale (q_c * exp(G)) - Aqk_c w_c``.
 
     Args:
-        q, k, w: ``[B, T, H, K]``; g: G ``[B, T, H]`` (in-chunk cumulative log decay, base 2 if ``g_log2``).
+        q, k: ``[B, T, HQ, K]``; w: ``[B, T, H, K]``; g: G ``[B, T, H]`` or ``[B, T, H, K]`` (in-chunk
+            cumulative log decay, base 2 if ``g_log2``).
+        aqk: ``[B, T, H, BT]`` (:func:`attention`'s), or None to form it here.
 
     Returns:
         ``Qt [B, T, H, K]`` in ``out_dtype`` (float64 when the inputs are float64).
     """
     dt = _dtype(q, k, w, g)
-    qr, kr, wr = (_rows(x, plan).to(dt) for x in (q, k, w))
-    G = _rows(g, plan).to(dt)
-    out = torch.zeros_like(qr)
+    A = attention(q, k, g, scale, plan, g_log2=g_log2, out_dtype=dt) if aqk is None else aqk
+    G, Ar, wr = _gate_rows(g, plan, dt), _rows(A, plan).to(dt), _rows(w, plan).to(dt)
+    qr = _value_heads(_rows(q, plan).to(dt), wr.shape[1])
+    out = torch.zeros_like(wr)
     for n, c, _ in plan.chunks:
         s, e = plan.chunk_bounds(n, c)
-        qc, kc, wc, Gc = qr[s:e].transpose(0, 1), kr[s:e].transpose(0, 1), wr[s:e].transpose(0, 1), G[s:e].T
-        on = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril()
-        decay = _exp(torch.where(on, Gc[:, :, None] - Gc[:, None, :], -math.inf), g_log2)
-        A = scale * (qc @ kc.transpose(1, 2)) * decay
-        out[s:e] = (scale * qc * _exp(Gc, g_log2)[..., None] - A @ wc).transpose(0, 1)
-    return out.view(q.shape).to(dt if dt == torch.float64 else out_dtype)
+        keep = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).tril()
+        Ac = torch.where(keep[:, None, :], Ar[s:e, :, :e - s], 0.)  # only the causal part of a given Aqk counts
+        out[s:e] = scale * qr[s:e] * _exp(G[s:e], g_log2) - torch.einsum("ihj,jhk->ihk", Ac, wr[s:e])
+    return out.view(w.shape).to(dt if dt == torch.float64 else out_dtype)
 
 
 def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces, *, g_log2: bool = True,
                    r_dtype: torch.dtype = torch.float32, precision: str = "tf32x3") -> Tuple[Tensor, Tensor]:
     """K2: per sub-piece j, from ``M = I``, chunk by chunk:
-    ``R_c = Qt_c M``; ``M <- exp(G_last) M - (k_c exp(G_last - G))^T (w_c M)``; then ``L_j = M``.
+    ``R_c = Qt_c M``; ``M <- Diag(exp(G_last)) M - (k_c * exp(G_last - G))^T (w_c M)``; then ``L_j = M``.
 
     Returns:
         ``R [B, T, H, K]`` (``r_dtype``) and ``L [NS, H, K, K]`` (float32; float64 for float64 inputs).
     """
     dt = _dtype(qt, k, w, g)
-    qr, kr, wr = (_rows(x, plan).to(dt) for x in (qt, k, w))
-    G = _rows(g, plan).to(dt)
-    H, K = kr.shape[1:]
+    qr, wr = (_rows(x, plan).to(dt) for x in (qt, w))
+    H, K = wr.shape[1:]
+    kr = _value_heads(_rows(k, plan).to(dt), H)
+    G = _gate_rows(g, plan, dt)
     R = torch.zeros(plan.tokens, H, K, dtype=dt, device=k.device)
     L = torch.zeros(plan.num_pieces, H, K, K, dtype=dt, device=k.device)
     for j, (n, c0, nc) in enumerate(plan.pieces):
@@ -268,9 +325,10 @@ def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces,
         for c in range(c0, c0 + nc):
             s, e = plan.chunk_bounds(n, c)
             R[s:e] = torch.einsum("thk,hkl->thl", qr[s:e], M)
-            last = G[e - 1]  # [H]
-            wm = torch.einsum("thk,hkl->thl", wr[s:e], M) * _exp(last - G[s:e], g_log2)[..., None]
-            M = _exp(last, g_log2)[:, None, None] * M - torch.einsum("thk,thl->hkl", kr[s:e], wm)
+            last = G[e - 1]  # [H, K or 1]
+            wm = torch.einsum("thk,hkl->thl", wr[s:e], M)
+            kd = kr[s:e] * _exp(last - G[s:e], g_log2)
+            M = _exp(last, g_log2)[..., None] * M - torch.einsum("thk,thl->hkl", kd, wm)
         L[j] = M
     return R.view(qt.shape).to(dt if dt == torch.float64 else r_dtype), L
 
@@ -334,10 +392,10 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
 
 
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                     g_log2: bool = True, r_dtype: torch.dtype = torch.float32, precision: str = "tf32x3",
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
+                     aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
+                     precision: str = "tf32x3") -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M``."""
-    qt = correction_reads(q, k, w, g, scale, plan, g_log2=g_log2, precision=precision)
+    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, precision=precision)
     R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
     P, M = prefix_maps(L, plan, precision=precision)
     return R, P, M

@@ -1,18 +1,22 @@
-"""Triton kernels: what the state entering a gated-delta-rule piece adds to it, computed without that state.
+"""Triton kernels: what the state entering a delta-rule piece adds to it, computed without that state.
 
-fla's forward run from a zero entering state gives a piece's output ``o^0`` and leaving state ``E``
-(one GPU's ordinary work). The entering state ``S_in [K, V]`` (per segment and head) that ZeCO's scan
-delivers later acts on the piece linearly, through maps computed here (fla's conventions, chunks of
-BT tokens; G the in-chunk cumulative log decay, ``w = (I + L)^-1 (beta exp(G) k)`` fla's WY factor):
+For the gated delta rule (a log decay per head and token) and KDA (a log decay per head, token and key
+channel) alike: the gate's form is a constexpr of the two kernels that read it (K1, K2), chosen from
+the shape of ``g``. fla's forward run from a zero entering state gives a piece's output ``o^0`` and
+leaving state ``E`` (one GPU's ordinary work). The entering state ``S_in [K, V]`` (per segment and
+head) that ZeCO's scan delivers later acts on the piece linearly, through maps computed here (fla's
+conventions, chunks of BT tokens; G the in-chunk cumulative log decay, ``[.., H]`` or ``[.., H, K]``;
+``*`` the product per key channel; ``w = (I + L)^-1 (beta exp(G) * k)`` fla's WY factor):
 
-    T_c  = exp(G_last) I - (k_c exp(G_last - G))^T w_c                    the chunk's map of the state, K x K
-    Qt_c = scale (q_c exp(G)) - Aqk_c w_c,  Aqk_c = scale tril_incl(q_c k_c^T exp(G_i - G_j))    [BT, K]
+    T_c  = Diag(exp(G_last)) - (k_c * exp(G_last - G))^T w_c              the chunk's map of the state, K x K
+    Qt_c = scale (q_c * exp(G)) - Aqk_c w_c,  Aqk_c = scale tril_incl(sum_c q_ic k_jc exp(G_ic - G_jc))
     o_c  = o^0_c + Qt_c M_{<c} S_in,        S_out = M S_in + E,   M_{<c} = T_{c-1} ... T_0,   M = M_{<end}
 
 Each segment's chunks are cut into sub-pieces (runs of whole chunks; ``SubPieces``), so the one
 sequential product runs on ``sub-pieces x heads x column blocks`` programs:
 
-    K1 ``delta_reads_kernel``     Qt_c, every chunk at once                              grid (chunks, H)
+    K1 ``delta_reads_kernel``     Qt_c, every chunk at once (Aqk formed in place for a
+                                  gate per head, or read: fla's KDA forward returns it)  grid (chunks, H)
     K2 ``delta_maps_kernel``      per sub-piece j from M = I: R_c = Qt_c M; M <- T_c M; L_j = M
                                   (M: a [K, BV] column block in float32 registers)      grid (K/BV, sub-pieces, H)
     K3 ``delta_prefix_kernel``    P_j = L_{j-1} ... L_0 (P_0 = I), the segment's M       grid (K/BC, segments, H)
@@ -25,28 +29,31 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
        ``delta_grad_sum_kernel``  A_n = sum_{j in n} Z_j (in order: deterministic)       grid (KV/BLOCK, segments, H)
 
 ``A`` is the gradient of ``<do, o>`` with respect to ``S_in``; the entering state's full gradient is
-``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's
-``chunk_gated_delta_rule_bwd`` from ``initial_state=S_in`` with ``dht=D``. The math, the plan and the
-float64 reference: ``megatron_zeco.gated_delta_rule.correction``; the Python wrappers
-here take the same arguments and return the same tensors.
+``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's backward
+from ``initial_state=S_in`` with ``dht=D``. The math, the plan and the float64 reference:
+``megatron_zeco.kernels.delta_reference``; the Python wrappers here take the same arguments and return
+the same tensors.
 
-Layouts (token-major, as fla): q, k, w, Qt, R ``[B, T, H, K]``; g (G) ``[B, T, H]`` float32; o, do
-``[B, T, H, V]``; L, P ``[sub-pieces, H, K, K]``, M ``[N, H, K, K]``, S_in, A ``[N, H, K, V]`` float32,
-``K x V`` states with ``M`` acting on their K rows. Packed input is one row of N segments (``cu_seqlens``);
-dense ``[B, T]`` input is B segments. Launch tables come from the plan's host copy of the offsets, so no
-launch reads the device.
+Layouts (token-major, as fla): q, k ``[B, T, HQ, K]`` (HQ query/key heads; value head h reads head
+``h // (H // HQ)``); w, Qt, R ``[B, T, H, K]``; g (G) ``[B, T, H]`` or ``[B, T, H, K]`` float32; Aqk
+``[B, T, H, BT]`` (fla's: row i a token, column j the j-th token of its chunk; only its causal part is
+read); o, do ``[B, T, H, V]``; L, P ``[sub-pieces, H, K, K]``, M ``[N, H, K, K]``, S_in, A ``[N, H, K, V]``
+float32, ``K x V`` states with ``M`` acting on their K rows. Packed input is one row of N segments
+(``cu_seqlens``); dense ``[B, T]`` input is B segments. Launch tables come from the plan's host copy of
+the offsets, so no launch reads the device.
 
 Precision (``precision``, a constexpr of every kernel): every product accumulates in float32. ``"input"``
 multiplies as fla's own state passes do: a float32 tile (M, w M, the states) meets a 16-bit input tile
-(q, k, w, Qt, R, do) rounded to the input's dtype, on 16-bit tensor cores (one pass); two float32 tiles
-in one TF32 pass. The other modes keep float32 operands: ``"ieee"`` (CUDA-core FMAs: the tests' mode,
-slow on the GPU), ``"tf32"`` (one TF32 pass: the float32 operand truncated to 10 explicit mantissa bits)
-or ``"tf32x3"`` (three TF32 passes, float32 accuracy; a float32 tile against a bfloat16 input is split
-into three bfloat16 terms instead, ``hi + mid + lo`` within 2^-24 of it, three bfloat16 passes). The
-piece (``fla_piece.py``) runs ``"input"`` for 16-bit inputs, whose roundings are then those of fla's
-own state pass on one GPU, and ``"tf32x3"`` for float32 inputs, whose caller asked for float32
-accuracy: the chunk recurrence of K2 compounds its roundings over a sub-piece, and its maps enter the
-scan.
+(q, k, w, Qt, R, do; under a per-channel gate the decayed keys ``k * exp(G_last - G)``, rounded to the
+input's dtype as fla's state pass rounds them) rounded to the input's dtype, on 16-bit tensor cores (one
+pass); two float32 tiles in one TF32 pass. The other modes keep float32 operands: ``"ieee"`` (CUDA-core
+FMAs: the tests' mode, slow on the GPU), ``"tf32"`` (one TF32 pass: the float32 operand truncated to 10
+explicit mantissa bits) or ``"tf32x3"`` (three TF32 passes, float32 accuracy; a float32 tile against a
+bfloat16 input is split into three bfloat16 terms instead, ``hi + mid + lo`` within 2^-24 of it, three
+bfloat16 passes). The pieces (``gated_delta_rule/fla_piece.py``, ``kda/fla_piece.py``) run ``"input"``
+for 16-bit inputs, whose roundings are then those of fla's own state pass on one GPU, and ``"tf32x3"``
+for float32 inputs, whose caller asked for float32 accuracy: the chunk recurrence of K2 compounds its
+roundings over a sub-piece, and its maps enter the scan.
 
 On the GPU, K2 and K3 keep 64 columns of M per program (``block_cols``): Triton 3.7.1 miscomputed K2 on
 sm_90 with 32 columns of a K = 128 map, so fewer are refused there for K > 64.
@@ -55,21 +62,21 @@ Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bi
 16-bit products are computed from the same values in float32 (exact products, as on tensor cores).
 """
 
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ..kernels import interpreted
-from .correction import SubPieces, choose_sub_pieces
+from . import interpreted
+from .delta_reference import SubPieces, choose_sub_pieces
 
 Tensor = torch.Tensor
 PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
 
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
-    "prefix_maps", "output_correction", "entering_grad", "piece_transition",
+    "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection", "side_stream",
 ]
 
 
@@ -159,38 +166,61 @@ def _chunk_rows(bos, eos, i_t, H: tl.constexpr, i_h, BT: tl.constexpr):
     return (bos + o_t) * H + i_h, o_t < T, (bos + last) * H + i_h
 
 
+@triton.jit
+def _key_rows(rows, i_h, H: tl.constexpr, HQ: tl.constexpr):
+    """The rows of query/key head ``i_h // (H // HQ)`` (of HQ) at the tokens of value head ``i_h``'s ``rows``."""
+    if HQ == H:
+        out = rows
+    else:
+        out = (rows - i_h) // H * HQ + i_h // (H // HQ)
+    return out
+
+
 # ------------------------------------------------------------------------------------------ kernels
 
 
 @triton.jit
-def _delta_reads_kernel(q, k, w, g, qt, chunks, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                        BK: tl.constexpr, G_LOG2: tl.constexpr, PRECISION: tl.constexpr,
-                        INTERPRETED: tl.constexpr):
-    """K1, one chunk and head: ``Qt = scale (q exp(G)) - Aqk w``, ``Aqk = scale tril_incl(q k^T exp(G_i - G_j))``.
-    q, k, w ``[rows, H, K]``, g ``[rows, H]`` (G), qt ``[rows, H, K]``; BK: a block of K."""
+def _delta_reads_kernel(q, k, w, g, aqk, qt, chunks, scale, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr,
+                        BT: tl.constexpr, BK: tl.constexpr, G_LOG2: tl.constexpr, GATE_VECTOR: tl.constexpr,
+                        GIVEN_A: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K1, one chunk and head: ``Qt = scale (q * exp(G)) - Aqk w``. q, k ``[rows, HQ, K]``, w, qt ``[rows, H, K]``,
+    g (G) ``[rows, H]`` (``GATE_VECTOR``: ``[rows, H, K]``); BK: a block of K. ``GIVEN_A``: Aqk read from aqk
+    ``[rows, H, BT]`` (its causal part), else formed here as ``scale tril_incl(q k^T exp(G_i - G_j))``
+    (a gate per head only)."""
+    tl.static_assert(GIVEN_A or not GATE_VECTOR, "a gate per key channel needs Aqk given")
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(chunks + i_c * 4).to(tl.int64)
     eos = tl.load(chunks + i_c * 4 + 1).to(tl.int64)
     i_t = tl.load(chunks + i_c * 4 + 2)
     rows, m_t, _ = _chunk_rows(bos, eos, i_t, H, i_h, BT)
-    b_A = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BK)):
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-        b_kT = tl.load(k + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
-        b_A = _dot(b_q, b_kT, b_A, PRECISION, INTERPRETED)
-    b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+    rows_k = _key_rows(rows, i_h, H, HQ)
     o_i = tl.arange(0, BT)
     m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
-    b_A = b_A * tl.where(m_A, _exp(b_g[:, None] - b_g[None, :], G_LOG2), 0.) * scale
-    b_qg = tl.where(m_t, _exp(b_g, G_LOG2), 0.) * scale
+    if not GATE_VECTOR:
+        b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+        b_qg = tl.where(m_t, _exp(b_g, G_LOG2), 0.) * scale
+    if GIVEN_A:
+        b_A = tl.load(aqk + rows[:, None] * BT + o_i[None, :], mask=m_A, other=0.)
+    else:
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            b_q = tl.load(q + rows_k[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_kT = tl.load(k + rows_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+            b_A = _dot(b_q, b_kT, b_A, PRECISION, INTERPRETED)
+        b_A = b_A * tl.where(m_A, _exp(b_g[:, None] - b_g[None, :], G_LOG2), 0.) * scale
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m = m_t[:, None] & (o_k < K)[None, :]
-        b_q = tl.load(q + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_q = tl.load(q + rows_k[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        if GATE_VECTOR:
+            b_gk = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+            b_q = b_q * tl.where(m, _exp(b_gk, G_LOG2), 0.) * scale
+        else:
+            b_q = b_q * b_qg[:, None]
         b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m, other=0.)
-        b_qt = b_q * b_qg[:, None] - _dot(b_A, b_w, tl.zeros([BT, BK], dtype=tl.float32), PRECISION, INTERPRETED)
+        b_qt = b_q - _dot(b_A, b_w, tl.zeros([BT, BK], dtype=tl.float32), PRECISION, INTERPRETED)
         tl.store(qt + rows[:, None] * K + o_k[None, :], b_qt.to(qt.dtype.element_ty), mask=m)
 
 
@@ -215,12 +245,27 @@ def _maps_read(qt, w, rows, m_t, b_M, b_r, b_wm, OFF: tl.constexpr, K: tl.conste
 
 
 @triton.jit
-def _maps_update(k, rows, m_t, b_M, b_wm, b_last, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                 PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """Rows ``OFF .. OFF+BK`` of ``exp(G_last) M + k^T b_wm`` (b_wm: ``-exp(G_last - G) w M``)."""
+def _maps_update(k, g, rows_k, rows, last, m_t, b_M, b_wm, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                 G_LOG2: tl.constexpr, GATE_VECTOR: tl.constexpr, PRECISION: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """Rows ``OFF .. OFF+BK`` of ``Diag(exp(G_last)) M + (k * exp(G_last - G))^T b_wm``. A gate per head:
+    b_wm is ``-exp(G_last - G) w M`` (the decay applied per token); per key channel: b_wm is ``-w M`` and
+    the keys are decayed here, channel by channel (rounded to their dtype under ``"input"``, as fla's
+    state pass rounds them)."""
     o_k = OFF + tl.arange(0, BK)
-    b_kT = tl.load(k + rows[None, :] * K + o_k[:, None], mask=(o_k < K)[:, None] & m_t[None, :], other=0.)
-    return _dot(b_kT, b_wm, b_M * b_last, PRECISION, INTERPRETED)
+    m_k = o_k < K
+    b_kT = tl.load(k + rows_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+    if GATE_VECTOR:
+        b_gl = tl.load(g + last * K + o_k, mask=m_k, other=0.).to(tl.float32)
+        b_gT = tl.load(g + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+        b_kd = b_kT.to(tl.float32) * tl.where(m_t[None, :], _exp(b_gl[:, None] - b_gT.to(tl.float32), G_LOG2), 0.)
+        if PRECISION == "input":
+            b_kd = b_kd.to(b_kT.dtype)
+        b_M = b_M * _exp(b_gl, G_LOG2)[:, None]
+    else:
+        b_kd = b_kT
+        b_M = b_M * _exp(tl.load(g + last).to(tl.float32), G_LOG2)
+    return _dot(b_kd, b_wm, b_M, PRECISION, INTERPRETED)
 
 
 @triton.jit
@@ -230,13 +275,14 @@ def _maps_store(L, base, b_M, o_v, m_v, OFF: tl.constexpr, K: tl.constexpr, BK: 
 
 
 @triton.jit
-def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                       BK: tl.constexpr, BV: tl.constexpr, G_LOG2: tl.constexpr, PRECISION: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr,
+                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G_LOG2: tl.constexpr,
+                       GATE_VECTOR: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """K2, one sub-piece, head and block of BV columns of M: from ``M = I``, per chunk ``R = Qt M``
-    (stored), ``M <- exp(G_last) M - k^T (exp(G_last - G) (w M))``; then ``L_j = M``. M is held in
+    (stored), ``M <- Diag(exp(G_last)) M - (k * exp(G_last - G))^T (w M)``; then ``L_j = M``. M is held in
     float32 as up to four tiles of BK rows (``K <= 4 BK``), so no tile outgrows the registers.
-    r ``[rows, H, K]``, L ``[sub-pieces, H, K, K]`` float32."""
+    qt, w, r ``[rows, H, K]``, k ``[rows, HQ, K]``, g ``[rows, H]`` (``GATE_VECTOR``: ``[rows, H, K]``),
+    L ``[sub-pieces, H, K, K]`` float32."""
     i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(pieces + i_j * 5 + 1).to(tl.int64)
     eos = tl.load(pieces + i_j * 5 + 2).to(tl.int64)
@@ -253,6 +299,7 @@ def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, K: tl.constex
         b_M4 = _eye_rows(o_v, m_v, 3 * BK, BK)
     for i in range(count):
         rows, m_t, last = _chunk_rows(bos, eos, first + i, H, i_h, BT)
+        rows_k = _key_rows(rows, i_h, H, HQ)
         b_r = tl.zeros([BT, BV], dtype=tl.float32)
         b_wm = tl.zeros([BT, BV], dtype=tl.float32)
         b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M1, b_r, b_wm, 0, K, BK, PRECISION, INTERPRETED)
@@ -263,17 +310,23 @@ def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, K: tl.constex
         if K > 3 * BK:
             b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M4, b_r, b_wm, 3 * BK, K, BK, PRECISION, INTERPRETED)
         tl.store(r + rows[:, None] * K + o_v[None, :], b_r.to(r.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
-        b_gl = tl.load(g + last).to(tl.float32)
-        b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
-        b_wm = b_wm * tl.where(m_t, -_exp(b_gl - b_g, G_LOG2), 0.)[:, None]
-        b_last = _exp(b_gl, G_LOG2)
-        b_M1 = _maps_update(k, rows, m_t, b_M1, b_wm, b_last, 0, K, BK, PRECISION, INTERPRETED)
+        if GATE_VECTOR:
+            b_wm = -b_wm  # rows past the segment are zero (w is read as zero there)
+        else:
+            b_gl = tl.load(g + last).to(tl.float32)
+            b_g = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+            b_wm = b_wm * tl.where(m_t, -_exp(b_gl - b_g, G_LOG2), 0.)[:, None]
+        b_M1 = _maps_update(k, g, rows_k, rows, last, m_t, b_M1, b_wm, 0, K, BK, G_LOG2, GATE_VECTOR, PRECISION,
+                            INTERPRETED)
         if K > BK:
-            b_M2 = _maps_update(k, rows, m_t, b_M2, b_wm, b_last, BK, K, BK, PRECISION, INTERPRETED)
+            b_M2 = _maps_update(k, g, rows_k, rows, last, m_t, b_M2, b_wm, BK, K, BK, G_LOG2, GATE_VECTOR, PRECISION,
+                                INTERPRETED)
         if K > 2 * BK:
-            b_M3 = _maps_update(k, rows, m_t, b_M3, b_wm, b_last, 2 * BK, K, BK, PRECISION, INTERPRETED)
+            b_M3 = _maps_update(k, g, rows_k, rows, last, m_t, b_M3, b_wm, 2 * BK, K, BK, G_LOG2, GATE_VECTOR,
+                                PRECISION, INTERPRETED)
         if K > 3 * BK:
-            b_M4 = _maps_update(k, rows, m_t, b_M4, b_wm, b_last, 3 * BK, K, BK, PRECISION, INTERPRETED)
+            b_M4 = _maps_update(k, g, rows_k, rows, last, m_t, b_M4, b_wm, 3 * BK, K, BK, G_LOG2, GATE_VECTOR,
+                                PRECISION, INTERPRETED)
     base = (i_j.to(tl.int64) * H + i_h) * K
     _maps_store(L, base, b_M1, o_v, m_v, 0, K, BK)
     if K > BK:
@@ -399,8 +452,8 @@ def _tuned(fn, key):
     return triton.autotune(configs=_configs(), key=key)(fn)
 
 
-delta_reads_kernel = _tuned(_delta_reads_kernel, ["H", "K", "BT", "BK", "PRECISION"])
-delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "K", "BT", "BK", "BV", "PRECISION"])
+delta_reads_kernel = _tuned(_delta_reads_kernel, ["H", "HQ", "K", "BT", "BK", "GATE_VECTOR", "GIVEN_A", "PRECISION"])
+delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "HQ", "K", "BT", "BK", "BV", "GATE_VECTOR", "PRECISION"])
 delta_prefix_kernel = _tuned(_delta_prefix_kernel, ["H", "K", "BK", "BC", "PRECISION"])
 delta_entering_kernel = _tuned(_delta_entering_kernel, ["H", "K", "V", "BK", "BV", "PRECISION"])
 delta_output_kernel = _tuned(_delta_output_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
@@ -447,31 +500,49 @@ def _check(plan: SubPieces, precision: str, **tensors: Tensor) -> None:
     if BT < 16 or BT & (BT - 1):
         raise ValueError(f"the kernels need a power-of-two chunk size of at least 16, got {BT}")
     for name, x in tensors.items():
+        if x is None:
+            continue
         if x.dtype == torch.float64:
-            raise ValueError(f"{name}: float64 runs on the reference (megatron_zeco.gated_delta_rule.correction)")
-        if x.dim() >= 3 and name in ("q", "k", "w", "g", "qt", "R", "o0", "do") and \
+            raise ValueError(f"{name}: float64 runs on the reference (megatron_zeco.kernels.delta_reference)")
+        if x.dim() >= 3 and name in ("q", "k", "w", "g", "qt", "aqk", "R", "o0", "do") and \
                 x.shape[0] * x.shape[1] != plan.tokens:
             raise ValueError(f"{name} {tuple(x.shape)} holds {x.shape[0] * x.shape[1]} tokens, the plan {plan.tokens}")
 
 
-def _heads_dim(x: Tensor) -> Tuple[int, int]:
-    return x.shape[2], x.shape[3]
+def _heads(k: Tensor, w: Tensor, g: Tensor) -> Tuple[int, int, int, bool]:
+    """``(H, HQ, K, gate per key channel)`` of keys ``[B, T, HQ, K]``, w ``[B, T, H, K]`` and G
+    ``[B, T, H]`` or ``[B, T, H, K]``; ValueError for shapes that do not fit."""
+    HQ, K, H = k.shape[2], k.shape[3], w.shape[2]
+    if H % HQ or w.shape[3] != K:
+        raise ValueError(f"w {tuple(w.shape)} must have K = {K} and a multiple of the keys' {HQ} heads")
+    if tuple(g.shape[2:]) not in ((H,), (H, K)):
+        raise ValueError(f"g {tuple(g.shape)} must be [B, T, {H}] (a gate per head) or [B, T, {H}, {K}] (per key "
+                         "channel)")
+    return H, HQ, K, g.dim() == 4
 
 
 def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                     g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
+                     aqk: Optional[Tensor] = None, g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
                      precision: str = "tf32x3") -> Tensor:
-    """K1: ``Qt [B, T, H, K]`` (``out_dtype``) of q, k, w ``[B, T, H, K]`` and G ``[B, T, H]``
-    (float32, base 2 when ``g_log2``: fla's ``chunk_local_cumsum(g, scale=1/ln 2)``)."""
-    _check(plan, precision, q=q, k=k, w=w, g=g)
-    H, K = _heads_dim(q)
-    qt = torch.empty(q.shape, dtype=out_dtype, device=q.device)
+    """K1: ``Qt [B, T, H, K]`` (``out_dtype``) of q, k ``[B, T, HQ, K]``, w ``[B, T, H, K]`` and G ``[B, T, H]``
+    or ``[B, T, H, K]`` (float32, base 2 when ``g_log2``: fla's ``chunk_local_cumsum(g, scale=1/ln 2)``).
+    ``aqk [B, T, H, BT]``: the in-chunk attention (fla's KDA forward returns it), needed with a gate per key
+    channel; without it a gate per head forms it in place."""
+    _check(plan, precision, q=q, k=k, w=w, g=g, aqk=aqk)
+    H, HQ, K, vector = _heads(k, w, g)
+    if vector and aqk is None:
+        raise ValueError("a gate per key channel needs aqk, the in-chunk attention (fla's chunk_kda_fwd_intra "
+                         "returns it)")
+    if aqk is not None and tuple(aqk.shape) != (*w.shape[:3], plan.chunk_size):
+        raise ValueError(f"aqk {tuple(aqk.shape)}: expected {(*w.shape[:3], plan.chunk_size)}")
+    qt = torch.empty(w.shape, dtype=out_dtype, device=q.device)
     if plan.num_chunks:
         BK = min(triton.next_power_of_2(K), 64)
         delta_reads_kernel[(plan.num_chunks, H)](
-            q.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), qt, plan.tables(q.device)["chunks"],
-            float(scale), H=H, K=K, BT=plan.chunk_size, BK=BK, G_LOG2=g_log2, PRECISION=precision,
-            INTERPRETED=interpreted())
+            q.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(),
+            None if aqk is None else aqk.contiguous(), qt, plan.tables(q.device)["chunks"], float(scale), H=H, HQ=HQ,
+            K=K, BT=plan.chunk_size, BK=BK, G_LOG2=g_log2, GATE_VECTOR=vector, GIVEN_A=aqk is not None,
+            PRECISION=precision, INTERPRETED=interpreted())
     return qt
 
 
@@ -482,18 +553,18 @@ def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces,
     columns of M per program (default :func:`default_block_cols`), held as tiles of ``block_rows`` rows
     (default ``min(K, 64)``; at most four)."""
     _check(plan, precision, qt=qt, k=k, w=w, g=g)
-    H, K = _heads_dim(k)
+    H, HQ, K, vector = _heads(k, w, g)
     BV = _block_cols(K, block_cols, k.device)
     BK = block_rows or min(triton.next_power_of_2(K), 64)
     if triton.cdiv(K, BK) > 4:
         raise ValueError(f"K = {K}: K2 holds M as at most four tiles of {BK} rows (K <= {4 * BK})")
-    R = torch.empty(k.shape, dtype=r_dtype, device=k.device)
+    R = torch.empty(w.shape, dtype=r_dtype, device=k.device)
     L = torch.empty(plan.num_pieces, H, K, K, dtype=torch.float32, device=k.device)
     if plan.num_pieces:
         delta_maps_kernel[(triton.cdiv(K, BV), plan.num_pieces, H)](
             qt.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), R, L, plan.tables(k.device)["pieces"],
-            H=H, K=K, BT=plan.chunk_size, BK=BK, BV=BV, G_LOG2=g_log2, PRECISION=precision,
-            INTERPRETED=interpreted())
+            H=H, HQ=HQ, K=K, BT=plan.chunk_size, BK=BK, BV=BV, G_LOG2=g_log2, GATE_VECTOR=vector,
+            PRECISION=precision, INTERPRETED=interpreted())
     return R, L
 
 
@@ -517,7 +588,7 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
     ``out_dtype`` (default o0's). o0 ``[B, T, H, V]``, R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``,
     S_in ``[N, H, K, V]``. A new tensor (o0 is not written)."""
     _check(plan, precision, o0=o0, R=R)
-    H, V = _heads_dim(o0)
+    H, V = o0.shape[2], o0.shape[3]
     K = R.shape[-1]
     if tuple(S_in.shape) != (plan.num_segments, H, K, V):
         raise ValueError(f"S_in {tuple(S_in.shape)}: expected {(plan.num_segments, H, K, V)}")
@@ -539,7 +610,7 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
     """K5: ``A [N, H, K, V]`` (float32), the gradient of ``<do, o>`` with respect to each segment's
     entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``."""
     _check(plan, precision, R=R, do=do)
-    H, K = _heads_dim(R)
+    H, K = R.shape[2], R.shape[3]
     V = do.shape[-1]
     A = torch.empty(plan.num_segments, H, K, V, dtype=torch.float32, device=R.device)
     tables = plan.tables(R.device)
@@ -556,14 +627,81 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
 
 
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                     g_log2: bool = True, r_dtype: torch.dtype = torch.float32, precision: str = "tf32x3",
-                     block_cols: Optional[int] = None, block_rows: Optional[int] = None,
+                     aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
+                     precision: str = "tf32x3", block_cols: Optional[int] = None, block_rows: Optional[int] = None,
                      ) -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3, what the forward needs before the scan: ``R [B, T, H, K]``, ``P [sub-pieces, H, K, K]``
     and the segments' ``M [N, H, K, K]`` (Qt is freed on return)."""
-    qt = correction_reads(q, k, w, g, scale, plan, g_log2=g_log2, precision=precision)
+    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, precision=precision)
     R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision,
                           block_cols=block_cols, block_rows=block_rows)
     del qt
     P, M = prefix_maps(L, plan, precision=precision, block_cols=block_cols)
     return R, P, M
+
+
+# ------------------------------------------------------------------------------------------ a piece's correction
+
+_SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The CUDA stream K1..K3 run on beside a piece's own work (one per device, made on first use)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+class PieceCorrection:
+    """What the state entering one piece adds to it, for an operator's piece on fla's kernels: K1..K3
+    before the scan (``R``, ``P`` and the segments' transitions ``M``), K4 and K5 after it.
+
+    Products round as fla's own state passes do for 16-bit inputs (``"input"``, R kept in the input
+    dtype) and keep float32 accuracy for float32 inputs (``"tf32x3"``). With ``beside`` (CUDA), K1..K3
+    run on :func:`side_stream`, after the work already issued on the current stream and beside what the
+    caller issues next (fla's state pass, which leaves most SMs idle); :meth:`join` then makes the current
+    stream wait for them. Elsewhere they run at once and :meth:`join` does nothing.
+
+    Args:
+        q, k: ``[B, T, HQ, K]``; w: ``[B, T, H, K]`` fla's WY factor; g: G ``[B, T, H]`` or ``[B, T, H, K]``
+            (base 2, fla's); aqk: ``[B, T, H, BT]`` fla's in-chunk attention (a gate per key channel);
+            plan: the piece's :class:`SubPieces`.
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+                 aqk: Optional[Tensor] = None, beside: bool = False):
+        self.plan = plan
+        self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
+        self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None
+        compute = lambda: piece_transition(q, k, w, g, scale, plan, aqk=aqk, r_dtype=q.dtype,  # noqa: E731
+                                           precision=self.precision)
+        if self._side is None:
+            self.R, self.P, self.M = compute()
+            return
+        self._side.wait_stream(torch.cuda.current_stream(q.device))
+        with torch.cuda.stream(self._side):
+            self.R, self.P, self.M = compute()
+        for t in (q, k, w, g, aqk):  # read on the side stream; the caller may drop them before it is done
+            if t is not None:
+                t.record_stream(self._side)
+
+    def join(self) -> None:
+        """The current stream waits for K1..K3 (made on the side stream, used on this one)."""
+        if self._side is not None:
+            main = torch.cuda.current_stream(self.M.device)
+            main.wait_stream(self._side)
+            for t in (self.R, self.P, self.M):
+                t.record_stream(main)
+            self._side = None
+
+    def output(self, o0: Tensor, S_in: Tensor) -> Tensor:
+        """K4: the piece's output ``[B, T, H, V]`` (o0's dtype) entered by ``S_in [N, H, K, V]`` float32, from
+        its output from a zero entering state ``o0``."""
+        return output_correction(o0, self.R, self.P, S_in.contiguous(), self.plan, precision=self.precision)
+
+    def entering_grad(self, do: Tensor) -> Tensor:
+        """K5: ``A [N, H, K, V]`` float32, the gradient of ``<do, o>`` with respect to ``S_in``."""
+        return entering_grad(self.R, self.P, do, self.plan, precision=self.precision)

@@ -1,25 +1,27 @@
-"""Where one GPU's time goes in the gated delta rule's ZeCO piece and in strategy a2a, against fla.
+"""Where one GPU's time goes in a delta rule's ZeCO piece and in strategy a2a, against fla.
 
-    python benchmarks/profile_gdn_piece.py --tokens 16384 32768 --out results/profile-gdn-piece.json
-    python benchmarks/profile_gdn_piece.py --a2a-world 2 --cases fla "a2a P=2" --out results/a2a.json
+    python benchmarks/profile_piece.py --tokens 16384 32768 --out results/profile-gdn-piece.json
+    python benchmarks/profile_piece.py --op kda --tokens 16384 32768 65536 --out results/profile-kda-piece.json
+    python benchmarks/profile_piece.py --a2a-world 2 --cases fla "a2a P=2" --out results/a2a.json
 
-(Results: docs/results/profile-gdn-piece-*.json, each with the package's commit; docs/gated-deltanet.md
-says what they show.)
+(Results: docs/results/profile-*-piece-*.json, each with the package's commit; docs/gated-deltanet.md and
+docs/kda.md say what they show.)
 
-One GPU, no process group; B = 1 sequence of T tokens, H heads of K = V = ``--dim``; q, k, v, beta
-in bf16, g in float32 (``logsigmoid(randn) / 16``), k L2-normalised, beta = sigmoid. Cases, each
-forward alone (``fwd``) and forward + backward (``fwd+bwd``):
+``--op gdn`` (default): the gated delta rule; ``--op kda``: Kimi Delta Attention. One GPU, no process
+group; B = 1 sequence of T tokens, H heads of K = V = ``--dim``; q, k, v, beta in bf16, g in float32
+(``logsigmoid(randn) / 16``: one per head and token for gdn, per head, token and key channel for kda),
+k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward + backward
+(``fwd+bwd``):
 
-* ``fla``: fla's ``chunk_gated_delta_rule`` (no initial state, no final state), dense inputs;
-  ``fla varlen``: the same tokens as one segment (``cu_seqlens = [0, T]``), the path every kernel
-  of a piece takes.
-* ``piece first|middle|last``: one ZeCO piece on fla's kernels (``gated_delta_rule/fla_piece.py``)
-  with the exchange between ranks stubbed: forward = the constructor (the summary ``(E, M)``) +
-  ``output(S_in)``; backward = ``entering_grad(do)`` + ``grads(D)``. First: ``S_in = 0``, ``D``
-  random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece:
+* ``fla``: fla's op (``chunk_gated_delta_rule``, ``chunk_kda``; no initial state, no final state), dense
+  inputs; ``fla varlen``: the same tokens as one segment (``cu_seqlens = [0, T]``).
+* ``piece first|middle|last``: one ZeCO piece on fla's kernels (``gated_delta_rule/fla_piece.py``,
+  ``kda/fla_piece.py``) with the exchange between ranks stubbed: forward = the constructor (the summary
+  ``(E, M)``) + ``output(S_in)``; backward = ``entering_grad(do)`` + ``grads(D)``. First: ``S_in = 0``,
+  ``D`` random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece:
   a zero tensor, not None).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
-  gated delta rule's local op) with each all-to-all replaced by a same-size device copy
+  operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
   NCCL): this rank's T tokens in, fla's op over p*T tokens of H/p heads, T tokens out.
   ``a2a P=1 stubbed``: the exchange a no-op (what the code around the all-to-alls costs).
@@ -64,6 +66,8 @@ NAMES = ("q", "k", "v", "g", "beta")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", choices=["gdn", "kda"], default="gdn",
+                   help="gdn: the gated delta rule; kda: Kimi Delta Attention")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens of the piece (per rank)")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128, help="K = V")
@@ -79,8 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autotune", action="store_true",
                    help="autotune every kernel instead of replaying the configs recorded for this GPU")
-    p.add_argument("--out", default="profile-gdn-piece.json")
+    p.add_argument("--out", default=None, help="default: profile-<op>-piece.json")
     args = p.parse_args(argv)
+    args.out = args.out or f"profile-{args.op}-piece.json"
     bad = [P for P in args.a2a_world if P < 1 or args.heads % P]
     if bad:
         p.error(f"--a2a-world {bad}: each must divide --heads {args.heads}")
@@ -91,12 +96,13 @@ def parse_args(argv=None):
 # inputs and cases
 
 
-def make_inputs(T, H, D, seed, device, g_dtype=torch.float32, dtype=torch.bfloat16):
-    """q, k, v, g, beta ``[1, T, H(, D)]``, the output gradient ``do``, and random float32 states
-    ``S`` (an entering state) and ``D`` (a leaving-state gradient) ``[1, H, D, D]``."""
+def make_inputs(T, H, D, seed, device, op="gdn", g_dtype=torch.float32, dtype=torch.bfloat16):
+    """q, k, v, g, beta ``[1, T, H(, D)]`` (g ``[1, T, H]`` for gdn, ``[1, T, H, D]`` for kda), the output
+    gradient ``do``, and random float32 states ``S`` (an entering state) and ``D`` (a leaving-state
+    gradient) ``[1, H, D, D]``."""
     gen = torch.Generator(device=device).manual_seed(seed)
     q, k, v, do = (torch.randn(1, T, H, D, device=device, generator=gen) for _ in range(4))
-    g = F.logsigmoid(torch.randn(1, T, H, device=device, generator=gen)) / 16
+    g = F.logsigmoid(torch.randn(1, T, H, *((D,) if op == "kda" else ()), device=device, generator=gen)) / 16
     beta = torch.randn(1, T, H, device=device, generator=gen).sigmoid()
     S, dS = (torch.randn(1, H, D, D, device=device, generator=gen) for _ in range(2))
     x = dict(q=q, k=F.normalize(k, dim=-1), v=v, beta=beta, do=do)
@@ -109,7 +115,7 @@ def _unmarked(_name):
 
 
 def fla_case(ops, x, backward, varlen=False):
-    """fla's ``chunk_gated_delta_rule`` on ``x`` (as one segment of a packed row with ``varlen``)."""
+    """fla's op on ``x`` (as one segment of a packed row with ``varlen``)."""
     leaves = [x[n].detach().requires_grad_(backward) for n in NAMES]
     kw = {}
     if varlen:
@@ -179,13 +185,12 @@ def no_all_to_all(xs, group):
     return list(xs)
 
 
-def a2a_case(x, world, backward, exchange=copy_all_to_all):
-    """This rank's work in strategy a2a at CP=``world``: ``cp/a2a.py: head_all_to_all`` around the gated
-    delta rule's local op, each all-to-all replaced by ``exchange`` (a copy of the same size, or nothing)."""
+def a2a_case(ops, x, world, backward, exchange=copy_all_to_all):
+    """This rank's work in strategy a2a at CP=``world``: ``cp/a2a.py: head_all_to_all`` around the
+    operator's local op, each all-to-all replaced by ``exchange`` (a copy of the same size, or nothing)."""
     from megatron_zeco.comm import as_layout
     from megatron_zeco.cp import a2a
     from megatron_zeco.cp.operator import Call
-    from megatron_zeco.gated_delta_rule import GATED_DELTA_RULE
 
     group = SimpleNamespace(size=lambda: world, rank=lambda: 0)
     plan = SimpleNamespace(group=group, layout=as_layout("contiguous"), pieces_per_rank=1)
@@ -195,7 +200,7 @@ def a2a_case(x, world, backward, exchange=copy_all_to_all):
     def run(mark=_unmarked):
         real, a2a.all_to_all = a2a.all_to_all, exchange
         try:
-            o, _ = a2a.head_all_to_all(GATED_DELTA_RULE, plan, call, tuple(leaves), None)
+            o, _ = a2a.head_all_to_all(ops.operator, plan, call, tuple(leaves), None)
         finally:
             a2a.all_to_all = real
         mark("forward")
@@ -213,7 +218,7 @@ def cases_for(args, ops, T, device):
     compile of each kernel covers every T), then the a2a shapes (H/p heads)."""
     H, D = args.heads, args.dim
     directions = [("fwd", False)] + ([] if args.forward_only else [("fwd+bwd", True)])
-    x = lambda **kw: make_inputs(T, H, D, args.seed, device, **kw)  # noqa: E731
+    x = lambda **kw: make_inputs(T, H, D, args.seed, device, args.op, **kw)  # noqa: E731
     out = []
     for direction, bwd in directions:
         out.append(("H", "fla", direction, lambda b=bwd: fla_case(ops, x(), b)))
@@ -223,15 +228,16 @@ def cases_for(args, ops, T, device):
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"
-            out.append((group, f"a2a P={P}", direction, lambda b=bwd, P=P: a2a_case(x(), P, b)))
+            out.append((group, f"a2a P={P}", direction, lambda b=bwd, P=P: a2a_case(ops, x(), P, b)))
             if P == 1:
                 out.append((group, "a2a P=1 stubbed", direction,
-                            lambda b=bwd: a2a_case(x(), 1, b, exchange=no_all_to_all)))
+                            lambda b=bwd: a2a_case(ops, x(), 1, b, exchange=no_all_to_all)))
             if P > 1:
                 out.append((group, f"a2a P={P} g=bf16", direction,
-                            lambda b=bwd, P=P: a2a_case(x(g_dtype=torch.bfloat16), P, b)))
+                            lambda b=bwd, P=P: a2a_case(ops, x(g_dtype=torch.bfloat16), P, b)))
                 out.append((group, f"fla H/{P} x {P}T", direction,
-                            lambda b=bwd, P=P: fla_case(ops, make_inputs(P * T, H // P, D, args.seed, device), b)))
+                            lambda b=bwd, P=P: fla_case(ops, make_inputs(P * T, H // P, D, args.seed, device,
+                                                                         args.op), b)))
     if args.cases:
         out = [c for c in out if any(c[1].startswith(s) for s in args.cases)]
     return out
@@ -439,7 +445,7 @@ def meta(args):
     except ImportError:
         fla_version = None
     props = torch.cuda.get_device_properties(0)
-    return {"command": "python benchmarks/profile_gdn_piece.py " + " ".join(sys.argv[1:]),
+    return {"command": "python benchmarks/profile_piece.py " + " ".join(sys.argv[1:]), "op": args.op,
             "device": f"{props.name} x1", "sms": props.multi_processor_count,
             "date": datetime.date.today().isoformat(), "torch": torch.__version__, "triton": triton.__version__,
             "fla": fla_version, "cuda": torch.version.cuda, "heads": args.heads, "dim": args.dim,
@@ -452,13 +458,21 @@ def write(args, rows, extra=None):
         json.dump({"meta": meta(args), "rows": rows, **(extra or {})}, f, indent=1)
 
 
-def default_ops():
-    """The functions timed: fla's op and ZeCO's piece on fla's kernels."""
+def default_ops(op):
+    """The functions timed: fla's op, ZeCO's piece on fla's kernels, and the operator (for a2a)."""
+    if op == "kda":
+        from fla.ops.kda import chunk_kda
+
+        from megatron_zeco.kda import KDA
+        from megatron_zeco.kda.fla_piece import FlaKdaPiece
+
+        return SimpleNamespace(fla=chunk_kda, piece=FlaKdaPiece, operator=KDA)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
+    from megatron_zeco.gated_delta_rule import GATED_DELTA_RULE
     from megatron_zeco.gated_delta_rule.fla_piece import FlaDeltaPiece
 
-    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece)
+    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece, operator=GATED_DELTA_RULE)
 
 
 def measure(args, make, cycles):
@@ -482,12 +496,12 @@ def measure(args, make, cycles):
 def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        sys.exit("profile_gdn_piece.py needs a CUDA GPU (fla's kernels)")
+        sys.exit("profile_piece.py needs a CUDA GPU (fla's kernels)")
     from megatron_zeco.common.tuning import ENV, configure, snapshot
 
     os.environ.setdefault(ENV, "off" if args.autotune else "auto")
     configs = configure()
-    ops = default_ops()
+    ops = default_ops(args.op)
     device = torch.device("cuda")
     cycles = sleep_cycles_per_ms()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {cycles / 1e6:.2f} GHz sleep clock; "
@@ -507,7 +521,8 @@ def main(argv=None):
                     continue
                 finally:
                     torch.cuda.empty_cache()
-                rows.append({"part": "profile", "op": "gdn", "tokens": T, "case": name, "direction": direction, **row})
+                rows.append({"part": "profile", "op": args.op, "tokens": T, "case": name, "direction": direction,
+                             **row})
                 print_case(rows[-1], args.top)
                 write(args, rows, {"failed": failed, "autotuned": snapshot()})
             torch.cuda.empty_cache()

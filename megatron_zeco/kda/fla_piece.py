@@ -1,0 +1,152 @@
+"""ZeCO's local KDA on CUDA: one GPU's own work, plus a correction for the entering state.
+
+As the gated delta rule's piece (``gated_delta_rule/fla_piece.py``), with KDA's decay per key channel. A
+piece gets its entering state ``S_in`` and the gradient of its leaving state ``D`` from the scans, which
+need the piece's map ``S_out = M S_in + E`` first. The piece runs fla's KDA forward from a zero state at
+once (what one GPU computes anyway: the output ``o^0``, the chunk states, and the final state, which is
+``E``) and adds what ``S_in`` contributes afterwards, a term linear in ``S_in``
+(``megatron_zeco/kernels/delta_correction.py``, the kernels both delta rules share):
+
+    o_c = o^0_c + Qt_c (M_{<c} S_in),   Qt_c = scale (q_c * exp(G_c)) - Aqk_c w_c,
+    M_{<c} = T_{c-1} ... T_0,   T_c = Diag(exp(G_last)) - (k_c * exp(G_last - G_c))^T w_c
+
+with ``G`` the in-chunk cumulative log decay, a K-vector per token, and ``w``, ``Aqk`` fla's WY factor and
+in-chunk attention. Per piece:
+
+forward: fla's gate cumsum and intra-chunk pass (``w``, ``u``, the decayed keys, ``Aqk``, the WY matrix);
+    then, side by side, fla's state pass from a zero state (``E``) and this package's maps (``Qt`` from
+    fla's ``Aqk``, the transformed queries ``R_c = Qt_c M_{<c}`` over sub-pieces of the piece computed in
+    parallel, their prefix products ``P`` and ``M``: on a second CUDA stream) -- while the scan is in
+    flight, fla's output kernel (``o^0``) -- once ``S_in`` is there, ``o = o^0 + R (P S_in)``, every chunk
+    at once;
+backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradient from the outputs
+    alone, every chunk at once -- reverse scan -- fla's whole KDA backward from ``initial_state=S_in``
+    with final-state gradient ``D``: one GPU's backward.
+
+Results are those of fla's ``chunk_kda`` (``use_gate_in_kernel=False``, ``safe_gate=False``, chunks of 64)
+with ``initial_state=S_in`` and final-state gradient ``D``, up to rounding. For 16-bit inputs the maps'
+products round their float32 operands to the input dtype, as fla's own state pass rounds its states and
+decayed keys; for float32 inputs they keep float32 accuracy. Dense input (B sequences of T tokens) runs on
+fla's dense kernels, packed documents on its varlen ones; this package's kernels see B sequences as B
+segments of one row either way (the same memory). Grouped value heads (fewer query/key heads than value
+heads) as fla's.
+
+Built on fla-core's internal functions (signatures of fla-core 0.6, ``common.backend.FLA_VERSION``);
+imported on first use.
+"""
+
+import functools
+from types import SimpleNamespace
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+
+from ..common.backend import require_fla
+from ..kernels.delta_correction import PieceCorrection, SubPieces, plan_sub_pieces
+
+Tensor = torch.Tensor
+CHUNK = 64  # fla's chunk size for KDA (chunk_kda's default)
+
+
+@functools.lru_cache(maxsize=None)
+def _fla() -> SimpleNamespace:
+    require_fla("a ZeCO piece of KDA on CUDA")
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_bwd import chunk_kda_bwd
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
+    from fla.ops.utils.constant import RCP_LN2
+    return SimpleNamespace(**{f.__name__: f for f in (
+        chunk_gated_delta_rule_fwd_h, chunk_gla_fwd_o_gk, chunk_kda_bwd, chunk_kda_fwd_intra, chunk_local_cumsum,
+        prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
+
+
+class _Segments(NamedTuple):
+    """What a piece's launches need of its segments, kept per shape (a layer's pieces have the same
+    segments every step of an unpacked batch): fla's keywords (packed documents: the offsets on the
+    device, their host copy and fla's chunk indices, each made once: a copy from pageable host memory, or
+    fla's read-back, waits for the device; dense input: none) and the sub-pieces of the correction
+    kernels, enough of them to fill the device's SMs."""
+
+    fla: dict
+    plan: SubPieces
+
+
+@functools.lru_cache(maxsize=64)
+def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device: torch.device) -> _Segments:
+    host = torch.tensor(offsets, dtype=torch.long)
+    plan = plan_sub_pieces(host, CHUNK, heads, K, device)
+    if not packed:
+        return _Segments({}, plan)
+    cu = host.pin_memory().to(device, non_blocking=True)
+    indices = _fla().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
+    return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
+
+
+class FlaKdaPiece:
+    """One rank's piece of the sequence on fla's KDA kernels and this package's correction kernels (see the
+    module docstring, and ``local.kda_piece`` for the protocol). ``E [N, HV, K, V]``, ``M [N, HV, K, K]``
+    float32."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
+                 cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
+        fla = _fla()
+        B, T, _, K = q.shape
+        HV = v.shape[2]
+        self.dtypes, self.scale = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), scale
+        packed = cu_seqlens is not None  # else B sequences of T tokens: B segments for this package's kernels
+        offsets = tuple(int(x) for x in cu_seqlens_cpu) if packed else tuple(range(0, (B + 1) * T, T))
+        segments = _segments(offsets, packed, HV, K, q.device)
+        self.q, self.k, self.v, self.beta = (x.contiguous() for x in (q, k, v, beta))
+        self.kw = {n: x for n, x in segments.fla.items() if n != "cu_seqlens_cpu"}
+        self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
+        w, u, _, kg, self.Aqk, self.Akk = fla.chunk_kda_fwd_intra(
+            q=self.q, k=self.k, v=self.v, gk=self.g, beta=self.beta, scale=scale, chunk_size=CHUNK, **self.kw)
+        # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
+        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, segments.plan, aqk=self.Aqk,
+                                          beside=True)
+        self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
+            k=kg, w=w, u=u, gk=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
+            **segments.fla)
+        self.correction.join()
+        self.o0 = None
+
+    @property
+    def M(self) -> Tensor:
+        return self.correction.M
+
+    @property
+    def transition(self) -> Tensor:
+        return self.correction.M
+
+    def before_output(self) -> None:
+        """fla's output kernel from the zero-state chunk states: runs while the scan is in flight."""
+        if self.o0 is None:
+            self.o0 = _fla().chunk_gla_fwd_o_gk(q=self.q, v=self.v_new, g=self.g, A=self.Aqk, h=self.h,
+                                                scale=self.scale, chunk_size=CHUNK, **self.kw)
+            del self.h, self.v_new
+
+    def before_grads(self) -> None:  # fla's backward needs D
+        pass
+
+    def output(self, S_in: Tensor) -> Tensor:
+        """``o [B, T, HV, V]`` of the piece entered by ``S_in [N, HV, K, V]`` (float32)."""
+        self.before_output()
+        self.S_in = S_in.contiguous()
+        o = self.correction.output(self.o0, self.S_in)
+        self.o0 = None
+        return o
+
+    def entering_grad(self, do: Tensor) -> Tensor:
+        """``A [N, HV, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
+        self.do = do.contiguous()
+        return self.correction.entering_grad(self.do)
+
+    def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """dq, dk, dv, dg, dbeta (dtypes of the inputs) given ``D [N, HV, K, V]``, the gradient of the state
+        leaving the piece: fla's KDA backward from ``initial_state=S_in`` with ``dht=D``."""
+        dq, dk, dv, dbeta, dg, *_ = _fla().chunk_kda_bwd(
+            q=self.q, k=self.k, v=self.v, beta=self.beta, Aqk=self.Aqk, Akk=self.Akk, scale=self.scale,
+            initial_state=self.S_in, do=self.do, dht=D.contiguous(), g=self.g, chunk_size=CHUNK, **self.kw)
+        return tuple(x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, dbeta), self.dtypes))
