@@ -464,15 +464,15 @@ def default_ops(op):
         from fla.ops.kda import chunk_kda
 
         from megatron_zeco.kda import KDA
-        from megatron_zeco.kda.fla_piece import FlaKdaPiece
+        from megatron_zeco.kda.fla_piece import FlaPiece
 
-        return SimpleNamespace(fla=chunk_kda, piece=FlaKdaPiece, operator=KDA)
+        return SimpleNamespace(fla=chunk_kda, piece=FlaPiece, operator=KDA)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from megatron_zeco.gated_delta_rule import GATED_DELTA_RULE
-    from megatron_zeco.gated_delta_rule.fla_piece import FlaDeltaPiece
+    from megatron_zeco.gated_delta_rule.fla_piece import FlaPiece
 
-    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaDeltaPiece, operator=GATED_DELTA_RULE)
+    return SimpleNamespace(fla=chunk_gated_delta_rule, piece=FlaPiece, operator=GATED_DELTA_RULE)
 
 
 def measure(args, make, cycles):

@@ -80,7 +80,7 @@ def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device
     return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
 
 
-class FlaDeltaPiece:
+class FlaPiece:
     """One rank's piece of the sequence on fla's kernels and this package's correction kernels (see the
     module docstring, and ``local.gdn_piece`` for the protocol). ``E [N, H, K, V]``, ``M [N, H, K, K]``
     float32."""

@@ -73,8 +73,8 @@ def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     """
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_gated_delta_rule()  # the clear ImportError if fla is missing
-        from .fla_piece import FlaDeltaPiece
-        return FlaDeltaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
+        from .fla_piece import FlaPiece
+        return FlaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
     return ChunkedPiece(CHUNKED_FORMS, (q, k, v, g, beta), scale, cu_seqlens)
 
 

@@ -84,7 +84,7 @@ def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device
     return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
 
 
-class FlaKdaPiece:
+class FlaPiece:
     """One rank's piece of the sequence on fla's KDA kernels and this package's correction kernels (see the
     module docstring, and ``local.kda_piece`` for the protocol). ``E [N, HV, K, V]``, ``M [N, HV, K, K]``
     float32."""

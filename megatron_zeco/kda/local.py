@@ -72,8 +72,8 @@ def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: f
     """
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_kda()  # the clear ImportError if fla is missing
-        from .fla_piece import FlaKdaPiece
-        return FlaKdaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
+        from .fla_piece import FlaPiece
+        return FlaPiece(q, k, v, g, beta, scale, cu_seqlens, cu_seqlens_cpu)
     return ChunkedPiece(CHUNKED_FORMS, (q, k, v, g, beta), scale, cu_seqlens)
 
 

@@ -72,14 +72,14 @@ def test_one_gpu_is_fla_chunk_kda(seed):
 @pytest.mark.parametrize("lengths", [None, [1, 70, 300, 5, 100, 164]], ids=["dense", "packed"])
 @pytest.mark.parametrize("gate", ["normal", "mixed"])
 def test_piece_matches_float64(seed, dtype, lengths, gate):
-    """kda_piece on CUDA (FlaKdaPiece: fla's forward from a zero state, the correction kernels, fla's backward
+    """kda_piece on CUDA (FlaPiece: fla's forward from a zero state, the correction kernels, fla's backward
     from S_in): the summary (E from fla's zero-state pass, M from the correction kernels), the output from a
     given entering state, A + M^T D and every input's gradient from D; per sequence or packed segment, each
     result's error over all of them; gates per channel ``mixed``: none, ~1, strong and underflowing side by
     side. bf16: within the bound of fla's own error (tests/helpers/bounds.py), fla's chunk_kda run on the
     same segments from the same entering states."""
     from megatron_zeco.kda import kda_piece
-    from megatron_zeco.kda.fla_piece import FlaKdaPiece
+    from megatron_zeco.kda.fla_piece import FlaPiece
 
     B, T = (2, 300) if lengths is None else (1, sum(lengths))
     x = kda_problem(seed, B=B, T=T, H=4, K=64, V=64, gate=gate)
@@ -89,7 +89,7 @@ def test_piece_matches_float64(seed, dtype, lengths, gate):
     S_in, D = (torch.randn(len(spans), 4, 64, 64, dtype=torch.float64) for _ in range(2))
     piece = kda_piece(*(x[n].to("cuda", torch.float32 if n == "g" else dtype) for n in NAMES), 64 ** -0.5,
                       cu_seqlens=None if cu is None else cu.cuda(), cu_seqlens_cpu=cu)
-    assert isinstance(piece, FlaKdaPiece) and piece.M.shape == (len(spans), 4, 64, 64)
+    assert isinstance(piece, FlaPiece) and piece.M.shape == (len(spans), 4, 64, 64)
     assert piece.E.dtype == piece.M.dtype == torch.float32
     S_out = piece.M @ S_in.cuda().float() + piece.E
     o = piece.output(S_in.cuda().float())

@@ -32,7 +32,7 @@ def pieces(monkeypatch):
     for module in (gdn, kda):
         monkeypatch.setattr(module, "plan_sub_pieces", lambda cu, chunk, *args, **kwargs: SubPieces(cu, chunk, 3))
         module._segments.cache_clear()
-    yield {"gdn": gdn.FlaDeltaPiece, "kda": kda.FlaKdaPiece}
+    yield {"gdn": gdn.FlaPiece, "kda": kda.FlaPiece}
     for module in (gdn, kda):
         module._segments.cache_clear()
 
