@@ -15,8 +15,9 @@
 3. **Summary**: a table (printed last) and ``--out`` (JSON) with the device, date, commit and versions.
 
 Autotuned kernels replay the configs recorded for this GPU's chip (``megatron_zeco/common/configs/``, see
-``megatron_zeco/common/tuning.py``), so a cold machine compiles one config per kernel and key; ``--autotune``
-autotunes instead. ``--record DIR`` records: the shipped record is replayed and every kernel and key it lacks
+``megatron_zeco/common/tuning.py``), so a cold machine compiles one config per kernel and key; the tests,
+which check numerics, run a kernel's first config where the record has no pick for their shapes
+(``untuned``); ``--autotune`` autotunes everything instead. ``--record DIR`` records the benchmarks' picks: the shipped record is replayed and every kernel and key it lacks
 is autotuned once for all the check's processes (the others wait for its pick); ``DIR/record.json`` is then
 the shipped record extended, to be copied over it. Every process of the run shares one Triton cache
 (``$TRITON_CACHE_DIR``, by default a folder under the system's temp dir).
@@ -63,13 +64,17 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def environment(args):
-    """The environment every step runs in: one Triton cache, the tuned-config mode."""
+def environment(args, step):
+    """The environment a step runs in: one Triton cache for all, the tuned-config mode of the step: the tests
+    check numerics and run untuned kernels where the record has no pick (``untuned``), the benchmarks run
+    the recorded or autotuned configs."""
     env = dict(os.environ)
     env.setdefault("TRITON_CACHE_DIR", os.path.join(tempfile.gettempdir(), "megatron-zeco-triton-cache"))
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
-    if args.record:
+    if step == "tests" and not args.autotune:
+        env.setdefault(tuning.ENV, "untuned")
+    elif args.record:
         env[tuning.ENV] = "record:" + os.path.join(os.path.abspath(args.record), "picks")
     elif args.autotune:
         env[tuning.ENV] = "off"
@@ -264,7 +269,8 @@ def versions(env):
 def summary_lines(report):
     meta = report["meta"]
     lines = [f"\nGPU check: {meta['device']} x{meta['gpus']}, {meta['date']}, code {meta['commit']}, torch "
-             f"{meta['torch']}, Triton {meta['triton']}, fla-core {meta['fla-core']}, configs: {meta['configs']}",
+             f"{meta['torch']}, Triton {meta['triton']}, fla-core {meta['fla-core']}, configs: tests "
+             f"{meta['configs']['tests']}, benchmarks {meta['configs']['bench']}",
              f"total {report['seconds']:.0f} s"]
     if report.get("record"):
         lines.append(f"record: {report['record']['merge']}")
@@ -296,15 +302,16 @@ def main(argv=None):
     clock = Clock(args.budget)
     logs = args.logs or os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logs, exist_ok=True)
-    env = environment(args)
+    env = environment(args, "bench")
     info = versions(env)
     if not info["gpus"]:
         sys.exit("gpu_check: no CUDA GPU visible")
     args.gpus = info["gpus"]
     report = {"meta": {**info, "date": datetime.date.today().isoformat(), "commit": commit(),
-                       "configs": env[tuning.ENV], "command": " ".join(sys.argv)}}
+                       "configs": {"tests": environment(args, "tests")[tuning.ENV], "bench": env[tuning.ENV]},
+                       "command": " ".join(sys.argv)}}
     if "tests" not in args.skip:
-        report["tests"] = run_tests(args, env, logs, info["gpus"], clock)
+        report["tests"] = run_tests(args, environment(args, "tests"), logs, info["gpus"], clock)
     if "bench" not in args.skip:
         report["bench"] = run_bench(args, env, logs, info["gpus"], clock)
     if args.record:

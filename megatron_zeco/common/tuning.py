@@ -13,6 +13,9 @@ and the launch's shape: replayed and autotuned runs compute the same function, a
 - ``auto``: replay ``megatron_zeco/common/configs/<GPU name>.json`` where one is shipped for this GPU or
   its chip (``recorded_for``), autotune otherwise;
 - a path to a record: replay it;
+- ``untuned``: replay the shipped record for this GPU if there is one; every other kernel and key runs the
+  kernel's first config that launches, nothing timed (for tests, which check numerics: a cold process
+  compiles one config per kernel and key whether or not a record covers it);
 - ``record:DIR``: replay the shipped record for this GPU if there is one and autotune the rest, every
   process of the run sharing its results through ``DIR``: the first process to meet a kernel and key
   autotunes it (each config timed over ``RECORD_BENCH_MS`` instead of Triton's 25 + 100 ms) while the
@@ -189,6 +192,31 @@ def _share_autotuning(record: SharedRecord) -> None:
     Autotuner.run = shared_run
 
 
+def _take_first_config() -> None:
+    """Every autotuner of this process runs a key it has no pick for on its first config that launches
+    (a config refused for its resources, e.g. shared memory, is passed over), timing nothing."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.errors import OutOfResources
+
+    run = Autotuner.run
+
+    def first_run(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            key = tuning_key(self, args, kwargs)
+            if key not in self.cache:
+                for i, config in enumerate(self.configs):
+                    self.cache[key] = config
+                    try:
+                        return run(self, *args, **kwargs)
+                    except OutOfResources:
+                        del self.cache[key]
+                        if i == len(self.configs) - 1:
+                            raise
+        return run(self, *args, **kwargs)
+
+    Autotuner.run = first_run
+
+
 def merge(directory: str) -> dict:
     """The record of a recording run: ``{"gpu", versions, "kernels": {"module:attribute": [{"key", "config"}]}}``."""
     kernels: Dict[str, list] = {}
@@ -241,11 +269,16 @@ def configure() -> str:
         _share_autotuning(record)
         return f"autotune, recording into {directory}" + (f" ({replayed} configs replayed from {shipped})"
                                                           if shipped else "")
+    if value == "untuned":
+        shipped = recorded_for(gpu_name())
+        replayed = replay(_load(shipped))[0] if shipped else 0
+        _take_first_config()
+        return "first config of every kernel" + (f", {replayed} configs replayed from {shipped}" if shipped else "")
     path = recorded_for(gpu_name()) if value == "auto" else value
     if path is None:
         return f"autotune (no record shipped for {gpu_name()})"
     if not os.path.exists(path):
-        raise ValueError(f"{ENV}={value!r}: no such record (expected off, auto, record:DIR or a record's path)")
+        raise ValueError(f"{ENV}={value!r}: no such record (expected off, auto, untuned, record:DIR or a record's path)")
     replayed, skipped = replay(_load(path))
     return f"replayed {replayed} configs from {path}" + (f" ({skipped} skipped: not among the kernels' configs)"
                                                         if skipped else "")

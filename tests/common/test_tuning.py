@@ -46,6 +46,12 @@ def test_a_recording_run_tunes_each_key_once_and_the_record_replays_it(tmp_path)
     assert replayed["timed"] == [16, 32, 64] and replayed["ran"] == [32, 64, 16]  # 400: not recorded, tuned
 
 
+def test_an_untuned_process_runs_each_kernels_first_config_and_times_nothing(tmp_path):
+    out = _process("untuned", tmp_path, 64, 100, 200)
+    assert out["timed"] == [] and out["ran"] == [16, 16]
+    assert out["keys"] == [[100, "torch.float32", "torch.float32"], [200, "torch.float32", "torch.float32"]]
+
+
 def test_replay_skips_configs_the_kernel_does_not_have():
     import tests.helpers.tuned_kernel as k
 

@@ -3,7 +3,7 @@ interpreter, with the autotuner's timing replaced by a preference order (no GPU 
 
 ``python -m tests.helpers.tuned_kernel MODE DIRECTORY PREFER N...`` runs ``scale`` on inputs of each length
 ``N`` in a fresh interpreter: MODE ``record`` shares tuning through ``DIRECTORY`` (a recording run's
-process), ``replay`` replays the record at ``DIRECTORY``; the configs the autotuner timed and the ones it
+process), ``replay`` replays the record at ``DIRECTORY``, ``untuned`` runs the first config (DIRECTORY unused); the configs the autotuner timed and the ones it
 ran are printed as JSON, the last line.
 """
 
@@ -48,6 +48,8 @@ def main(mode, directory, prefer, *lengths):
     tuner._bench = bench
     if mode == "record":
         tuning._share_autotuning(tuning.SharedRecord(directory))
+    elif mode == "untuned":
+        tuning._take_first_config()
     else:
         tuning.replay(tuning._load(directory))
     for n in map(int, lengths):
