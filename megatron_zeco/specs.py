@@ -70,35 +70,38 @@ import importlib.util
 from dataclasses import replace
 from typing import Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec
-
 from . import mixers
 from .comm import Layout, as_layout
 from .cp.config import CPConfig, config_of, split_keywords
-from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
-from .kda.layer import KimiDeltaAttention, KimiDeltaAttentionSubmodules
-from .mcore.attention import AllGatherDotProductAttention
-from .mcore.common import check_conv_init, check_gate_timescales
-from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
-                               check_pattern)
+from .mcore import optional_packages_unmentioned
 
-try:
-    from megatron.core.extensions.transformer_engine import (
-        TEColumnParallelLinear,
-        TENorm,
-        TERowParallelLinear,
+with optional_packages_unmentioned():  # megatron-core's first import: no notices about Apex or TE
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
     )
-    import transformer_engine  # noqa: F401  (the extension module imports without TE)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
+    from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
+    from .kda.layer import KimiDeltaAttention, KimiDeltaAttentionSubmodules
+    from .mcore.attention import AllGatherDotProductAttention
+    from .mcore.common import check_conv_init, check_gate_timescales
+    from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
+                                   check_pattern)
+
+    try:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TENorm,
+            TERowParallelLinear,
+        )
+        import transformer_engine  # noqa: F401  (the extension module imports without TE)
+
+        HAVE_TE = True
+    except ImportError:
+        HAVE_TE = False
 
 # Megatron-Core's HybridModel (megatron/core/models/hybrid/) arrived in 0.19.
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from . import checkpoint, mixers
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
 from .comm.peer import TRANSPORTS
+from .mcore import hide_optional_package_notices
 from .cp.config import RULES, CPConfig
 from .recall import RecallTask
 
@@ -837,13 +838,10 @@ def _summary(cfg, task, history, steps, elapsed, saving, saved_at, log):
 # --- the command ----------------------------------------------------------------------------------
 
 # What megatron-core (and torch, inside megatron-core's checkpointing) warn about on every rank that
-# a user of this job cannot act on: optional fused kernels it does not use (Apex, TransformerEngine),
-# an optional logging package, torch's deprecations of what megatron-core calls.
-# (message, module, category), matched as warnings.filterwarnings does.
+# a user of this job cannot act on, besides its notices about optional packages (mcore): torch's
+# deprecations of what megatron-core calls. (message, module, category), matched as
+# warnings.filterwarnings does.
 NOT_ACTIONABLE = (
-    (r"Transformer Engine and Apex are not installed", r"megatron\.(core|training)\.", UserWarning),
-    (r"Apex is not installed", r"megatron\.core\.", UserWarning),
-    (r"absl\.logging is not installed", r"megatron\.core\.hyper_comm_grid", UserWarning),
     (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\.", FutureWarning),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint\.",
      FutureWarning),
@@ -873,8 +871,10 @@ class _DropMessage(logging.Filter):
 
 
 def quiet_third_party_warnings(on_cpu: bool):
-    """Hide the NOT_ACTIONABLE warnings and log records (each by message and module or logger;
-    every other warning shows)."""
+    """Hide the NOT_ACTIONABLE warnings and log records and megatron-core's notices about missing optional
+    packages (mcore.OPTIONAL_PACKAGE_NOTICES), each by message and module or logger; every other warning
+    shows."""
+    hide_optional_package_notices()
     for message, module, category in NOT_ACTIONABLE + (NOT_ACTIONABLE_ON_CPU if on_cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, start in NOT_ACTIONABLE_LOGS:

@@ -7,23 +7,24 @@ Every other layer test compares the layer under CP with the same layer at CP = 1
 layer computes: the projections' layouts, the short convolution, the norms, the gates (a decay without
 its ``exp``, a gate without its bias, a sigmoid for a SiLU fail here), the recurrence and the output
 gate. Random parameters (not the layers' initialisation, so that every term weighs). And the layers'
-initialisation knobs (``conv_init``, ``gate_timescales``) as the main job sets them. One launch of one
+initialisation knobs (``conv_init``, ``gate_timescales``) as the main job sets them. And, first in that
+fresh process, what importing the specs into user code shows: none of megatron-core's notices about its
+missing optional packages (Apex, TransformerEngine), and no filter of them left behind. One launch of one
 process for all.
 """
-
-import importlib.util
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_zeco.train import GDN_PATH, megatron_core_has
 from tests.helpers.distributed import run_ranks
 from tests.helpers.megatron import transformer_config
 from tests.helpers.reference import rel_err
 
 pytestmark = pytest.mark.megatron
 
-HAVE_GDN = importlib.util.find_spec("megatron.core.models.hybrid") is not None  # 0.19: GatedDeltaNet too
+HAVE_GDN = megatron_core_has(GDN_PATH)  # 0.19 (looked up without importing megatron-core)
 TOL = 1e-10
 S, B, HIDDEN, HEADS, W = 12, 2, 24, 3, 4  # tokens, sequences, hidden size, heads (of 8), convolution taps
 D = HIDDEN // HEADS
@@ -130,14 +131,35 @@ def _build(mixer, **knobs):
     return build_module(spec, config=config, layer_number=1).double(), config
 
 
+def _import_notices():
+    """The warnings importing megatron_zeco.specs (and .models) shows in a process that has not imported
+    megatron-core yet, the filters it leaves that hide megatron-core's notices, and whether a notice megatron-core
+    raises after the import still shows."""
+    import sys
+    import warnings
+
+    assert not any(m.split(".")[0] == "megatron" for m in sys.modules), "megatron-core imported already"
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("default")
+        import megatron_zeco.specs  # noqa: F401
+        if HAVE_GDN:
+            import megatron_zeco.models  # noqa: F401
+        left = [f for f in warnings.filters if f[1] is not None and "not installed" in f[1].pattern]
+        warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "backends.py", 1,
+                               module="megatron.core.models.backends")
+    return [f"{w.category.__name__}: {w.message}" for w in shown if w.category is UserWarning], left
+
+
 def _layers(rank, world, mixers):
-    """Per mixer: the layer's output and the formula's, for random parameters and input (float64); and the
-    initial parameters of the layers with a short convolution, by their initialisation knobs."""
+    """What importing the specs shows (:func:`_import_notices`); per mixer: the layer's output and the
+    formula's, for random parameters and input (float64); and the initial parameters of the layers with a
+    short convolution, by their initialisation knobs."""
+    notices = _import_notices()
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(1, 1)
     torch.manual_seed(0)
-    out = {}
+    out = {"import": notices}
     try:
         for mixer in mixers:
             layer, config = _build(mixer)
@@ -200,3 +222,12 @@ def test_initialisation_knobs(outputs, mixer):
     else:
         tau = 2.0 * 16.0 ** torch.tensor([1 / 6, 1 / 2, 5 / 6], dtype=torch.float64)
         assert torch.allclose(dt, 1 / tau, rtol=1e-12, atol=0), (dt, 1 / tau)
+
+
+def test_importing_the_specs_shows_no_notice_of_megatron_core(outputs):
+    """megatron-core's notices about Apex and TransformerEngine, printed when it is first imported, are hidden
+    while this package imports it (they are not the user's to act on), and only then: the one user warning
+    shown is the notice megatron-core's own code raises after the import."""
+    shown, left = outputs["import"]
+    assert shown == ["UserWarning: Apex is not installed. Falling back to Torch Norm"], shown
+    assert left == [], left
