@@ -1,18 +1,21 @@
-"""The main job: train a small GLA (or KDA) model (megatron-core) with ZeCO context parallelism.
+"""The main job: train a small GLA, Gated DeltaNet or KDA model (megatron-core) with ZeCO context parallelism.
 
-    torchrun --nproc-per-node 4 -m megatron_zeco.train                 # CPU, gloo, CP = 4
-    torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2          # TP 2 x CP 4
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --mixer kda     # Kimi Delta Attention layers
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid  # HybridModel 'G-G-' (megatron-core >= 0.19)
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid --hybrid-layer-pattern 'G-G-G-*-'
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --save ckpt --load ckpt   # save, and resume if saved
+    python -m megatron_zeco.train --nproc-per-node 4                   # CPU, gloo, CP = 4
+    python -m megatron_zeco.train --nproc-per-node 4 --mixer kda       # Kimi Delta Attention layers
+    python -m megatron_zeco.train --nproc-per-node 4 --mixer gdn       # Gated DeltaNet (megatron-core >= 0.19)
+    python -m megatron_zeco.train --nproc-per-node 8 --tp 2            # TP 2 x CP 4
+    python -m megatron_zeco.train --nproc-per-node 4 --pattern 'G*'    # every 2nd layer softmax attention
+    python -m megatron_zeco.train --nproc-per-node 4 --model hybrid    # HybridModel 'G-G-' (megatron-core >= 0.19)
+    python -m megatron_zeco.train --nproc-per-node 4 --save ckpt --load ckpt   # save, and resume if saved
+    torchrun --nproc-per-node 4 -m megatron_zeco.train                 # the same processes, started by torchrun
 
 Uses megatron-core directly (parallel_state, GPTModel or HybridModel, the specs of this package,
 dist_checkpointing); gradients of the parameters, replicated over data and context parallel
 ranks, are summed over that group as Megatron's DDP does. Runs on GPUs with NCCL when torch
-sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP strategy every
-``--log-interval`` steps, and a summary at the end. Flags, save/resume: docs/main-job.md.
+sees them (``--device auto``). ``--nproc-per-node`` checks the flags before it starts the processes
+(torchrun's launcher, ``torch.distributed.run``): a bad flag stops the job in seconds, its message the
+last line. Prints loss, recall accuracy, tokens/s and the CP strategy every ``--log-interval`` steps,
+and a summary at the end. Flags, save/resume: docs/main-job.md.
 """
 
 import argparse
@@ -111,6 +114,10 @@ class TrainConfig:
                                      "and Megatron's layers draw them: uniform in +-1/2 for 4 taps)",
                                      shown="identity for gdn and kda; gla has no convolution",
                                      choices=["identity", "uniform"])
+    gate_init: str = _flag("timescales", MODEL, "how the forget gates start: timescales (memories from one token to "
+                           "four sequence lengths: spread over the key channels for gla and kda, over the heads for "
+                           "gdn) or layer (the layer's own initialisation: fla's zero gate bias for gla, fla's KDA "
+                           "models' for kda, Megatron's GatedDeltaNet's for gdn)", choices=["timescales", "layer"])
     pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = the --mixer layer, "
                          "* = causal softmax attention ('G*': every second layer softmax)")
     hybrid_layer_pattern: str = _flag("G-G-", MODEL, "--model hybrid: one layer per symbol, as Megatron-LM's "
@@ -470,9 +477,10 @@ def cp_config(cfg: TrainConfig) -> CPConfig:
 
 def _mixer_knobs(cfg: TrainConfig) -> dict:
     """The G layers' arguments (megatron_zeco.specs) from the job's flags, for either model: the CP knobs and
-    the initialisation knobs the mixer has (mixers.KNOBS): the gates' memories from one token to four
-    sequence lengths, the convolution's taps (--conv-init; uniform is the layers' own default)."""
-    init = dict(gate_timescales=(1.0, 4.0 * cfg.seq_len),
+    the initialisation knobs the mixer has (mixers.KNOBS): the gates' memories (--gate-init: from one token to
+    four sequence lengths, or the layer's own), the convolution's taps (--conv-init; uniform is the layers' own
+    default)."""
+    init = dict(gate_timescales=(1.0, 4.0 * cfg.seq_len) if cfg.gate_init == "timescales" else None,
                 conv_init=None if cfg.conv_init == "uniform" else cfg.conv_init)
     mine = {k: v for k, v in init.items() if k in mixers.KNOBS[cfg.mixer]}
     return dict(mixer=cfg.mixer, cp_config=cp_config(cfg), **mine)
@@ -693,10 +701,11 @@ def startup_errors():
 
 # Flags that shape the loss curve: a resumed run takes them as saved (--steps may change: the
 # learning-rate schedule then spans the new count). The parallel layout, CP strategy, device and
-# logging may change: a checkpoint loads at any TP x CP x DP.
-RESUME_FLAGS = ("model", "pattern", "hybrid_layer_pattern", "experts", "position_embedding", "layers", "hidden",
-                "heads", "dtype", "task", "seq_len", "batch", "pairs", "keys", "values", "filler", "seed", "lr",
-                "clip_grad")
+# logging may change: a checkpoint loads at any TP x CP x DP; so may the initialisation (--conv-init,
+# --gate-init, --init-std): the weights are the checkpoint's.
+RESUME_FLAGS = ("model", "mixer", "pattern", "hybrid_layer_pattern", "experts", "position_embedding", "layers",
+                "hidden", "heads", "dtype", "task", "seq_len", "batch", "pairs", "keys", "values", "filler", "seed",
+                "lr", "clip_grad")
 
 
 def save_checkpoint(cfg: TrainConfig, step: int, model, optimizer, scheduler, device, log):
