@@ -512,6 +512,43 @@ def test_hybrid_model_resumes_the_same_losses_and_refuses_the_other_model(hybrid
         assert "was saved with --model hybrid (given gpt)" in out["gpt error"], out["gpt error"]
 
 
+# --- --mixer gdn (megatron-core >= 0.19) ------------------------------------------------------------
+
+GDN = dict(TINY, mixer="gdn")
+
+
+def _gdn_runs(rank, world, root):
+    """Histories of --mixer gdn: 6 steps at CP 2 (zeco, lasp2, a2a) and at CP 1 (DP 2); 3 steps saved at CP 2
+    and resumed; 3 steps of --model hybrid 'G-*-' at CP 2 and CP 1."""
+    from megatron_zeco import train as T
+
+    def run(**flags):
+        return T.train(T.TrainConfig(**{**GDN, **flags}), log=lambda line: None)
+
+    ckpt = os.path.join(root, "ckpt")
+    out = {"zeco": run(cp=2), "cp1": run(cp=1, dp=2), "lasp2": run(cp=2, strategy="lasp2"),
+           "a2a": run(cp=2, strategy="a2a")}
+    out["first"] = run(cp=2, save=ckpt, exit_interval=3)
+    out["resumed"] = run(cp=2, load=ckpt)
+    hybrid = dict(model="hybrid", layers=None, hybrid_layer_pattern="G-*-", steps=3)
+    out["hybrid cp2"], out["hybrid cp1"] = run(cp=2, **hybrid), run(cp=1, dp=2, **hybrid)
+    return out
+
+
+@pytest.mark.slow
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_gated_deltanet_job_trains_as_one_rank_under_every_strategy_and_resumes(tmp_path):
+    """--mixer gdn at CP 2, by zeco, lasp2 and a2a, GPTModel and HybridModel: CP 1's losses (float32, 1e-5);
+    3 steps + save + load + 3 steps == 6 steps straight, to the bit."""
+    for out in run_ranks(_gdn_runs, 2, str(tmp_path)):
+        for name, ref in (("zeco", "cp1"), ("lasp2", "cp1"), ("a2a", "cp1"), ("hybrid cp2", "hybrid cp1")):
+            assert len(out[name]) == len(out[ref]) > 0, name
+            for (loss, _), (want, _) in zip(out[name], out[ref]):
+                assert loss == pytest.approx(want, rel=1e-5, abs=0), (name, out[name], out[ref])
+        assert out["first"] == out["zeco"][:3] and out["resumed"] == out["zeco"][3:], out
+
+
 # --- a stalled rank --------------------------------------------------------------------------------
 
 def _stalled_job(rank, world, root):
