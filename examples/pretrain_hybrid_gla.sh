@@ -7,7 +7,9 @@
 #
 # Environment (all optional): MEGATRON_LM (checkout with pretrain_hybrid.py), GPUS (processes on this
 # node), CP, TP, PP, SPEC (a stack from megatron_zeco/specs.py: hybrid_stack_local_spec, or
-# hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine), MODEL
+# hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine; G = KDA with
+# kda_hybrid_stack_local_spec, G = Gated DeltaNet with gdn_hybrid_stack_local_spec and the flags
+# docs/gated-deltanet.md gives, --swiglu and --linear-*), MODEL
 # (small | gla-1b), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
 # PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
 # (--position-embedding-type: rope, for the softmax layers; GLA layers ignore it; none without them).

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from . import checkpoint, mixers
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
 from .comm.peer import TRANSPORTS
-from .mcore import hide_optional_package_notices
 from .cp.config import RULES, CPConfig
+from .mcore import hide_optional_package_notices
 from .recall import RecallTask
 
 PROG = "megatron_zeco.train"
@@ -94,8 +94,8 @@ class TrainConfig:
                            "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
                            "between the GPUs of one node, else send_recv",
                            metavar="{" + ",".join(TRANSPORTS) + "}")
-    piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
-                                       "(zeco and lasp2; exact; --seq-len must then divide into them)",
+    piece_split: Optional[int] = _flag(None, PARALLEL, "--mixer gla: run each CP piece as this many batched "
+                                       "sub-pieces (zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
     device: str = _flag("auto", PARALLEL, "cuda (NCCL, one GPU per process), cpu (gloo), or auto: cuda when "
                         "torch sees a GPU", choices=["auto", "cpu", "cuda"])
@@ -125,7 +125,7 @@ class TrainConfig:
                                       "mixture of experts (needs a GPU); the GPTModel pattern 'G*' is 'G-*-' here")
     experts: int = _flag(4, MODEL, "--model hybrid: experts of each E layer (Megatron's router: top-2, no "
                          "auxiliary loss)")
-    position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (GLA layers "
+    position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (the G layers "
                                     "carry no positions)", choices=["none", "rope"])
     layers: Optional[int] = _flag(None, MODEL, "--model gpt: transformer layers; --model hybrid: the number of "
                                   "symbols in --hybrid-layer-pattern, which it must equal",
@@ -239,7 +239,7 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     against each other; ValueError naming the flag to change. Returns lines for the log."""
     notes = resolve_model(cfg)
     resolve_mixer(cfg)
-    cp_config(cfg)  # the CP knobs' own checks, as every entry point runs them
+    config = cp_config(cfg)  # the CP knobs' own checks, as every entry point runs them
     for name in ("tp", "dp", "layers", "hidden", "heads", "batch", "steps", "log_interval", "pairs", "keys",
                  "values", "filler"):
         if getattr(cfg, name) < 1:
@@ -275,7 +275,7 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     if cfg.save_interval and not cfg.save:
         raise ValueError("--save-interval needs --save DIR")
     try:
-        cp_config(cfg).check_dims(cfg.hidden // cfg.heads, cfg.hidden // cfg.heads)  # the pipeline blocks
+        config.check_dims(cfg.hidden // cfg.heads, cfg.hidden // cfg.heads)  # the pipeline blocks
     except ValueError as e:
         raise ValueError(f"{e} (a head's dim is --hidden {cfg.hidden} / --heads {cfg.heads})") from None
     try:
@@ -342,7 +342,7 @@ def resolve_model(cfg: TrainConfig) -> List[str]:
     if cfg.model == "gpt":
         if cfg.hybrid_layer_pattern != _DEFAULTS["hybrid_layer_pattern"]:
             raise ValueError("--hybrid-layer-pattern is for --model hybrid; --model gpt takes --pattern "
-                             "(G GLA, * softmax attention), e.g. --pattern 'G*' for 'G-*-'")
+                             "(G the --mixer layer, * softmax attention), e.g. --pattern 'G*' for 'G-*-'")
         if cfg.layers is None:
             cfg.layers = GPT_LAYERS
         return []
@@ -665,7 +665,11 @@ _JOB_FLAGS = {
     "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
     "cp_piece_split": "--piece-split", "cp_transport": "--transport", "cp_overlap_scan": "(no flag)",
     "--position-embedding-type": "--position-embedding",
+    "--linear-num-key-heads": "--heads", "--linear-num-value-heads": "--heads",
+    "--linear-key-head-dim": "--hidden / --heads", "--linear-value-head-dim": "--hidden / --heads",
     "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
+    "--spec megatron_zeco.specs kda_hybrid_stack_local_spec": "--strategy zeco",
+    "--spec megatron_zeco.specs gdn_hybrid_stack_local_spec": "--strategy zeco",
 }
 
 
