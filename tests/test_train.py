@@ -129,7 +129,7 @@ def test_resolve_names_the_flag_to_change(world, flags, names):
 @pytest.mark.megatron
 @pytest.mark.parametrize("flags,names", [
     (dict(hybrid_layer_pattern="G-|G-"), ["'G-|G-'", "'|' separates pipeline stages", "drop the '|'"]),
-    (dict(hybrid_layer_pattern="GM-"), ["'GM-'", "no layer for 'M'", "'G' (GLA or KDA (--mixer)), '*' (softmax attention)"]),
+    (dict(hybrid_layer_pattern="GM-"), ["'GM-'", "no layer for 'M'", "'G' (the --mixer layer), '*' (softmax attention)"]),
     (dict(hybrid_layer_pattern=""), ["no layers"]),
     (dict(layers=3), ["--layers 3 must equal the 4 layers of --hybrid-layer-pattern 'G-G-'"]),
     (dict(pattern="G*"), ["--pattern is for --model gpt", "--hybrid-layer-pattern 'G-*-'"]),

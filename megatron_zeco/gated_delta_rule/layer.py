@@ -73,9 +73,10 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
             ``--linear-value-head-dim``), ``cp_transport``, ``cp_overlap_scan``, ``cp_packed_split``
             (as :class:`megatron_zeco.gla.layer.GatedLinearAttention`'s). The short convolution always
             exchanges halos.
-        gate_timescales: ``(shortest, longest)`` memory in tokens: the decays start at ``exp(-1 / tau)``, ``tau``
-            evenly spaced in log over that range across the value heads (see :meth:`reset_parameters`); None: Megatron's
-            initialisation (``A`` uniform in ``A_init_range``, ``dt_bias = 1``: decays of 0.27 or less per token).
+        gate_timescales: ``(shortest, longest)`` memory in tokens: the decays start at ``exp(-1 / tau)``,
+            ``tau`` evenly spaced in log over that range across the value heads (see :meth:`reset_parameters`);
+            None: Megatron's initialisation (``A`` uniform in ``A_init_range``, ``dt_bias = 1``: decays of 0.27
+            or less per token).
         **kwargs: the ``cp_*`` keywords, Megatron's keyword arguments above, and anything else
             TransformerLayer passes (``pp_layer_offset``, ...), unused.
     """
