@@ -2,7 +2,7 @@
 
     MEGATRON_LM=third_party/megatron-lm python benchmarks/throughput.py --gpus 2 --out results/throughput.json
 
-For each tokens-per-GPU T, trains the paper's GLA-1B shape (examples/pretrain_gla.sh MODEL=gla-1b,
+For each tokens-per-GPU T, trains the paper's GLA-1B shape (examples/pretrain_gpt_gla.sh MODEL=gla-1b,
 bf16, mock data) for a few iterations on all GPUs of the node:
 
 * ``cp1``: CP = 1 (data parallel over the GPUs), sequence T, one sequence per GPU;
@@ -77,7 +77,7 @@ def run(args, cp, T, strategy, logdir):
     log_path = os.path.join(logdir, f"{name}.log")
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", os.path.join(HERE, "..", "examples", "pretrain_gla.sh"), *flags],
+        proc = subprocess.Popen(["bash", os.path.join(HERE, "..", "examples", "pretrain_gpt_gla.sh"), *flags],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=args.limit)

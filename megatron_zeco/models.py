@@ -6,11 +6,14 @@
 
 from typing import Optional
 
-from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
-from megatron.core.models.hybrid.hybrid_model import HybridModel
-from megatron.core.transformer.spec_utils import ModuleSpec
+from .mcore import optional_packages_unmentioned
 
-from .specs import hybrid_stack_spec
+with optional_packages_unmentioned():  # megatron-core's first import: no notices about Apex or TE
+    from megatron.core.models.hybrid.hybrid_layer_allocation import Symbols, parse_hybrid_pattern
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from .specs import hybrid_stack_spec
 
 
 def build_hybrid_model(config, hybrid_layer_pattern: str, vocab_size: int, max_sequence_length: int,

@@ -39,13 +39,16 @@ class RecallTask:
     def chance(self) -> float:
         return 1.0 / self.num_values
 
-    def batch(self, batch_size: int, generator: torch.Generator) -> dict:
-        """``tokens``, ``labels`` (next token) and ``loss_mask`` (1 where the label is an answer), ``[b, s]``."""
+    def __post_init__(self):
         n, s = self.num_pairs, self.seq_len
         if 3 * n + 1 > s:
             raise ValueError(f"RecallTask: {n} pairs need a sequence of more than {3 * n} tokens, got {s}")
         if n > self.num_keys:
             raise ValueError(f"RecallTask: {n} pairs need at least as many keys, got {self.num_keys}")
+
+    def batch(self, batch_size: int, generator: torch.Generator) -> dict:
+        """``tokens``, ``labels`` (next token) and ``loss_mask`` (1 where the label is an answer), ``[b, s]``."""
+        n, s = self.num_pairs, self.seq_len
         keys = torch.rand(batch_size, self.num_keys, generator=generator).argsort(dim=1)[:, :n]
         values = torch.randint(0, self.num_values, (batch_size, n), generator=generator)
         filler = self.value_base + self.num_values

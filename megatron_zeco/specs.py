@@ -70,33 +70,38 @@ import importlib.util
 from dataclasses import replace
 from typing import Optional
 
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
-from megatron.core.transformer.spec_utils import ModuleSpec
-
+from . import mixers
 from .comm import Layout, as_layout
 from .cp.config import CPConfig, config_of, split_keywords
-from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
-from .kda.layer import KimiDeltaAttention, KimiDeltaAttentionSubmodules
-from .mcore.attention import AllGatherDotProductAttention
-from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
-                               check_pattern)
+from .mcore import optional_packages_unmentioned
 
-try:
-    from megatron.core.extensions.transformer_engine import (
-        TEColumnParallelLinear,
-        TENorm,
-        TERowParallelLinear,
+with optional_packages_unmentioned():  # megatron-core's first import: no notices about Apex or TE
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
     )
-    import transformer_engine  # noqa: F401  (the extension module imports without TE)
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
-    HAVE_TE = True
-except ImportError:
-    HAVE_TE = False
+    from .gla.layer import GatedLinearAttention, GatedLinearAttentionSubmodules
+    from .kda.layer import KimiDeltaAttention, KimiDeltaAttentionSubmodules
+    from .mcore.attention import AllGatherDotProductAttention
+    from .mcore.common import check_conv_init, check_gate_timescales
+    from .mcore.gpt_hybrid import (ATTENTION, GLA, HybridLayerSubmodules, HybridMixerLayer, HybridTransformerLayer,
+                                   check_pattern)
+
+    try:
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TENorm,
+            TERowParallelLinear,
+        )
+        import transformer_engine  # noqa: F401  (the extension module imports without TE)
+
+        HAVE_TE = True
+    except ImportError:
+        HAVE_TE = False
 
 # Megatron-Core's HybridModel (megatron/core/models/hybrid/) arrived in 0.19.
 HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
@@ -111,7 +116,6 @@ def _has_module(name: str) -> bool:
 
 # The GatedDeltaNet that ZecoGatedDeltaNet subclasses (megatron/core/ssm/gated_delta_net/, 0.19).
 HAVE_GDN_LAYER = _has_module("megatron.core.ssm.gated_delta_net.common")
-MIXERS = ("gla", "gdn", "kda")
 
 
 class _TransformerEngineMissing:
@@ -198,6 +202,8 @@ def gla_layer_spec(
 def gdn_layer_spec(
     use_te: bool = False,
     cp_config: Optional[CPConfig] = None,
+    conv_init=None,
+    gate_timescales=None,
     normalization: Optional[str] = None,
     **cp_knobs,
 ) -> ModuleSpec:
@@ -212,6 +218,11 @@ def gdn_layer_spec(
         cp_config: the layers' context parallelism (:class:`~megatron_zeco.cp.CPConfig`, operator
             ``gated_delta_rule``; used when ``--context-parallel-size`` > 1), or None to make it from
             ``cp_knobs``.
+        conv_init: the short convolution's initial taps: None (Megatron's: ``nn.Conv1d``'s), a float
+            (Megatron's ``conv_init``: uniform in ``+-conv_init``) or ``"identity"`` (see
+            :func:`megatron_zeco.mcore.common.init_conv_taps`).
+        gate_timescales: ``(shortest, longest)`` initial memory of the value heads' decays in tokens, or
+            None for Megatron's initialisation (see ZecoGatedDeltaNet).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
             ``--normalization`` by themselves.
         **cp_knobs: the CP knobs as keywords (``cp_strategy``: ``zeco``, ``lasp2`` or ``a2a``;
@@ -219,6 +230,8 @@ def gdn_layer_spec(
             ``cp_packed_split``; see ZecoGatedDeltaNet).
     """
     config = _cp_config("gated_delta_rule", cp_config, cp_knobs, "gdn_layer_spec")
+    check_conv_init(conv_init, "megatron_zeco.specs.gdn_layer_spec")
+    check_gate_timescales(gate_timescales, "megatron_zeco.specs.gdn_layer_spec")
     if not HAVE_GDN_LAYER:
         return ModuleSpec(module=_GatedDeltaNetMissing)
     if use_te and not HAVE_TE:
@@ -227,7 +240,9 @@ def gdn_layer_spec(
 
     from .gated_delta_rule.layer import ZecoGatedDeltaNet
 
-    params = dict(cp_config=config)
+    # Megatron's own initialisation unless a knob is given (Megatron's constructor takes conv_init too)
+    knobs = dict(conv_init=conv_init, gate_timescales=gate_timescales)
+    params = dict(cp_config=config, **{k: v for k, v in knobs.items() if v is not None})
     if use_te:  # Megatron's own submodules: the input norm fused into in_proj
         from megatron.core.extensions.transformer_engine import TELayerNormColumnParallelLinear
 
@@ -250,6 +265,7 @@ def kda_layer_spec(
     use_te: bool = False,
     cp_config: Optional[CPConfig] = None,
     conv_kernel_size: int = 4,
+    conv_init=None,
     gate_timescales=None,
     normalization: Optional[str] = None,
     **cp_knobs,
@@ -262,15 +278,19 @@ def kda_layer_spec(
         cp_config: the layers' context parallelism (:class:`~megatron_zeco.cp.CPConfig`, operator ``kda``;
             used when ``--context-parallel-size`` > 1), or None to make it from ``cp_knobs``.
         conv_kernel_size: the short convolution's width.
+        conv_init: the short convolution's initial taps: None (``nn.Conv1d``'s, as fla's layer), a float
+            (uniform in ``+-conv_init``) or ``"identity"`` (see KimiDeltaAttention).
         gate_timescales: ``(shortest, longest)`` initial memory of the forget-gate channels in tokens,
-            or None for Kimi Linear's initialisation (see KimiDeltaAttention).
+            or None for fla's KDA models' initialisation (see KimiDeltaAttention).
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``); TE norms follow
             ``--normalization`` by themselves.
         **cp_knobs: the CP knobs as keywords (``cp_strategy``: ``zeco``, ``lasp2`` or ``a2a``;
             ``cp_layout``, ``cp_num_blocks``, ``cp_transport``, ``cp_overlap_scan``, ``cp_packed_split``).
     """
+    check_conv_init(conv_init, "megatron_zeco.specs.kda_layer_spec")
+    check_gate_timescales(gate_timescales, "megatron_zeco.specs.kda_layer_spec")
     params = dict(cp_config=_cp_config("kda", cp_config, cp_knobs, "kda_layer_spec"),
-                  conv_kernel_size=conv_kernel_size, gate_timescales=gate_timescales)
+                  conv_kernel_size=conv_kernel_size, conv_init=conv_init, gate_timescales=gate_timescales)
     if use_te and not HAVE_TE:
         return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": "kda_local_spec"})
     if use_te:
@@ -320,6 +340,7 @@ def hybrid_layer_spec(
     cp_config: Optional[CPConfig] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
+    conv_init=None,
     normalization: Optional[str] = None,
     **cp_knobs,
 ) -> ModuleSpec:
@@ -332,13 +353,13 @@ def hybrid_layer_spec(
             ``GGG*`` puts softmax attention at layers 4, 8, ... (see megatron_zeco.mcore.gpt_hybrid).
         use_te: TransformerEngine linears, norms and attention (:func:`softmax_layer_spec`).
         mixer: ``gla``, ``gdn`` or ``kda``: the ``G`` layers are GLA (:func:`gla_layer_spec`), Megatron-Core's
-            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`; the gate knobs must keep their defaults) or
-            KDA (:func:`kda_layer_spec`; ``gate_timescales`` applies, ``gate_low_rank_dim`` must keep its default).
+            Gated DeltaNet under ZeCO (:func:`gdn_layer_spec`) or KDA (:func:`kda_layer_spec`).
         cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec`,
             :func:`gdn_layer_spec` or :func:`kda_layer_spec` take it); its layout and packed split are the softmax layers' too
             (TE's attention takes ``zigzag`` only).
-        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`); ``gate_timescales``
-            the KDA layers' too (:func:`kda_layer_spec`).
+        gate_low_rank_dim, gate_timescales, conv_init: the mixer's initialisation knobs, each given only
+            where the mixer has it (``megatron_zeco.mixers.KNOBS``): ``gate_timescales`` every mixer's,
+            ``gate_low_rank_dim`` GLA's, ``conv_init`` Gated DeltaNet's and KDA's.
         normalization: as in :func:`gla_layer_spec`.
 
     Softmax layers take Megatron's rotary embeddings (``--position-embedding-type rope``,
@@ -347,14 +368,14 @@ def hybrid_layer_spec(
     """
     check_pattern(pattern)  # its length is checked against --num-layers when the layers are built
     _check_mixer(mixer)
-    config = _cp_config(_OPERATORS[mixer], cp_config, cp_knobs, "hybrid_layer_spec")
+    config = _cp_config(mixers.OPERATORS[mixer], cp_config, cp_knobs, "hybrid_layer_spec")
     cp_layout, cp_packed_split = config.layout.value, config.packed_split
     attention = softmax_layer_spec(use_te=use_te, cp_layout=cp_layout, cp_packed_split=cp_packed_split,
                                    normalization=normalization)
     if use_te and not HAVE_TE:
         return attention  # fails at build, naming hybrid_local_spec
     mixer_layer = _g_layer_spec(mixer, config, use_te=use_te, gate_low_rank_dim=gate_low_rank_dim,
-                                gate_timescales=gate_timescales, normalization=normalization)
+                                gate_timescales=gate_timescales, conv_init=conv_init, normalization=normalization)
     if mixer_layer.submodules is None:
         return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
     return ModuleSpec(module=HybridTransformerLayer,
@@ -375,6 +396,7 @@ def hybrid_stack_spec(
     cp_config: Optional[CPConfig] = None,
     gate_low_rank_dim: int = 16,
     gate_timescales=None,
+    conv_init=None,
     normalization: Optional[str] = None,
     **cp_knobs,
 ) -> ModuleSpec:
@@ -392,14 +414,14 @@ def hybrid_stack_spec(
             ``*`` :class:`~megatron_zeco.mcore.attention.AllGatherDotProductAttention` (any device).
         mixer: ``gla``; ``gdn``: the ``G`` layers are Megatron-Core's Gated DeltaNet
             (``gdn_layer``, Megatron's own layer and parameters) with ZeCO's context parallelism
-            (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`; the gate knobs must keep
-            their defaults); ``kda``: Kimi Delta Attention (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`;
-            ``gate_timescales`` applies).
+            (:class:`~megatron_zeco.gated_delta_rule.layer.ZecoGatedDeltaNet`); ``kda``: Kimi Delta Attention
+            (:class:`~megatron_zeco.kda.layer.KimiDeltaAttention`).
         cp_config, **cp_knobs: the ``G`` layers' context parallelism (as :func:`gla_layer_spec`,
             :func:`gdn_layer_spec` or :func:`kda_layer_spec` take it); its layout and packed split are every layer's (TE's
             attention takes ``zigzag``, Megatron's ``get_batch_on_this_cp_rank`` split, only).
-        gate_low_rank_dim, gate_timescales: the GLA layers' (:func:`gla_layer_spec`); ``gate_timescales``
-            the KDA layers' too (:func:`kda_layer_spec`).
+        gate_low_rank_dim, gate_timescales, conv_init: the mixer's initialisation knobs, each given only
+            where the mixer has it (``megatron_zeco.mixers.KNOBS``): ``gate_timescales`` every mixer's,
+            ``gate_low_rank_dim`` GLA's, ``conv_init`` Gated DeltaNet's and KDA's.
         normalization: passed to Megatron's local spec (``LayerNorm``/``RMSNorm``);
             TE norms follow ``--normalization`` by themselves.
 
@@ -408,7 +430,7 @@ def hybrid_stack_spec(
     DeltaNet layers ignore them.
     """
     _check_mixer(mixer)
-    config = _cp_config(_OPERATORS[mixer], cp_config, cp_knobs, "hybrid_stack_spec")
+    config = _cp_config(mixers.OPERATORS[mixer], cp_config, cp_knobs, "hybrid_stack_spec")
     if not HAVE_HYBRID_MODEL:
         return ModuleSpec(module=_HybridModelMissing)
     from megatron.core.ssm.mlp_layer import MLPLayer
@@ -424,7 +446,7 @@ def hybrid_stack_spec(
         return ModuleSpec(module=_TransformerEngineMissing, params={"local_spec": local_spec})
     layer_params = dict(cp_layout=cp_layout, cp_packed_split=cp_packed_split)
     mixer_layer = _g_layer_spec(mixer, config, use_te=use_te, gate_low_rank_dim=gate_low_rank_dim,
-                                gate_timescales=gate_timescales, normalization=normalization)
+                                gate_timescales=gate_timescales, conv_init=conv_init, normalization=normalization)
     if mixer_layer.submodules is None:
         return mixer_layer  # a stand-in that fails at build, naming the megatron-core to install
     # The G layer without its MLP. Its input norm keeps the checkpoint key of the GPT layer it comes
@@ -462,12 +484,6 @@ def hybrid_stack_spec(
         final_norm=local.input_layernorm))
 
 
-# The operator of each mixer (its CPConfig's rules), and the knobs only GLA layers have, with their defaults.
-_OPERATORS = {"gla": "gla", "gdn": "gated_delta_rule", "kda": "kda"}
-GLA_ONLY = dict(gate_low_rank_dim=16, gate_timescales=None)
-_MIXER_NAMES = {"gla": "GLA", "gdn": "Gated DeltaNet", "kda": "KDA"}
-
-
 def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str) -> CPConfig:
     """The CPConfig a spec function gives its layers: ``config``, or one from its ``cp_*`` keywords."""
     cp_knobs, rest = split_keywords(knobs)
@@ -476,28 +492,24 @@ def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str)
     return config_of(operator, config, cp_knobs, f"megatron_zeco.specs.{who}")
 
 
-def _g_layer_spec(mixer: str, config: CPConfig, **knobs) -> ModuleSpec:
+def _g_layer_spec(mixer: str, config: CPConfig, use_te: bool, normalization: Optional[str], **knobs) -> ModuleSpec:
     """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s,
-    :func:`gdn_layer_spec`'s or :func:`kda_layer_spec`'s. A GLA-only knob set for another mixer is an
-    error, not ignored."""
-    if mixer == "gla":
-        return gla_layer_spec(cp_config=config, **knobs)
-    if mixer == "kda":  # its gate takes timescales too
-        gate_timescales = knobs.pop("gate_timescales", None)
-    gla_only = {name: knobs.pop(name, default) for name, default in GLA_ONLY.items()}
-    changed = [name for name, value in gla_only.items() if value != GLA_ONLY[name]]
+    :func:`gdn_layer_spec`'s or :func:`kda_layer_spec`'s, given the mixer's knobs (``mixers.KNOBS``). A knob
+    of another mixer set away from its default is an error, not ignored."""
+    mine = {name: knobs.pop(name) for name in mixers.KNOBS[mixer]}
+    changed = [name for name, value in knobs.items() if value != mixers.KNOB_DEFAULTS[name]]
     if changed:
-        raise ValueError(f"megatron_zeco.specs: {', '.join(changed)} {'applies' if len(changed) == 1 else 'apply'} "
-                         f"to GLA layers only (mixer='gla'); for {_MIXER_NAMES[mixer]} (mixer={mixer!r}) keep the "
-                         f"defaults ({', '.join(f'{name}={GLA_ONLY[name]!r}' for name in changed)})")
-    if mixer == "kda":
-        return kda_layer_spec(cp_config=config, gate_timescales=gate_timescales, **knobs)
-    return gdn_layer_spec(cp_config=config, **knobs)
+        owners = ", ".join(f"{n} applies to {mixers.owners(n)} layers only" for n in changed)
+        defaults = ", ".join(f"{n}={mixers.KNOB_DEFAULTS[n]!r}" for n in changed)
+        raise ValueError(f"megatron_zeco.specs: {owners}; for {mixers.NAMES[mixer]} (mixer={mixer!r}) keep the "
+                         f"default{'s' if len(changed) > 1 else ''} ({defaults})")
+    spec = {"gla": gla_layer_spec, "gdn": gdn_layer_spec, "kda": kda_layer_spec}[mixer]
+    return spec(use_te=use_te, cp_config=config, normalization=normalization, **mine)
 
 
 def _check_mixer(mixer: str) -> None:
-    if mixer not in MIXERS:
-        raise ValueError(f"megatron_zeco.specs: mixer {mixer!r} is not one of {', '.join(MIXERS)}")
+    if mixer not in mixers.OPERATORS:
+        raise ValueError(f"megatron_zeco.specs: mixer {mixer!r} is not one of {', '.join(mixers.OPERATORS)}")
 
 
 gla_local_spec = gla_layer_spec(use_te=False)

@@ -1,18 +1,21 @@
-"""The main job: train a small GLA (or KDA) model (megatron-core) with ZeCO context parallelism.
+"""The main job: train a small GLA, Gated DeltaNet or KDA model (megatron-core) with ZeCO context parallelism.
 
-    torchrun --nproc-per-node 4 -m megatron_zeco.train                 # CPU, gloo, CP = 4
-    torchrun --nproc-per-node 8 -m megatron_zeco.train --tp 2          # TP 2 x CP 4
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --pattern 'G*'  # hybrid: every 2nd layer softmax
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --mixer kda     # Kimi Delta Attention layers
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid  # HybridModel 'G-G-' (megatron-core >= 0.19)
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --model hybrid --hybrid-layer-pattern 'G-G-G-*-'
-    torchrun --nproc-per-node 4 -m megatron_zeco.train --save ckpt --load ckpt   # save, and resume if saved
+    python -m megatron_zeco.train --nproc-per-node 4                   # CPU, gloo, CP = 4
+    python -m megatron_zeco.train --nproc-per-node 4 --mixer kda       # Kimi Delta Attention layers
+    python -m megatron_zeco.train --nproc-per-node 4 --mixer gdn       # Gated DeltaNet (megatron-core >= 0.19)
+    python -m megatron_zeco.train --nproc-per-node 8 --tp 2            # TP 2 x CP 4
+    python -m megatron_zeco.train --nproc-per-node 4 --pattern 'G*'    # every 2nd layer softmax attention
+    python -m megatron_zeco.train --nproc-per-node 4 --model hybrid    # HybridModel 'G-G-' (megatron-core >= 0.19)
+    python -m megatron_zeco.train --nproc-per-node 4 --save ckpt --load ckpt   # save, and resume if saved
+    torchrun --nproc-per-node 4 -m megatron_zeco.train                 # the same processes, started by torchrun
 
 Uses megatron-core directly (parallel_state, GPTModel or HybridModel, the specs of this package,
 dist_checkpointing); gradients of the parameters, replicated over data and context parallel
 ranks, are summed over that group as Megatron's DDP does. Runs on GPUs with NCCL when torch
-sees them (``--device auto``). Prints loss, recall accuracy, tokens/s and the CP strategy every
-``--log-interval`` steps, and a summary at the end. Flags, save/resume: docs/main-job.md.
+sees them (``--device auto``). ``--nproc-per-node`` checks the flags before it starts the processes
+(torchrun's launcher, ``torch.distributed.run``): a bad flag stops the job in seconds, its message the
+last line. Prints loss, recall accuracy, tokens/s and the CP strategy every ``--log-interval`` steps,
+and a summary at the end. Flags, save/resume: docs/main-job.md.
 """
 
 import argparse
@@ -22,31 +25,36 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import time
 import typing
 import warnings
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint
+from . import checkpoint, mixers
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
 from .comm.transport import CHOICES as TRANSPORTS
 from .cp.config import RULES, CPConfig
+from .mcore import hide_optional_package_notices
 from .recall import RecallTask
 
 PROG = "megatron_zeco.train"
 SEQ_LEN = 64  # --seq-len's default, rounded up to what the CP layout cuts evenly
 GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pattern's length)
-MIXERS = ("gla", "kda")  # the --mixer choices: each is its CP operator (its CPConfig's rules)
 # --hybrid-layer-pattern's symbols this job builds (Megatron-LM's): the hybrid stack's slots of
 # megatron_zeco.specs.hybrid_stack_spec without TransformerEngine.
-HYBRID_SYMBOLS = {"G": "GLA or KDA (--mixer)", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
+HYBRID_SYMBOLS = {"G": "the --mixer layer", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
+# Where megatron-core has Gated DeltaNet (megatron/core/ssm/gated_delta_net/, from 0.19 on) and HybridModel
+# (megatron/core/models/hybrid/, 0.19 too): looked up on the path, so that the flags are checked before
+# megatron-core is imported (seconds).
+GDN_PATH, HYBRID_PATH = "core/ssm/gated_delta_net", "core/models/hybrid"
 
 
 def _flag(default, group: str, help: str, shown: Optional[str] = None, aliases=(), **argparse_kwargs):
@@ -64,6 +72,10 @@ PARALLEL, MODEL, TASK, OPTIM, CKPT, LOGGING, FAULTS = (
 @dataclass
 class TrainConfig:
     # -- parallelism
+    nproc_per_node: Optional[int] = _flag(None, PARALLEL, "start this many processes on this machine, one per rank, "
+                                          "as torchrun --nproc-per-node does, once the flags are checked: a bad one "
+                                          "stops the job here, before any process starts (under torchrun leave it "
+                                          "out)", shown="this process alone, or torchrun's processes", metavar="N")
     tp: int = _flag(1, PARALLEL, "tensor-parallel size: each layer's heads and the vocabulary split over this "
                                  "many ranks")
     cp: Optional[int] = _flag(None, PARALLEL, "context-parallel size: each sequence split over this many ranks",
@@ -82,8 +94,8 @@ class TrainConfig:
                            "on the CPU only under TRITON_INTERPRET=1, for tests), nvshmem, or auto: peer memory "
                            "between the GPUs of one node, else send_recv",
                            metavar="{" + ",".join(TRANSPORTS) + "}")
-    piece_split: Optional[int] = _flag(None, PARALLEL, "run each CP piece as this many batched sub-pieces "
-                                       "(zeco and lasp2; exact; --seq-len must then divide into them)",
+    piece_split: Optional[int] = _flag(None, PARALLEL, "--mixer gla: run each CP piece as this many batched "
+                                       "sub-pieces (zeco and lasp2; exact; --seq-len must then divide into them)",
                                        shown="chosen by the op: 2 for zeco with the contiguous layout, else 1")
     device: str = _flag("auto", PARALLEL, "cuda (NCCL, one GPU per process), cpu (gloo), or auto: cuda when "
                         "torch sees a GPU", choices=["auto", "cpu", "cuda"])
@@ -92,17 +104,28 @@ class TrainConfig:
                        "megatron-core 0.19, which says so at start-up); hybrid: megatron-core's HybridModel, the "
                        "current Megatron model (megatron-core >= 0.19), layers by --hybrid-layer-pattern",
                        choices=["gpt", "hybrid"])
-    mixer: str = _flag("gla", MODEL, "the token mixer of the G layers: gla (gated linear attention) or kda "
-                       "(Kimi Delta Attention: the gated delta rule with a per-channel forget gate and a short "
-                       "convolution)", choices=list(MIXERS))
-    pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = --mixer, * = causal "
-                         "softmax attention ('G*': every second layer softmax)")
+    mixer: str = _flag("gla", MODEL, "the token mixer of the G layers: gla (gated linear attention), gdn "
+                       "(megatron-core's Gated DeltaNet: the gated delta rule, a short convolution; megatron-core "
+                       ">= 0.19) or kda (Kimi Delta Attention: the gated delta rule with a forget gate per key "
+                       "channel, a short convolution)", choices=list(mixers.OPERATORS))
+    conv_init: Optional[str] = _flag(None, MODEL, "--mixer gdn and kda: the short convolution's initial taps: "
+                                     "identity (each channel starts passing its own token on: the layer starts as "
+                                     "without the convolution and learns its taps) or uniform (nn.Conv1d's, as fla's "
+                                     "and Megatron's layers draw them: uniform in +-1/2 for 4 taps)",
+                                     shown="identity for gdn and kda; gla has no convolution",
+                                     choices=["identity", "uniform"])
+    gate_init: str = _flag("timescales", MODEL, "how the forget gates start: timescales (memories from one token to "
+                           "four sequence lengths: spread over the key channels for gla and kda, over the heads for "
+                           "gdn) or layer (the layer's own initialisation: fla's zero gate bias for gla, fla's KDA "
+                           "models' for kda, Megatron's GatedDeltaNet's for gdn)", choices=["timescales", "layer"])
+    pattern: str = _flag("G", MODEL, "--model gpt: layer kinds, repeated over the depth: G = the --mixer layer, "
+                         "* = causal softmax attention ('G*': every second layer softmax)")
     hybrid_layer_pattern: str = _flag("G-G-", MODEL, "--model hybrid: one layer per symbol, as Megatron-LM's "
-                                      "flag: G = GLA, * = causal softmax attention, - = MLP, E = mixture of experts "
-                                      "(needs a GPU); the GPTModel pattern 'G*' is 'G-*-' here")
+                                      "flag: G = the --mixer layer, * = causal softmax attention, - = MLP, E = "
+                                      "mixture of experts (needs a GPU); the GPTModel pattern 'G*' is 'G-*-' here")
     experts: int = _flag(4, MODEL, "--model hybrid: experts of each E layer (Megatron's router: top-2, no "
                          "auxiliary loss)")
-    position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (GLA layers "
+    position_embedding: str = _flag("none", MODEL, "rope: rotary embeddings in the softmax layers (the G layers "
                                     "carry no positions)", choices=["none", "rope"])
     layers: Optional[int] = _flag(None, MODEL, "--model gpt: transformer layers; --model hybrid: the number of "
                                   "symbols in --hybrid-layer-pattern, which it must equal",
@@ -165,6 +188,11 @@ class _Parser(argparse.ArgumentParser):
         if _launch_rank() == 0:
             super()._print_message(message, file)
 
+    def error(self, message):
+        """The message, after one line of usage (``--help`` lists every flag)."""
+        self.exit(2, f"usage: {self.prog} [--nproc-per-node N] [--FLAG VALUE ...] (--help lists the flags)\n"
+                     f"{self.prog}: error: {message}\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description=__doc__.split("\n\n")[0],
@@ -189,6 +217,19 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(**vars(build_parser().parse_args(argv)))
 
 
+def to_argv(cfg: TrainConfig) -> List[str]:
+    """The flags that give ``cfg`` back through :func:`parse_args` (those away from their defaults),
+    ``--nproc-per-node`` left out: what :func:`launch` passes its processes."""
+    argv = []
+    for f in fields(TrainConfig):
+        value = getattr(cfg, f.name)
+        if f.name == "nproc_per_node" or value == f.default:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv
+
+
 class ConfigError(ValueError):
     """A misconfiguration found while the job starts; the message names the flag to change."""
 
@@ -197,7 +238,8 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
     """Fill in what depends on the number of processes (``cp``, ``seq_len``) and check the flags
     against each other; ValueError naming the flag to change. Returns lines for the log."""
     notes = resolve_model(cfg)
-    cp_config(cfg)  # the CP knobs' own checks, as every entry point runs them
+    resolve_mixer(cfg)
+    config = cp_config(cfg)  # the CP knobs' own checks, as every entry point runs them
     for name in ("tp", "dp", "layers", "hidden", "heads", "batch", "steps", "log_interval", "pairs", "keys",
                  "values", "filler"):
         if getattr(cfg, name) < 1:
@@ -207,11 +249,11 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
             raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(cfg, name)}")
     if cfg.cp is None:
         if world % (cfg.tp * cfg.dp):
-            raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must divide the {world} processes "
-                             f"(--cp takes the rest)")
+            raise ValueError(f"--tp {cfg.tp} x --dp {cfg.dp} must divide the number of processes ({world}): "
+                             f"--cp takes the rest")
         cfg.cp = world // (cfg.tp * cfg.dp)
     if cfg.cp < 1 or cfg.tp * cfg.cp * cfg.dp != world:
-        raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the {world} processes")
+        raise ValueError(f"--tp {cfg.tp} x --cp {cfg.cp} x --dp {cfg.dp} must equal the number of processes ({world})")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no GPU here; use --device cpu (or auto)")
     if cfg.hidden % cfg.heads:
@@ -232,6 +274,14 @@ def resolve(cfg: TrainConfig, world: int) -> List[str]:
         raise ValueError(f"--batch {cfg.batch} must be divisible by --dp {cfg.dp}")
     if cfg.save_interval and not cfg.save:
         raise ValueError("--save-interval needs --save DIR")
+    try:
+        config.check_dims(cfg.hidden // cfg.heads, cfg.hidden // cfg.heads)  # the pipeline blocks
+    except ValueError as e:
+        raise ValueError(f"{e} (a head's dim is --hidden {cfg.hidden} / --heads {cfg.heads})") from None
+    try:
+        make_task(cfg)  # the recall task's sizes
+    except ValueError as e:
+        raise ValueError(f"{e} (--pairs {cfg.pairs}, --keys {cfg.keys}, --seq-len {cfg.seq_len})") from None
     stall_of(cfg)
     return notes
 
@@ -251,9 +301,39 @@ def stall_of(cfg: TrainConfig):
     return rank, step, seconds
 
 
+def megatron_core_has(path: str) -> bool:
+    """Whether the megatron-core that ``import megatron`` finds has ``megatron/<path>`` (a package), looked
+    up without importing it."""
+    spec = importlib.util.find_spec("megatron")
+    return spec is not None and any(os.path.isdir(os.path.join(root, path))
+                                    for root in spec.submodule_search_locations or ())
+
+
 def have_hybrid_model() -> bool:
     """Whether this megatron-core has HybridModel (megatron.core.models.hybrid, from 0.19 on)."""
-    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+    return megatron_core_has(HYBRID_PATH)
+
+
+def _needs_megatron_core_019(what: str, instead: str) -> ValueError:
+    return ValueError(f"{what} needs megatron-core >= 0.19 (0.19.2 is tested), and this is megatron-core "
+                      f"{importlib.metadata.version('megatron-core')}: pip install 'megatron-core>=0.19.2' (its wheels "
+                      f"need Python >= 3.12; docs/main-job.md unpacks one on 3.11), or {instead}")
+
+
+def resolve_mixer(cfg: TrainConfig) -> None:
+    """Check ``--mixer`` against this megatron-core and ``--conv-init`` against the mixer, filling in the
+    latter's default; ValueError naming the flag to change."""
+    if cfg.mixer not in mixers.OPERATORS:
+        raise ValueError(f"--mixer must be one of {', '.join(mixers.OPERATORS)}, got {cfg.mixer!r}")
+    if cfg.mixer == "gdn" and not megatron_core_has(GDN_PATH):
+        raise _needs_megatron_core_019("--mixer gdn (the Gated DeltaNet layers subclass megatron-core's GatedDeltaNet)",
+                                       "use --mixer gla or kda")
+    if "conv_init" in mixers.KNOBS[cfg.mixer]:
+        cfg.conv_init = cfg.conv_init or "identity"
+    elif cfg.conv_init is not None:
+        having = " and ".join(m for m, knobs in mixers.KNOBS.items() if "conv_init" in knobs)
+        raise ValueError(f"--conv-init applies to --mixer {having} (their short convolutions); "
+                         f"{mixers.NAMES[cfg.mixer]} has none: drop it")
 
 
 def resolve_model(cfg: TrainConfig) -> List[str]:
@@ -262,16 +342,14 @@ def resolve_model(cfg: TrainConfig) -> List[str]:
     if cfg.model == "gpt":
         if cfg.hybrid_layer_pattern != _DEFAULTS["hybrid_layer_pattern"]:
             raise ValueError("--hybrid-layer-pattern is for --model hybrid; --model gpt takes --pattern "
-                             "(G GLA, * softmax attention), e.g. --pattern 'G*' for 'G-*-'")
+                             "(G the --mixer layer, * softmax attention), e.g. --pattern 'G*' for 'G-*-'")
         if cfg.layers is None:
             cfg.layers = GPT_LAYERS
         return []
     if cfg.model != "hybrid":
         raise ValueError(f"--model must be gpt or hybrid, got {cfg.model!r}")
     if not have_hybrid_model():
-        raise ValueError(f"--model hybrid needs megatron-core >= 0.19 (HybridModel; 0.19.2 is tested), and this is "
-                         f"megatron-core {importlib.metadata.version('megatron-core')}: pip install "
-                         f"'megatron-core>=0.19.2' (its wheels need Python >= 3.12), or use --model gpt")
+        raise _needs_megatron_core_019("--model hybrid (megatron-core's HybridModel)", "use --model gpt")
     pattern = cfg.hybrid_layer_pattern
     if cfg.pattern != _DEFAULTS["pattern"]:
         raise ValueError("--pattern is for --model gpt; --model hybrid takes --hybrid-layer-pattern, one layer per "
@@ -326,9 +404,9 @@ def init_distributed(cfg: TrainConfig, log=None):
     """Check and complete ``cfg`` (:func:`resolve`; ``log`` gets its notes on rank 0), then the
     process group (from torchrun's environment; one process without it) and Megatron's
     model-parallel groups. Returns the device."""
+    notes = resolve(cfg, _world_size())  # before megatron-core is imported: a bad flag stops in seconds
     from megatron.core import parallel_state
 
-    notes = resolve(cfg, _world_size())
     use_cuda = uses_cuda(cfg)
     if cfg.deterministic:
         # As Megatron-LM's --deterministic-mode (megatron/training/determinism.py); NCCL and cuBLAS
@@ -365,6 +443,14 @@ def transformer_config(cfg: TrainConfig):
     moe = {}
     if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern:
         moe = dict(num_moe_experts=cfg.experts, moe_ffn_hidden_size=4 * cfg.hidden, add_bias_linear=False)
+    # Gated DeltaNet's heads are the linear_* fields (Megatron-LM's --linear-num-key-heads, ...): --heads q/k and
+    # value heads of --hidden / --heads channels, a convolution of 4 taps; its kernels apply SiLU, which it
+    # takes from activation_func: Megatron-LM's --swiglu (SiLU-gated MLPs) sets it.
+    gdn = {}
+    if cfg.mixer == "gdn":
+        gdn = dict(linear_num_key_heads=cfg.heads, linear_num_value_heads=cfg.heads,
+                   linear_key_head_dim=cfg.hidden // cfg.heads, linear_value_head_dim=cfg.hidden // cfg.heads,
+                   linear_conv_kernel_dim=4, activation_func=F.silu, gated_linear_unit=True)
     # A GPTModel's checkpoint stacks each layer tensor of its block along a layer axis, which needs every
     # layer to hold the same tensors; GLA and softmax layers (--pattern 'G*') do not (without this the
     # save fails megatron-core's sharding check), so they are saved per layer, as HybridModel's always
@@ -375,36 +461,39 @@ def transformer_config(cfg: TrainConfig):
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe,
+        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe, **gdn,
     )
 
 
 def cp_config(cfg: TrainConfig) -> CPConfig:
     """The G layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
-    if cfg.mixer not in MIXERS:
-        raise ValueError(f"--mixer must be one of {', '.join(MIXERS)}, got {cfg.mixer!r}")
     knobs = dict(strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks, transport=cfg.transport)
     if cfg.mixer == "gla":
         knobs["piece_split"] = cfg.piece_split
     elif cfg.piece_split is not None:
         raise ValueError(f"--piece-split applies to --mixer gla only; drop it for --mixer {cfg.mixer}")
-    return CPConfig(operator=cfg.mixer, **knobs)
+    return CPConfig(operator=mixers.OPERATORS[cfg.mixer], **knobs)
 
 
 def _mixer_knobs(cfg: TrainConfig) -> dict:
-    """The G layers' arguments (megatron_zeco.specs) from the job's flags, for either model."""
-    return dict(mixer=cfg.mixer, cp_config=cp_config(cfg), gate_timescales=(1.0, 4.0 * cfg.seq_len))
+    """The G layers' arguments (megatron_zeco.specs) from the job's flags, for either model: the CP knobs and
+    the initialisation knobs the mixer has (mixers.KNOBS): the gates' memories (--gate-init: from one token to
+    four sequence lengths, or the layer's own), the convolution's taps (--conv-init; uniform is the layers' own
+    default)."""
+    init = dict(gate_timescales=(1.0, 4.0 * cfg.seq_len) if cfg.gate_init == "timescales" else None,
+                conv_init=None if cfg.conv_init == "uniform" else cfg.conv_init)
+    mine = {k: v for k, v in init.items() if k in mixers.KNOBS[cfg.mixer]}
+    return dict(mixer=cfg.mixer, cp_config=cp_config(cfg), **mine)
 
 
 def layer_spec(cfg: TrainConfig):
     """This package's layer spec for ``--pattern``: G layers alone, or G and softmax layers."""
-    from .specs import gla_layer_spec, hybrid_layer_spec, kda_layer_spec
+    from . import specs
 
     knobs = _mixer_knobs(cfg)
     if cfg.pattern == "G":
-        mixer = knobs.pop("mixer")
-        return (gla_layer_spec if mixer == "gla" else kda_layer_spec)(**knobs)
-    return hybrid_layer_spec(cfg.pattern, **knobs)
+        return getattr(specs, f"{knobs.pop('mixer')}_layer_spec")(**knobs)
+    return specs.hybrid_layer_spec(cfg.pattern, **knobs)
 
 
 def gpt_model(cfg: TrainConfig, config, vocab_size: int):
@@ -576,8 +665,25 @@ _JOB_FLAGS = {
     "cp_strategy": "--strategy", "cp_layout": "--layout", "cp_num_blocks": "--num-blocks",
     "cp_piece_split": "--piece-split", "cp_transport": "--transport", "cp_overlap_scan": "(no flag)",
     "--position-embedding-type": "--position-embedding",
+    "--linear-num-key-heads": "--heads", "--linear-num-value-heads": "--heads",
+    "--linear-key-head-dim": "--hidden / --heads", "--linear-value-head-dim": "--hidden / --heads",
     "--spec megatron_zeco.specs gla_local_spec": "--strategy zeco",
+    "--spec megatron_zeco.specs kda_hybrid_stack_local_spec": "--strategy zeco",
+    "--spec megatron_zeco.specs gdn_hybrid_stack_local_spec": "--strategy zeco",
 }
+
+
+# megatron-core's build_module appends " when instantiating <module>" to an error at each level of a spec.
+_INSTANTIATING = re.compile(r"(?: when instantiating \w+)+$")
+
+
+def _without_repeated_context(message: str) -> str:
+    """``message`` without megatron-core's " when instantiating ..." suffixes where it names the innermost
+    module already (this package's layers' errors start with it)."""
+    found = _INSTANTIATING.search(message)
+    if found and found.group(0).split(" when instantiating ")[1] in message[:found.start()]:
+        return message[:found.start()]
+    return message
 
 
 @contextmanager
@@ -590,7 +696,7 @@ def startup_errors():
     except ConfigError:
         raise
     except ValueError as e:
-        message = str(e)
+        message = _without_repeated_context(str(e))
         named = [f"{theirs} is {ours}" for theirs, ours in _JOB_FLAGS.items() if theirs in message]
         raise ConfigError(message + (f"\n  (flags of this job: {', '.join(named)})" if named else "")) from e
 
@@ -599,10 +705,11 @@ def startup_errors():
 
 # Flags that shape the loss curve: a resumed run takes them as saved (--steps may change: the
 # learning-rate schedule then spans the new count). The parallel layout, CP strategy, device and
-# logging may change: a checkpoint loads at any TP x CP x DP.
-RESUME_FLAGS = ("model", "pattern", "hybrid_layer_pattern", "experts", "position_embedding", "layers", "hidden",
-                "heads", "dtype", "task", "seq_len", "batch", "pairs", "keys", "values", "filler", "seed", "lr",
-                "clip_grad")
+# logging may change: a checkpoint loads at any TP x CP x DP; so may the initialisation (--conv-init,
+# --gate-init, --init-std): the weights are the checkpoint's.
+RESUME_FLAGS = ("model", "mixer", "pattern", "hybrid_layer_pattern", "experts", "position_embedding", "layers",
+                "hidden", "heads", "dtype", "task", "seq_len", "batch", "pairs", "keys", "values", "filler", "seed",
+                "lr", "clip_grad")
 
 
 def save_checkpoint(cfg: TrainConfig, step: int, model, optimizer, scheduler, device, log):
@@ -647,8 +754,6 @@ def train(cfg: TrainConfig, log=_log):
     """Run the training loop (resuming from ``--load``, saving to ``--save``); returns the per-step
     (loss, accuracy) of the steps it ran. A misconfiguration found while starting (flags, model
     build, checkpoint, first step) raises ConfigError, the same on every rank."""
-    from megatron.core import parallel_state
-
     try:
         with startup_errors():
             device = init_distributed(cfg, log)  # checks the flags (resolve) first
@@ -660,7 +765,9 @@ def train(cfg: TrainConfig, log=_log):
             first = resume(cfg, model, optimizer, scheduler, device, log) + 1 if cfg.load else 1
         return _loop(cfg, task, model, optimizer, scheduler, device, first, log)
     finally:
-        parallel_state.destroy_model_parallel()
+        parallel_state = sys.modules.get("megatron.core.parallel_state")  # none if the flags stopped the job
+        if parallel_state is not None:
+            parallel_state.destroy_model_parallel()
 
 
 def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
@@ -668,11 +775,11 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
 
     rank0 = dist.get_rank() == 0
     if rank0:
+        name = mixers.NAMES[cfg.mixer]
         if cfg.model == "hybrid":
-            kind = f"HybridModel {cfg.hybrid_layer_pattern!r}" + ("" if cfg.mixer == "gla" else " (G = KDA)") + ","
+            kind = f"HybridModel {cfg.hybrid_layer_pattern!r} (G = {name}),"
         else:
-            kind = (cfg.mixer.upper() if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}"
-                    + ("" if cfg.mixer == "gla" else ", G = KDA") + ")") + " GPTModel"
+            kind = (name if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}, G = {name})") + " GPTModel"
         log(f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
             f"layout {cfg.layout}" + (f", piece split {cfg.piece_split or 'auto'}" if cfg.mixer == "gla" else "")
@@ -744,13 +851,10 @@ def _summary(cfg, task, history, steps, elapsed, saving, saved_at, log):
 # --- the command ----------------------------------------------------------------------------------
 
 # What megatron-core (and torch, inside megatron-core's checkpointing) warn about on every rank that
-# a user of this job cannot act on: optional fused kernels it does not use (Apex, TransformerEngine),
-# an optional logging package, torch's deprecations of what megatron-core calls.
-# (message, module, category), matched as warnings.filterwarnings does.
+# a user of this job cannot act on, besides its notices about optional packages (mcore): torch's
+# deprecations of what megatron-core calls. (message, module, category), matched as
+# warnings.filterwarnings does.
 NOT_ACTIONABLE = (
-    (r"Transformer Engine and Apex are not installed", r"megatron\.(core|training)\.", UserWarning),
-    (r"Apex is not installed", r"megatron\.core\.", UserWarning),
-    (r"absl\.logging is not installed", r"megatron\.core\.hyper_comm_grid", UserWarning),
     (r"`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing\.", FutureWarning),
     (r"Please use DTensor instead and we are deprecating ShardedTensor", r"torch\.distributed\.checkpoint\.",
      FutureWarning),
@@ -780,8 +884,10 @@ class _DropMessage(logging.Filter):
 
 
 def quiet_third_party_warnings(on_cpu: bool):
-    """Hide the NOT_ACTIONABLE warnings and log records (each by message and module or logger;
-    every other warning shows)."""
+    """Hide the NOT_ACTIONABLE warnings and log records and megatron-core's notices about missing optional
+    packages (mcore.OPTIONAL_PACKAGE_NOTICES), each by message and module or logger; every other warning
+    shows."""
+    hide_optional_package_notices()
     for message, module, category in NOT_ACTIONABLE + (NOT_ACTIONABLE_ON_CPU if on_cpu else ()):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, start in NOT_ACTIONABLE_LOGS:
@@ -798,14 +904,50 @@ def _tell_the_launcher(message: str) -> None:
             json.dump({"message": message, "timestamp": int(time.time())}, f)
 
 
+def launch(cfg: TrainConfig) -> int:
+    """``--nproc-per-node N``: check the flags here, as for N processes (a bad one raises ConfigError before
+    any process starts), then run N processes of this job on this machine through torchrun's own launcher
+    (``torch.distributed.run``), and return their exit status. A process that stops on an error of this
+    job has printed its one message, which stays the last line: the launcher's own reports are not
+    printed; for any other failure torchrun's report is."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_args, run
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or "WORLD_SIZE" in os.environ:
+        raise ConfigError(f"--nproc-per-node {cfg.nproc_per_node}: this process is one of torchrun's, which "
+                          f"started them all; leave --nproc-per-node out under torchrun")
+    if cfg.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node must be at least 1, got {cfg.nproc_per_node}")
+    with startup_errors():
+        checked = replace(cfg)
+        resolve(checked, cfg.nproc_per_node)
+        check_device(checked)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its notice
+    for name in list(logging.root.manager.loggerDict):  # the agent's notices of the processes it stops
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(torchrun_args(["--nproc-per-node", str(cfg.nproc_per_node), "--module", PROG, *to_argv(cfg)]))
+    except ChildFailedError as e:
+        _, failure = e.get_first_failure()
+        if isinstance(failure.message, str) and failure.message.startswith(f"{PROG}: error"):
+            return failure.exitcode  # the process printed it
+        print(e.format_msg(), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv=None):
     """The command: one message from rank 0 and exit status 2 for a misconfiguration."""
     owns_group = not dist.is_initialized()
     code = 0
     try:
         cfg = parse_args(argv)
-        quiet_third_party_warnings(on_cpu=not uses_cuda(cfg))
-        train(cfg)
+        if cfg.nproc_per_node is not None:
+            code = launch(cfg)
+        else:
+            quiet_third_party_warnings(on_cpu=not uses_cuda(cfg))
+            train(cfg)
     except ConfigError as e:
         message = f"{PROG}: error: {e}"
         if _launch_rank() == 0:

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SKIP_DIRS = {".git", ".pytest_cache", ".hypothesis", "build", "dist", "third_party", "runs", "__pycache__"}
-MAIN_JOB = "pip install torch==2.13.0 -e . && torchrun --nproc-per-node 4 -m megatron_zeco.train"
+MAIN_JOB = "pip install torch==2.13.0 -e . && python -m megatron_zeco.train --nproc-per-node 4"
 TESTS = 'pip install torch==2.13.0 -e ".[test]" && python -m pytest tests -q'
 LOSS_CSV = "docs/results/loss-curves.csv"
 

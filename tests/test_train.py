@@ -1,5 +1,6 @@
-"""The main job (python -m megatron_zeco.train) as a command: its flags, its start-up errors, and
-save / resume through Megatron-Core's distributed checkpointing on real gloo process groups."""
+"""The main job (python -m megatron_zeco.train) as a command: its flags (fast tier: parsed and checked
+without processes), its start-up errors, its launcher (--nproc-per-node), every mixer learning the task,
+and save / resume through Megatron-Core's distributed checkpointing on real gloo process groups."""
 
 import contextlib
 import importlib.util
@@ -14,10 +15,8 @@ import pytest
 from tests.helpers.distributed import run_ranks
 from tests.helpers.megatron import host_as_cuda
 
-pytestmark = pytest.mark.slow
-
 TINY = dict(layers=2, hidden=32, heads=4, seq_len=32, batch=4, steps=6, log_interval=10**6)
-HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None
+HAVE_HYBRID_MODEL = importlib.util.find_spec("megatron.core.models.hybrid") is not None  # and Gated DeltaNet
 needs_hybrid_model = pytest.mark.skipif(not HAVE_HYBRID_MODEL,
                                         reason="--model hybrid needs megatron-core >= 0.19 (HybridModel; .ci/run "
                                                "runs these tests in its megatron-core 0.19 pass)")
@@ -56,6 +55,33 @@ def test_defaults_match_the_config():
     assert (cfg.cp, cfg.piece_split, cfg.save, cfg.deterministic, cfg.lr) == (2, 3, "d", True, 0.5)
 
 
+def test_every_alias_is_its_flag():
+    """Each other spelling of a flag (Megatron-LM's: --train-iters for --steps) sets the same field."""
+    from dataclasses import fields
+
+    from megatron_zeco import train as T
+
+    aliases = {alias: f.name for f in fields(T.TrainConfig) for alias in f.metadata["aliases"]}
+    assert aliases == {"--train-iters": "steps"}
+    for alias, name in aliases.items():
+        assert getattr(T.parse_args([alias, "7"]), name) == 7
+        assert T.parse_args([alias, "7"]) == T.parse_args(["--" + name.replace("_", "-"), "7"])
+
+
+def test_launcher_passes_the_flags_on():
+    """What --nproc-per-node hands its processes parses back to the same configuration, itself left out."""
+    from dataclasses import replace
+
+    from megatron_zeco import train as T
+
+    cfg = T.parse_args(["--nproc-per-node", "4", "--mixer", "kda", "--conv-init", "uniform", "--lr", "0.0123",
+                        "--deterministic", "--hybrid-layer-pattern", "G-*-", "--model", "hybrid", "--seed", "7"])
+    argv = T.to_argv(cfg)
+    assert "--nproc-per-node" not in argv
+    assert T.parse_args(argv) == replace(cfg, nproc_per_node=None)
+    assert T.to_argv(T.TrainConfig()) == []
+
+
 @pytest.mark.parametrize("world,flags,seq_len", [
     (3, {}, 66), (4, {}, 64), (3, dict(layout="contiguous"), 66), (5, dict(layout="contiguous"), 65),
     (2, dict(piece_split=3), 72), (1, {}, 64), (6, dict(tp=2), 66), (4, dict(seq_len=40), 40),
@@ -76,15 +102,20 @@ def test_default_sequence_length_fits_the_layout(world, flags, seq_len):
 @pytest.mark.parametrize("world,flags,names", [
     (2, dict(seq_len=50), ["--seq-len 50", "multiple of 4", "--cp 2"]),
     (4, dict(seq_len=60, cp=2, dp=2, piece_split=2), ["--seq-len 60", "multiple of 8", "--piece-split 2"]),
-    (2, dict(tp=3), ["--tp 3", "2 processes"]),
-    (4, dict(tp=2, cp=3), ["--tp 2 x --cp 3 x --dp 1", "4 processes"]),
+    (2, dict(tp=3), ["--tp 3", "number of processes (2)"]),
+    (4, dict(tp=2, cp=3), ["--tp 2 x --cp 3 x --dp 1", "number of processes (4)"]),
     (2, dict(hidden=50), ["--hidden 50", "--heads 4"]),
     (2, dict(batch=5, dp=2, cp=1), ["--batch 5", "--dp 2"]),
     (2, dict(save_interval=5), ["--save-interval", "--save DIR"]),
     (2, dict(steps=0), ["--steps"]),
     (2, dict(mixer="kda", piece_split=2), ["--piece-split applies to --mixer gla only"]),
     (2, dict(mixer="kda", strategy="lasp1"), ["cp_strategy 'lasp1' is not one of zeco, lasp2, a2a for KDA"]),
-    (2, dict(mixer="mamba"), ["--mixer must be one of gla, kda"]),
+    (2, dict(mixer="mamba"), ["--mixer must be one of gla, gdn, kda"]),
+    (2, dict(conv_init="uniform"), ["--conv-init applies to --mixer gdn and kda", "GLA has none"]),
+    (2, dict(num_blocks=3), ["cp_num_blocks 3 must divide the key head dim (16)", "--hidden 64 / --heads 4"]),
+    (2, dict(mixer="kda", num_blocks=3), ["cp_num_blocks 3 must divide the value head dim (16)"]),
+    (2, dict(pairs=9), ["9 pairs need at least as many keys", "--pairs 9, --keys 8"]),
+    (2, dict(pairs=8, keys=8, seq_len=24), ["8 pairs need a sequence of more than 24 tokens", "--seq-len 24"]),
 ])
 def test_resolve_names_the_flag_to_change(world, flags, names):
     from megatron_zeco import train as T
@@ -98,7 +129,7 @@ def test_resolve_names_the_flag_to_change(world, flags, names):
 @pytest.mark.megatron
 @pytest.mark.parametrize("flags,names", [
     (dict(hybrid_layer_pattern="G-|G-"), ["'G-|G-'", "'|' separates pipeline stages", "drop the '|'"]),
-    (dict(hybrid_layer_pattern="GM-"), ["'GM-'", "no layer for 'M'", "'G' (GLA or KDA (--mixer)), '*' (softmax attention)"]),
+    (dict(hybrid_layer_pattern="GM-"), ["'GM-'", "no layer for 'M'", "'G' (the --mixer layer), '*' (softmax attention)"]),
     (dict(hybrid_layer_pattern=""), ["no layers"]),
     (dict(layers=3), ["--layers 3 must equal the 4 layers of --hybrid-layer-pattern 'G-G-'"]),
     (dict(pattern="G*"), ["--pattern is for --model gpt", "--hybrid-layer-pattern 'G-*-'"]),
@@ -135,12 +166,24 @@ def test_gpt_model_refuses_the_hybrid_pattern():
         T.resolve(T.TrainConfig(hybrid_layer_pattern="G-*-"), 2)
 
 
-@pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel")
-def test_hybrid_model_on_megatron_core_without_it_names_the_version():
+@pytest.mark.skipif(HAVE_HYBRID_MODEL, reason="megatron-core has HybridModel and Gated DeltaNet")
+@pytest.mark.parametrize("flags,what", [(dict(model="hybrid"), "--model hybrid"), (dict(mixer="gdn"), "--mixer gdn")])
+def test_megatron_core_without_hybrid_model_or_gated_deltanet_names_the_version(flags, what):
     from megatron_zeco import train as T
 
-    with pytest.raises(ValueError, match=r"--model hybrid needs megatron-core >= 0\.19 .*this is megatron-core 0\.16"):
-        T.resolve(T.TrainConfig(model="hybrid"), 2)
+    with pytest.raises(ValueError, match=rf"{what} .*needs megatron-core >= 0\.19 .*this is megatron-core 0\.16"):
+        T.resolve(T.TrainConfig(**flags), 2)
+
+
+def test_flags_are_checked_before_megatron_core_is_imported():
+    """resolve (every check of the job's own flags) imports no megatron-core, so a bad flag stops the job in the
+    seconds torch takes to import, not the tens megatron-core takes (a fresh interpreter)."""
+    script = ("import sys\nfrom megatron_zeco import train as T\n"
+              "for flags in ({}, dict(mixer='gdn'), dict(mixer='kda', model='hybrid')):\n"
+              "    try:\n        T.resolve(T.TrainConfig(**flags), 4)\n    except ValueError:\n        pass\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] == 'megatron'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_rope_on_the_cpu_is_refused():
@@ -158,7 +201,7 @@ def test_rope_on_the_cpu_is_refused():
 # argv: what the message must name (and where the check lives)
 MISCONFIGURED = {
     "seq-len": (["--seq-len", "50"], ["--seq-len 50 must be a multiple of 4"]),  # train.resolve
-    "world": (["--tp", "3"], ["--tp 3 x --dp 1 must divide the 2 processes"]),  # train.resolve
+    "world": (["--tp", "3"], ["--tp 3 x --dp 1 must divide the number of processes (2)"]),  # train.resolve
     "strategy": (["--strategy", "ring"], ["cp_strategy 'ring' is not one of zeco, lasp1, lasp2, a2a",  # CPConfig
                                           "cp_strategy is --strategy"]),
     "a2a heads": (["--strategy", "a2a", "--heads", "3", "--hidden", "48"],  # the layer's LayerCP
@@ -169,13 +212,15 @@ MISCONFIGURED = {
                   "num_attention_heads is --heads"]),
     "blocks": (["--num-blocks", "3"], ["cp_num_blocks 3 must divide", "cp_num_blocks is --num-blocks"]),
     "pattern": (["--pattern", "GX"], ["hybrid layer pattern 'GX'"]),  # mcore.gpt_hybrid.check_pattern
-    "pairs": (["--pairs", "9"], ["9 pairs need at least as many keys"]),  # RecallTask, at the first step
+    "pairs": (["--pairs", "9"], ["9 pairs need at least as many keys"]),  # RecallTask, through train.resolve
     "rope": (["--pattern", "G*", "--position-embedding", "rope", "--device", "cpu"],  # train.check_device
              ["--position-embedding rope needs a GPU"]),
 }
-if not HAVE_HYBRID_MODEL:  # megatron-core 0.16: train.resolve_model
-    MISCONFIGURED["hybrid"] = (["--model", "hybrid"], ["--model hybrid needs megatron-core >= 0.19",
-                                                        "pip install 'megatron-core>=0.19.2'"])
+if not HAVE_HYBRID_MODEL:  # megatron-core 0.16: train.resolve_model, train.resolve_mixer
+    MISCONFIGURED["hybrid"] = (["--model", "hybrid"], ["--model hybrid (megatron-core's HybridModel) needs "
+                                                        "megatron-core >= 0.19", "pip install 'megatron-core>=0.19.2'"])
+    MISCONFIGURED["gdn"] = (["--mixer", "gdn"], ["--mixer gdn (the Gated DeltaNet layers subclass megatron-core's "
+                                                  "GatedDeltaNet) needs megatron-core >= 0.19"])
 
 
 def _main_outputs(rank, world, cases, load_dir):
@@ -196,9 +241,11 @@ def _main_outputs(rank, world, cases, load_dir):
     return out
 
 
+@pytest.mark.slow
 def test_misconfiguration_prints_one_message_from_rank_0_and_exits_2(tmp_path):
     """Each case on 2 real processes: rank 0 prints one ``megatron_zeco.train: error:`` naming the
-    flag, rank 1 prints nothing, both exit with status 2, no traceback; a checkpoint saved with
+    flag, rank 1 prints nothing, both exit with status 2, no traceback, no context repeated (megatron-core's
+    "when instantiating ..." after a layer's message that names the layer); a checkpoint saved with
     another model refuses to load the same way."""
     # A checkpoint of another model for the last case: hidden 32 instead of 64.
     cases = {name: argv for name, (argv, _) in MISCONFIGURED.items()}
@@ -213,28 +260,65 @@ def test_misconfiguration_prints_one_message_from_rank_0_and_exits_2(tmp_path):
         assert code0 == code1 == 2, (name, code0, code1, text0)
         assert text0.count("megatron_zeco.train: error:") == 1, (name, text0)
         assert all(n in text0 for n in names), (name, text0)
-        assert "Traceback" not in text0 and text1 == "", (name, text0, text1)
+        assert "Traceback" not in text0 and "when instantiating" not in text0 and text1 == "", (name, text0, text1)
 
 
+# --- the command and its launcher ------------------------------------------------------------------
+
+def _command(*flags, launcher=("--nproc-per-node", "2")):
+    """``python -m megatron_zeco.train`` with ``launcher`` flags (its own, or torchrun's as a prefix): the
+    finished process."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if launcher[0] == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", *launcher[1:], "-m", "megatron_zeco.train", *flags]
+    else:
+        cmd = [sys.executable, "-m", "megatron_zeco.train", *launcher, *flags]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_launcher_stops_a_bad_flag_before_any_process_starts():
+    """python -m megatron_zeco.train --nproc-per-node 2 --seq-len 50 (the README's command): the job's checks run
+    in the launcher, for 2 processes, before any starts: one message, the last line, exit status 2; an unknown
+    value likewise, after one line of usage."""
+    done = _command("--seq-len", "50")
+    message = "megatron_zeco.train: error: --seq-len 50 must be a multiple of 4: the zigzag layout cuts each " \
+              "sequence into 4 equal pieces over --cp 2 ranks"
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", message + "\n"), done
+    done = _command("--mixer", "nope")
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2 and len(lines) == 2 and lines[0].startswith("usage: megatron_zeco.train "), done
+    assert lines[1] == "megatron_zeco.train: error: argument --mixer: invalid choice: 'nope' (choose from 'gla', " \
+                       "'gdn', 'kda')", done
+
+
+@pytest.mark.slow
 @pytest.mark.megatron  # run under each megatron-core release (.ci/run)
 def test_main_job_command_runs():
-    """The README's main job (torchrun -m megatron_zeco.train), a few steps on 2 processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
-           "--steps", "3", "--log-interval", "1"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    """The README's main job (python -m megatron_zeco.train --nproc-per-node 2), a few steps on 2 processes."""
+    done = _command("--steps", "3", "--log-interval", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TP 1 x CP 2 x DP 1" in done.stdout and "step     3/3" in done.stdout and "done: 3 steps" in done.stdout
 
 
+@pytest.mark.slow
+def test_launcher_prints_an_error_found_by_the_processes_last_and_once():
+    """A misconfiguration only the layers see (a2a over 3 heads at CP 2): the processes start, rank 0 prints
+    the message, and nothing follows it (none of torchrun's reports), exit status 2."""
+    done = _command("--strategy", "a2a", "--heads", "3", "--hidden", "48")
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert output.count("megatron_zeco.train: error:") == 1 and "Traceback" not in output, output
+    assert done.stderr.rstrip().endswith("--context-parallel-size is --cp, --spec megatron_zeco.specs "
+                                         "gla_local_spec is --strategy zeco)"), output
+    assert "GatedLinearAttention (layer 1): the a2a strategy" in done.stderr.splitlines()[-2], output
+
+
+@pytest.mark.slow
 def test_misconfigured_command_under_torchrun_prints_one_message():
     """torchrun --nproc-per-node 2 -m megatron_zeco.train --seq-len 50: the message from rank 0, no traceback
     through this package, a non-zero exit, and the message again at the end of torchrun's own failure
     report (its root cause: the line a user reads last)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_zeco.train",
-           "--seq-len", "50"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    done = _command("--seq-len", "50", launcher=("torchrun", "--nproc-per-node", "2"))
     output = done.stdout + done.stderr
     assert done.returncode != 0
     message = "megatron_zeco.train: error: --seq-len 50 must be a multiple of 4"
@@ -242,6 +326,35 @@ def test_misconfigured_command_under_torchrun_prints_one_message():
     root_cause = output[output.index("Root Cause"):]
     assert message in root_cause, output
     assert "megatron_zeco/train.py" not in output and "Warning" not in output, output
+
+
+# --- every mixer learns the task ------------------------------------------------------------------
+
+# The recall task made small (2 bindings of 4 keys to 4 values, 24 tokens, 2 layers of hidden 32): the job's
+# defaults otherwise (each mixer's initialisation among them), 150 steps on one process (the layers under CP
+# compute what they do on one: tests/*/test_layer.py, tests/mcore/). Chance is a loss of
+# ln 4 = 1.39, where a model that does not learn the task stays; each mixer is below 0.1 by then.
+LEARNING = dict(layers=2, hidden=32, heads=2, seq_len=24, pairs=2, keys=4, values=4, filler=4, steps=150,
+                log_interval=10**6)
+LEARNED = 0.5  # the mean loss of the last 10 steps must be below this
+
+
+def _learning(rank, world, mixer):
+    from megatron_zeco import train as T
+
+    return [loss for loss, _ in T.train(T.TrainConfig(**LEARNING, mixer=mixer), log=lambda line: None)]
+
+
+@pytest.mark.slow
+@pytest.mark.megatron
+@pytest.mark.parametrize("mixer", [pytest.param("gla", marks=pytest.mark.variant),
+                                   pytest.param("kda", marks=pytest.mark.variant),
+                                   pytest.param("gdn", marks=needs_hybrid_model)])
+def test_every_mixer_learns_the_task(mixer):
+    """A layer that stops learning (a gate that cannot open, a wrong initialisation, a term lost) fails here."""
+    losses = run_ranks(_learning, 1, mixer)[0]
+    final = sum(losses[-10:]) / 10
+    assert losses[0] > 1.3 and final < LEARNED, (mixer, losses[0], final, losses[-10:])
 
 
 # --- save and resume -------------------------------------------------------------------------------
@@ -272,6 +385,7 @@ def resume_runs(tmp_path_factory):
     return run_ranks(_resume_runs, 2, str(tmp_path_factory.mktemp("resume")))
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_losses_exactly(resume_runs):
     """3 steps + save + load + 3 steps == 6 steps straight, to the bit (CPU, CP = 2): model, AdamW
     state, step (so data and learning rate) all come back."""
@@ -287,6 +401,7 @@ def test_resumed_run_continues_the_same_losses_exactly(resume_runs):
     assert resume_runs[1]["first log"] == [], "only rank 0 logs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tp2", "dp2"])
 def test_checkpoint_loads_at_another_layout(resume_runs, layout):
     """Saved at TP 1 x CP 2, resumed at TP 2 x CP 1 and at DP 2 x CP 1: the next step's loss (the
@@ -296,12 +411,14 @@ def test_checkpoint_loads_at_another_layout(resume_runs, layout):
             assert loss == pytest.approx(ref, rel=1e-5, abs=0), (layout, out[layout], out["straight"])
 
 
+@pytest.mark.slow
 def test_load_without_a_checkpoint_starts_from_step_0(resume_runs):
     out = resume_runs[0]
     assert len(out["empty"]) == 1 and out["empty"][0] == out["straight"][0]
     assert any("no checkpoint there; starting from step 0" in line for line in out["empty log"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt", pytest.param("hybrid", marks=[needs_hybrid_model, pytest.mark.megatron])])
 def test_command_saves_and_resumes_without_warnings(tmp_path, model):
     """torchrun: 2 steps saved at CP 2 (--exit-interval), resumed at TP 2; no warning in either
@@ -360,6 +477,7 @@ def hybrid_runs(tmp_path_factory):
     return run_ranks(_hybrid_runs, 2, str(tmp_path_factory.mktemp("hybrid")))
 
 
+@pytest.mark.slow
 @needs_hybrid_model
 @pytest.mark.megatron
 def test_hybrid_model_under_cp_trains_as_one_rank(hybrid_runs):
@@ -371,6 +489,7 @@ def test_hybrid_model_under_cp_trains_as_one_rank(hybrid_runs):
             assert loss == pytest.approx(ref, rel=1e-5, abs=0), (out["cp2"], out["cp1"])
 
 
+@pytest.mark.slow
 @needs_hybrid_model
 @pytest.mark.megatron
 def test_hybrid_model_with_experts_under_cp_trains_as_one_rank(hybrid_runs):
@@ -382,6 +501,7 @@ def test_hybrid_model_with_experts_under_cp_trains_as_one_rank(hybrid_runs):
             assert loss == pytest.approx(ref, rel=1e-5, abs=0), (out["moe cp2"], out["moe cp1"])
 
 
+@pytest.mark.slow
 @needs_hybrid_model
 @pytest.mark.megatron
 def test_hybrid_model_resumes_the_same_losses_and_refuses_the_other_model(hybrid_runs):
@@ -390,6 +510,43 @@ def test_hybrid_model_resumes_the_same_losses_and_refuses_the_other_model(hybrid
     for out in hybrid_runs:
         assert out["first"] == out["cp2"][:3] and out["resumed"] == out["cp2"][3:], out
         assert "was saved with --model hybrid (given gpt)" in out["gpt error"], out["gpt error"]
+
+
+# --- --mixer gdn (megatron-core >= 0.19) ------------------------------------------------------------
+
+GDN = dict(TINY, mixer="gdn")
+
+
+def _gdn_runs(rank, world, root):
+    """Histories of --mixer gdn: 6 steps at CP 2 (zeco, lasp2, a2a) and at CP 1 (DP 2); 3 steps saved at CP 2
+    and resumed; 3 steps of --model hybrid 'G-*-' at CP 2 and CP 1."""
+    from megatron_zeco import train as T
+
+    def run(**flags):
+        return T.train(T.TrainConfig(**{**GDN, **flags}), log=lambda line: None)
+
+    ckpt = os.path.join(root, "ckpt")
+    out = {"zeco": run(cp=2), "cp1": run(cp=1, dp=2), "lasp2": run(cp=2, strategy="lasp2"),
+           "a2a": run(cp=2, strategy="a2a")}
+    out["first"] = run(cp=2, save=ckpt, exit_interval=3)
+    out["resumed"] = run(cp=2, load=ckpt)
+    hybrid = dict(model="hybrid", layers=None, hybrid_layer_pattern="G-*-", steps=3)
+    out["hybrid cp2"], out["hybrid cp1"] = run(cp=2, **hybrid), run(cp=1, dp=2, **hybrid)
+    return out
+
+
+@pytest.mark.slow
+@needs_hybrid_model
+@pytest.mark.megatron
+def test_gated_deltanet_job_trains_as_one_rank_under_every_strategy_and_resumes(tmp_path):
+    """--mixer gdn at CP 2, by zeco, lasp2 and a2a, GPTModel and HybridModel: CP 1's losses (float32, 1e-5);
+    3 steps + save + load + 3 steps == 6 steps straight, to the bit."""
+    for out in run_ranks(_gdn_runs, 2, str(tmp_path)):
+        for name, ref in (("zeco", "cp1"), ("lasp2", "cp1"), ("a2a", "cp1"), ("hybrid cp2", "hybrid cp1")):
+            assert len(out[name]) == len(out[ref]) > 0, name
+            for (loss, _), (want, _) in zip(out[name], out[ref]):
+                assert loss == pytest.approx(want, rel=1e-5, abs=0), (name, out[name], out[ref])
+        assert out["first"] == out["zeco"][:3] and out["resumed"] == out["zeco"][3:], out
 
 
 # --- a stalled rank --------------------------------------------------------------------------------
@@ -413,6 +570,7 @@ def _stalled_job(rank, world, root):
     return code, err.getvalue(), sorted(os.listdir(save))
 
 
+@pytest.mark.slow
 def test_a_rank_stalled_mid_run_stops_the_job_before_the_step_is_applied(tmp_path):
     """Every rank, the stalled one when it comes back included, stops at step 3 with ScanTimeoutError
     naming a layer's scan and the peer, exit status 1; steps 1 and 2 were saved, step 3 was not."""

@@ -42,7 +42,8 @@ from ..common.conv import l2norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
-from ..mcore.common import LayerCP, check_low_precision
+from ..mcore.common import (LayerCP, check_conv_init, check_gate_timescales, check_low_precision,
+                            dt_bias_for_timescales, init_conv_taps, log_spaced)
 from ..mcore.host import host_as_cuda
 from .local import require_gdn_backend
 from .op import GATED_DELTA_RULE
@@ -57,7 +58,9 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
 
     Args:
         config, submodules, *args (layer_number, bias, conv_bias, conv_init, use_qk_l2norm, A_init_range,
-        pg_collection), name, cp_comm_type: as Megatron-Core's ``GatedDeltaNet`` (heads, head dims and
+        pg_collection), name, cp_comm_type: as Megatron-Core's ``GatedDeltaNet`` (``conv_init`` may also be
+            ``"identity"``: the convolution starts passing each token through, ``mcore.common.init_conv_taps``;
+            heads, head dims and
             the convolution's width from ``config.linear_*``: ``--linear-num-key-heads``,
             ``--linear-num-value-heads``, ``--linear-key-head-dim``, ``--linear-value-head-dim``,
             ``--linear-conv-kernel-dim``). ``pg_collection=None`` takes ``parallel_state``'s groups.
@@ -70,14 +73,25 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
             ``--linear-value-head-dim``), ``cp_transport``, ``cp_overlap_scan``, ``cp_packed_split``
             (as :class:`megatron_zeco.gla.layer.GatedLinearAttention`'s). The short convolution always
             exchanges halos.
+        gate_timescales: ``(shortest, longest)`` memory in tokens: the decays start at ``exp(-1 / tau)``,
+            ``tau`` evenly spaced in log over that range across the value heads (see :meth:`reset_parameters`);
+            None: Megatron's initialisation (``A`` uniform in ``A_init_range``, ``dt_bias = 1``: decays of 0.27
+            or less per token).
         **kwargs: the ``cp_*`` keywords, Megatron's keyword arguments above, and anything else
             TransformerLayer passes (``pp_layer_offset``, ...), unused.
     """
 
     def __init__(self, config, submodules: GatedDeltaNetSubmodules, *args, cp_config: Optional[CPConfig] = None,
-                 **kwargs):
+                 gate_timescales: Optional[Tuple[float, float]] = None, **kwargs):
         knobs, kwargs = split_keywords(kwargs)
         megatron = _megatron_arguments(args, kwargs)
+        check_conv_init(megatron.get("conv_init"), WHO)
+        check_gate_timescales(gate_timescales, WHO)
+        # Set before Megatron's constructor, which calls reset_parameters. "identity" is this layer's own;
+        # Megatron's module takes a float or None.
+        self.conv_identity, self.gate_timescales = megatron.get("conv_init") == "identity", gate_timescales
+        if self.conv_identity:
+            megatron["conv_init"] = None
         pg_collection = megatron.get("pg_collection")
         if pg_collection is None:
             megatron["pg_collection"] = pg_collection = ProcessGroupCollection.use_mpu_process_groups(
@@ -107,16 +121,31 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
     def reset_parameters(self):
         """Megatron's initialisation: on the GPU its own (drawn under the model-parallel CUDA RNG);
         on a host without CUDA the same distributions drawn from torch's CPU generator (as Megatron-Core's
-        linears draw theirs with ``use_cpu_initialization``)."""
+        linears draw theirs with ``use_cpu_initialization``). Then, with ``conv_init="identity"``, the
+        convolution starts as the identity (``mcore.common.init_conv_taps``), and with ``gate_timescales``
+        the decays start at ``exp(-1 / tau)`` per token, ``tau`` evenly spaced in log over that range across the
+        value heads (``A_log = 0``, ``dt_bias`` of ``mcore.common.dt_bias_for_timescales``; each TP rank takes
+        its heads' share, so that any TP size starts alike). A head's decay is one number and a small model
+        has few heads: spaced evenly, some head always starts with a long memory, which a random draw over
+        a few heads can miss."""
         if self.A_log.is_cuda:
-            return super().reset_parameters()
+            super().reset_parameters()
+        elif self.config.perform_initialization:
+            with torch.no_grad():
+                if self.conv_init is not None:
+                    nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
+                self.dt_bias.fill_(1.0)
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*self.A_init_range).log())
         if not self.config.perform_initialization:
             return
-        with torch.no_grad():
-            if self.conv_init is not None:
-                nn.init.uniform_(self.conv1d.weight, -self.conv_init, self.conv_init)
-            self.dt_bias.fill_(1.0)
-            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(*self.A_init_range).log())
+        if self.conv_identity:
+            init_conv_taps(self.conv1d.weight, "identity")
+        if self.gate_timescales is not None:
+            heads = self.num_value_heads // self.tp_size
+            whole = dt_bias_for_timescales(log_spaced(self.num_value_heads, *self.gate_timescales))
+            with torch.no_grad():
+                self.A_log.zero_()
+                self.dt_bias.copy_(whole[self.pg_collection.tp.rank() * heads:][:heads])
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 inference_context=None, packed_seq_params=None, sequence_len_offset: Optional[int] = None, *,

@@ -45,7 +45,8 @@ from ..common.conv import l2norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
-from ..mcore.common import LayerCP, check_low_precision
+from ..mcore.common import (LayerCP, check_conv_init, check_gate_timescales, check_low_precision,
+                            dt_bias_for_timescales, init_conv_taps, log_uniform)
 from .local import require_kda_backend
 from .op import KDA
 
@@ -80,10 +81,15 @@ class KimiDeltaAttention(MegatronModule):
             (as :class:`megatron_zeco.gla.layer.GatedLinearAttention`'s). The short convolution always
             exchanges halos.
         conv_kernel_size: the short convolution's width W (Kimi Linear's: 4).
+        conv_init: the short convolution's initial taps: None, ``nn.Conv1d``'s (uniform in ``+-W ** -0.5``,
+            as fla's layer draws them); a float, uniform in ``+-conv_init`` (Megatron's GatedDeltaNet's
+            knob); ``"identity"``, the current token's tap 1 and the others 0: the layer starts as fla's
+            without a short convolution and learns the taps (``mcore.common.init_conv_taps``).
         gate_timescales: ``(shortest, longest)`` memory in tokens: initialise ``A_log = 0`` and
             ``dt_bias`` so that channel decays start at ``exp(-1/tau)``, tau log-uniform in that range
-            per head and channel (as Mamba's dt). None: Kimi Linear's (``A`` uniform in [1, 16],
-            ``dt_bias = 0``: a decay of 0.5 or less per token at the start).
+            per head and channel (as Mamba's dt). None: fla's KDA models' (``A`` uniform in [1, 16],
+            ``dt_bias = softplus^-1(dt)``, dt log-uniform in [0.001, 0.1] per channel, as Mamba's: decays
+            of ``exp(-A dt)`` per token, from 0.2 to 0.999 at the start).
         pg_collection: Megatron's process groups (``tp``, ``cp``); taken from ``parallel_state`` when
             absent.
         **kwargs: the ``cp_*`` keywords, and anything else TransformerLayer passes (``cp_comm_type``,
@@ -92,7 +98,8 @@ class KimiDeltaAttention(MegatronModule):
 
     def __init__(self, config, submodules: KimiDeltaAttentionSubmodules, layer_number: int = 1,
                  cp_config: Optional[CPConfig] = None, conv_kernel_size: int = 4,
-                 gate_timescales: Optional[Tuple[float, float]] = None, pg_collection=None, **kwargs):
+                 conv_init: Union[None, float, str] = None, gate_timescales: Optional[Tuple[float, float]] = None,
+                 pg_collection=None, **kwargs):
         super().__init__(config=config)
         self.layer_number = layer_number
         if pg_collection is not None:
@@ -103,6 +110,8 @@ class KimiDeltaAttention(MegatronModule):
         H, D = config.num_attention_heads, config.kv_channels
         if not isinstance(conv_kernel_size, int) or conv_kernel_size < 1:
             raise ValueError(f"{WHO}: conv_kernel_size must be a positive int, got {conv_kernel_size!r}")
+        check_conv_init(conv_init, WHO)
+        check_gate_timescales(gate_timescales, WHO)
         cp_config = config_of("kda", cp_config, split_keywords(kwargs)[0], WHO)
         self.cp = LayerCP(KDA, cp_config, (self.tp_group, self.cp_group), (H, "--num-attention-heads"),
                           ((D, "--kv-channels"),) * 2,
@@ -131,12 +140,11 @@ class KimiDeltaAttention(MegatronModule):
             submodules.out_gate_up, D, H * D, init_method=config.init_method, gather_output=False, bias=True,
             skip_bias_add=False, tp_comm_buffer_name="out_gate", **linear)
         # Per-head parameters, drawn whole (the same on every TP rank) and sliced to this rank's heads.
-        self.conv_weight = self._per_head(torch.empty(H * 3 * D, conv_kernel_size).uniform_(
-            -conv_kernel_size ** -0.5, conv_kernel_size ** -0.5), device)  # nn.Conv1d's, depthwise
-        if gate_timescales is None:  # Kimi Linear's
-            A_log, dt_bias = torch.empty(H).uniform_(1, 16).log(), torch.zeros(H * D)
+        self.conv_weight = self._per_head(init_conv_taps(torch.empty(H * 3 * D, conv_kernel_size), conv_init), device)
+        if gate_timescales is None:  # fla's KDA models' (KDAPreTrainedModel._init_weights): dt in [0.001, 0.1]
+            A_log, dt_bias = torch.empty(H).uniform_(1, 16).log(), dt_bias_for_timescales(log_uniform(H * D, 10, 1000))
         else:
-            A_log, dt_bias = torch.zeros(H), _softplus_inverse(1 / _timescales(H * D, *gate_timescales))
+            A_log, dt_bias = torch.zeros(H), dt_bias_for_timescales(log_uniform(H * D, *gate_timescales))
         self.A_log, self.dt_bias = self._per_head(A_log, device), self._per_head(dt_bias, device)
         for p in (self.A_log, self.dt_bias):
             p._no_weight_decay = True
@@ -218,16 +226,3 @@ class KimiDeltaAttention(MegatronModule):
         state.update(make_sharded_tensors_for_checkpoint(own, prefix, {name: 0 for name in TP_SPLIT}, sharded_offsets,
                                                          tp_group=self.tp_group, dp_cp_group=metadata["dp_cp_group"]))
         return state
-
-
-def _timescales(n: int, shortest: float, longest: float) -> torch.Tensor:
-    """``n`` memories in tokens, log-uniform in ``[shortest, longest]`` (float64)."""
-    if not 0 < shortest <= longest:
-        raise ValueError(f"{WHO}: gate_timescales must be (shortest, longest) with 0 < shortest <= longest, "
-                         f"got {(shortest, longest)}")
-    return shortest * (longest / shortest) ** torch.rand(n, dtype=torch.float64)
-
-
-def _softplus_inverse(y: torch.Tensor) -> torch.Tensor:
-    """``x`` with ``softplus(x) = y`` (y > 0), stable for small and large y."""
-    return y + torch.log(-torch.expm1(-y))

@@ -5,8 +5,9 @@ checks a token mixer runs against Megatron's flags; a layer's context parallelis
 the step check that hooks Megatron's gradient finalisation.
 """
 
-from typing import Tuple
+from typing import Tuple, Union
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -120,6 +121,71 @@ def check_low_precision(config, submodules, linears, who: str, te_spec: str) -> 
 def _is_subclass(spec, classes) -> bool:
     module = spec.module if isinstance(spec, ModuleSpec) else spec
     return isinstance(module, type) and issubclass(module, classes)
+
+
+# How a layer's short convolution starts (``conv_init``): the values a layer takes besides a float.
+CONV_INITS = ("identity",)
+
+
+def check_conv_init(conv_init: Union[None, float, str], who: str) -> None:
+    """ValueError (naming ``who``) unless ``conv_init`` is None, a positive float or ``"identity"``."""
+    if conv_init is None or conv_init in CONV_INITS:
+        return
+    if isinstance(conv_init, bool) or not isinstance(conv_init, (int, float)) or not conv_init > 0:
+        raise ValueError(f"{who}: conv_init must be None (nn.Conv1d's initialisation), a positive float (taps "
+                         f"uniform in [-conv_init, conv_init], as Megatron's GatedDeltaNet) or 'identity', got "
+                         f"{conv_init!r}")
+
+
+@torch.no_grad()
+def init_conv_taps(weight: torch.Tensor, conv_init: Union[None, float, str]) -> torch.Tensor:
+    """Draw a depthwise short convolution's taps ``weight [channels, ..., W]`` (the last tap weighs the
+    current token) in place: ``None`` as ``nn.Conv1d`` (uniform in ``+-W ** -0.5``, its fan-in being W),
+    a float ``c`` uniform in ``+-c`` (Megatron's GatedDeltaNet's ``conv_init``), ``"identity"`` the current
+    token's tap 1 and the others 0, so that the layer starts as it would without the convolution (fla's
+    ``use_short_conv=False``: ``SiLU(projection)``) and learns the taps."""
+    if conv_init == "identity":
+        weight.zero_()
+        weight[..., -1] = 1.0
+        return weight
+    bound = weight.shape[-1] ** -0.5 if conv_init is None else float(conv_init)
+    return weight.uniform_(-bound, bound)
+
+
+def check_gate_timescales(timescales, who: str) -> None:
+    """ValueError (naming ``who``) unless ``timescales`` is None or ``(shortest, longest)`` with
+    ``0 < shortest <= longest``."""
+    if timescales is None:
+        return
+    try:
+        shortest, longest = (float(t) for t in timescales)
+    except (TypeError, ValueError):
+        shortest = longest = float("nan")
+    if not 0 < shortest <= longest:
+        raise ValueError(f"{who}: gate_timescales must be (shortest, longest) in tokens with 0 < shortest <= "
+                         f"longest, got {timescales!r}")
+
+
+def log_uniform(n: int, low: float, high: float) -> torch.Tensor:
+    """``n`` values log-uniform in ``[low, high]`` (float64, from torch's generator)."""
+    return low * (high / low) ** torch.rand(n, dtype=torch.float64)
+
+
+def log_spaced(n: int, low: float, high: float) -> torch.Tensor:
+    """``n`` values evenly spaced in log over ``[low, high]``, the midpoints of n equal steps (float64)."""
+    return low * (high / low) ** ((torch.arange(n, dtype=torch.float64) + 0.5) / n)
+
+
+def dt_bias_for_timescales(tau: torch.Tensor) -> torch.Tensor:
+    """A Mamba-style gate bias for memories of ``tau`` tokens: ``softplus(dt_bias) = 1 / tau``, so that with
+    ``A = 1`` (``A_log = 0``) a decay ``exp(-A softplus(x + dt_bias))`` starts at ``exp(-1 / tau)`` per token
+    (for ``x = 0``)."""
+    return softplus_inverse(1 / tau)
+
+
+def softplus_inverse(y: torch.Tensor) -> torch.Tensor:
+    """``x`` with ``softplus(x) = y`` (y > 0), stable for small and large y."""
+    return y + torch.log(-torch.expm1(-y))
 
 
 # Through Megatron each CP rank gets --seq-length / --context-parallel-size tokens: what an input error at

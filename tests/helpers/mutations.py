@@ -94,6 +94,26 @@ MUTATIONS = [
              "b_M = b_M * _exp(b_gl, G_LOG2)[:, None]", "b_M = b_M * _exp(b_gl, G_LOG2)[None, :]",
              "a chunk's decay per key channel applied to the columns of the sub-piece map (M Diag(a)), not its "
              "rows (Diag(a) M)"),
+    Mutation("kda-decay-without-exp", "megatron_zeco/kda/layer.py",
+             "g = -self.A_log.to(fp).exp().unsqueeze(-1) * F.softplus(",
+             "g = -self.A_log.to(fp).unsqueeze(-1) * F.softplus(",
+             "the KDA layer's decay rate taken as A_log, not exp(A_log)"),
+    Mutation("kda-output-gate-silu", "megatron_zeco/kda/layer.py",
+             "o = (o * out_gate.to(fp).sigmoid()).to(proj.dtype)", "o = (o * F.silu(out_gate.to(fp))).to(proj.dtype)",
+             "the KDA layer's output gate a SiLU (GLA's and Gated DeltaNet's) instead of a sigmoid"),
+    Mutation("gla-gate-not-normalised", "megatron_zeco/gla/layer.py",
+             "g = F.logsigmoid(g.to(fp)) / self.gate_normalizer", "g = F.logsigmoid(g.to(fp))",
+             "the GLA layer's log forget gate not divided by its normaliser (16)"),
+    Mutation("conv-identity-oldest-tap", "megatron_zeco/mcore/common.py",
+             "weight[..., -1] = 1.0", "weight[..., 0] = 1.0",
+             "the identity convolution's one tap on the oldest token (a shift by W - 1) instead of the current one"),
+    Mutation("train-iters-alias-dropped", "megatron_zeco/train.py",
+             'aliases=("--train-iters",))', "aliases=())",
+             "the main job's --train-iters (Megatron-LM's spelling of --steps) no longer parsed"),
+    Mutation("seq-len-check-ignores-piece-split", "megatron_zeco/train.py",
+             "pieces = as_layout(cfg.layout).num_pieces(cfg.cp) * split if cfg.cp > 1 else 1",
+             "pieces = as_layout(cfg.layout).num_pieces(cfg.cp) if cfg.cp > 1 else 1",
+             "a --seq-len that divides into the pieces but not into their --piece-split sub-pieces accepted"),
 ]
 
 TIERS = {"fast": ["-m", "not slow"], "full": []}
@@ -135,7 +155,10 @@ def run(m: Mutation, tier: str, timeout: float, every_failure: bool = False) -> 
                                cwd=tree, env=env, capture_output=True, text=True).stdout.strip()
         if not where.startswith(str(tree)):
             return dict(name=m.name, outcome="error", detail=f"the copy is not what imports: {where}", seconds=0.0)
-        cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", *TIERS[tier]]
+        # tests/test_mutations.py checks that each mutation's text is still in the code: on a mutated copy it
+        # fails by construction, before the tests after it in order (tests/test_train.py) could.
+        cmd = [sys.executable, "-m", "pytest", "tests", "-q", "-p", "no:cacheprovider", "--ignore",
+               "tests/test_mutations.py", *TIERS[tier]]
         cmd += [] if every_failure else ["-x"]
         start = time.monotonic()
         try:

@@ -156,18 +156,6 @@ def test_misuse_names_what_to_change(name):
         assert isinstance(result, tuple) and all(w in result[1] for w in words), result
 
 
-def test_gate_timescales_set_the_initial_decays():
-    """gate_timescales=(1, 100): A_log = 0 and softplus(dt_bias) = 1 / tau with tau in [1, 100]."""
-    import torch.nn.functional as F
-
-    from megatron_zeco.kda.layer import _softplus_inverse, _timescales
-
-    tau = _timescales(1000, 1.0, 100.0)
-    assert tau.min() >= 1 and tau.max() <= 100 and tau.max() / tau.min() > 50
-    y = 1 / tau
-    assert torch.allclose(F.softplus(_softplus_inverse(y)), y, rtol=1e-12, atol=0)
-
-
 SPEC_NAMES = ["kda_local_spec", "kda_te_spec", "kda_hybrid_local_spec", "kda_hybrid_te_spec",
               "kda_hybrid_stack_local_spec", "kda_hybrid_stack_local_lasp2_spec", "kda_hybrid_stack_local_a2a_spec",
               "kda_hybrid_stack_te_spec"]

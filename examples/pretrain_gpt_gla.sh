@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Train a GLA model with ZeCO context parallelism using stock Megatron-LM pretrain_gpt.py.
 #
-#   MEGATRON_LM=/path/to/Megatron-LM CP=2 GPUS=2 bash examples/pretrain_gla.sh [extra pretrain_gpt.py flags]
+#   MEGATRON_LM=/path/to/Megatron-LM CP=2 GPUS=2 bash examples/pretrain_gpt_gla.sh [extra pretrain_gpt.py flags]
 #
 # Environment (all optional): MEGATRON_LM (checkout with pretrain_gpt.py), GPUS (processes on this
 # node), CP, TP, PP, SPEC (a name from megatron_zeco/specs.py), MODEL (small | gla-1b), SEQ, ITERS,
 # PRECISION (default --bf16; empty for fp32), POS (--position-embedding-type: none; rope for the
-# softmax layers of hybrid specs, see examples/pretrain_hybrid.sh).
+# softmax layers of hybrid specs, see examples/pretrain_gpt_gla_softmax.sh).
 # The spec name picks the CP strategy: gla_local_spec (ZeCO), gla_local_{lasp1,lasp2,a2a}_spec;
 # gla_te_* with TransformerEngine. No patch to Megatron-LM is needed.
 set -euo pipefail

@@ -3,11 +3,13 @@
 # (core_v0.19.0 or later): one layer per symbol of --hybrid-layer-pattern, G = GLA (ZeCO context
 # parallelism), * = softmax attention, - = MLP, E = MoE, | = pipeline-stage boundary.
 #
-#   MEGATRON_LM=/path/to/Megatron-LM CP=2 GPUS=2 bash examples/pretrain_gla_hybrid.sh [extra pretrain_hybrid.py flags]
+#   MEGATRON_LM=/path/to/Megatron-LM CP=2 GPUS=2 bash examples/pretrain_hybrid_gla.sh [extra pretrain_hybrid.py flags]
 #
 # Environment (all optional): MEGATRON_LM (checkout with pretrain_hybrid.py), GPUS (processes on this
 # node), CP, TP, PP, SPEC (a stack from megatron_zeco/specs.py: hybrid_stack_local_spec, or
-# hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine), MODEL
+# hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine; G = KDA with
+# kda_hybrid_stack_local_spec, G = Gated DeltaNet with gdn_hybrid_stack_local_spec and the flags
+# docs/gated-deltanet.md gives, --swiglu and --linear-*), MODEL
 # (small | gla-1b), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
 # PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
 # (--position-embedding-type: rope, for the softmax layers; GLA layers ignore it; none without them).
@@ -19,7 +21,7 @@ GPUS=${GPUS:-2} CP=${CP:-2} TP=${TP:-1} PP=${PP:-1}
 SPEC=${SPEC:-hybrid_stack_local_spec} MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60} POS=${POS:-rope}
 
 case "$MODEL" in
-  # examples/pretrain_hybrid.sh's model (GPTModel GGG*, 4 layers with an MLP each) as HybridModel layers.
+  # examples/pretrain_gpt_gla_softmax.sh's model (GPTModel GGG*, 4 layers with an MLP each) as HybridModel layers.
   small)  ARCH=(--hidden-size 1024 --num-attention-heads 8) DEFAULT_PATTERN='G-G-G-*-' ;;
   # The ZeCO paper's GLA-1B (20 GLA layers, each with its MLP), every 4th mixer softmax attention.
   gla-1b) ARCH=(--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632)
