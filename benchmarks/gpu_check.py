@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -116,6 +117,7 @@ def run(step, command, env, logs, clock):
         print(f"\n=== {step}: left out (no time left)", flush=True)
         return "left out", 0.0
     print(f"\n=== {step}: {' '.join(command)}", flush=True)
+    env = {**env, tuning.COMPILE_LOG_ENV: os.path.join(logs, "compiles", step)}
     with open(os.path.join(logs, f"{step}.log"), "w") as log:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
@@ -136,15 +138,17 @@ def run(step, command, env, logs, clock):
 
 
 def _stop(*procs):
-    """Stop each of ``procs`` and every process it started (its session): SIGTERM, then SIGKILL."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """Stop each of ``procs`` and every process it started (its session): SIGINT (pytest then reports the
+    tests that ended and writes its JUnit file), SIGTERM, then SIGKILL."""
+    for sig, grace in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 0)):
         for proc in procs:
             try:
                 os.killpg(proc.pid, sig)
             except ProcessLookupError:
                 pass
-        if sig == signal.SIGTERM:
-            time.sleep(5)
+        deadline = time.perf_counter() + grace
+        while time.perf_counter() < deadline and any(proc.poll() is None for proc in procs):
+            time.sleep(0.5)
 
 
 def _entry():
@@ -195,9 +199,33 @@ def run_tests(args, env, logs, gpus, clock):
         command += ["-n", str(args.jobs)]
     if args.keyword:
         command += ["-k", args.keyword]
-    status, seconds = run("tests", command, env, logs, clock)
+    times = os.path.join(logs, "test-times.tsv")
+    if os.path.exists(times):
+        os.remove(times)
+    status, seconds = run("tests", command, {**env, "MEGATRON_ZECO_TEST_LOG": times}, logs, clock)
     files = test_results(junit, os.path.join(logs, "tests.log"))
-    return {"exit": status, "seconds": round(seconds, 1), "files": files, "gpus": gpus}
+    return {"exit": status, "seconds": round(seconds, 1), "files": files, "gpus": gpus,
+            "slowest": slowest_tests(times)}
+
+
+def slowest_tests(path, count=10):
+    """The ``count`` longest test phases of the run's test log (tests/conftest.py writes it), longest first."""
+    rows = []
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) == 4:
+                    rows.append({"test": parts[0], "phase": parts[1], "outcome": parts[2], "seconds": float(parts[3])})
+    return sorted(rows, key=lambda r: -r["seconds"])[:count]
+
+
+def compiles(logs):
+    """Per step, the compile log summed (megatron_zeco/common/tuning.py), the five slowest kernels kept."""
+    root = os.path.join(logs, "compiles")
+    steps = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    return {step: {**summary, "kernels": summary["kernels"][:5]}
+            for step, summary in ((step, tuning.compile_summary(os.path.join(root, step))) for step in steps)}
 
 
 def bench_rows(path):
@@ -283,6 +311,10 @@ def summary_lines(report):
             lines += [f"    FAILED {t}: {m.splitlines()[-1] if m else ''}"[:200] for t, m in e["failures"].items()]
             reasons = sorted(set(e["skips"].values()))
             lines += [f"    skipped ({sum(r == s for s in e['skips'].values())}): {r}"[:200] for r in reasons]
+        if tests.get("slowest"):
+            lines.append("  slowest:")
+            lines += [f"    {r['seconds']:6.1f} s {r['phase']:8s} {r['outcome']:7s} {r['test']}"[:200]
+                      for r in tests["slowest"]]
     for step, result in (report.get("bench") or {}).items():
         lines.append(f"\n{step} ({result['seconds']:.0f} s, exit {result['exit']}):")
         if step.startswith("piece-"):
@@ -293,6 +325,13 @@ def summary_lines(report):
             lines.append(f"  {'strategy':10s} {'CP':>2s} {'layout':10s} {'ms':>8s} {'host ms':>8s} {'x 1 GPU':>7s}")
             lines += [f"  {s:10s} {p:2d} {l:10s} {m:8.3f} {'-' if h is None else f'{h:8.3f}':>8s} {x:7.2f}"
                       for s, p, l, m, h, x in op_table(result["result"])]
+    if report.get("compiles"):
+        lines.append("\nTriton compiles (cache hits left out):")
+        for step, c in report["compiles"].items():
+            lines.append(f"  {step:16s} {c['compiles']:5d} compiles in {c['processes']:3d} processes, "
+                         f"{c['seconds']:7.1f} s; slowest: " + ", ".join(f"{k['kernel'].split(':')[-1]} "
+                                                                         f"{k['seconds']:.0f} s ({k['compiles']})"
+                                                                         for k in c["kernels"][:3]))
     return lines
 
 
@@ -302,6 +341,7 @@ def main(argv=None):
     clock = Clock(args.budget)
     logs = args.logs or os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logs, exist_ok=True)
+    shutil.rmtree(os.path.join(logs, "compiles"), ignore_errors=True)  # a log of this run's compiles only
     env = environment(args, "bench")
     info = versions(env)
     if not info["gpus"]:
@@ -316,6 +356,7 @@ def main(argv=None):
         report["bench"] = run_bench(args, env, logs, info["gpus"], clock)
     if args.record:
         report["record"] = write_record(args.record, info["device"])
+    report["compiles"] = compiles(logs)
     report["seconds"] = round(time.perf_counter() - started, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

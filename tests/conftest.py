@@ -27,6 +27,16 @@ def pytest_report_header(config):
         return "megatron-core: not installed"
 
 
+def pytest_runtest_logreport(report):
+    """With ``$MEGATRON_ZECO_TEST_LOG`` set (the GPU check sets it), a line per test phase as it ends:
+    the test, its phase, outcome and seconds, appended to that file by whichever process ran it, so a run
+    stopped part-way still shows where its time went."""
+    path = os.environ.get("MEGATRON_ZECO_TEST_LOG")
+    if path and (report.when == "call" or report.outcome != "passed" or report.duration > 1):
+        with open(path, "a") as f:
+            f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.1f}\n")
+
+
 @pytest.fixture
 def seed():
     """A fresh random seed per test (printed, so a failure can be replayed with ZECO_SEED=...)."""

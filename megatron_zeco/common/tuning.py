@@ -21,6 +21,11 @@ and the launch's shape: replayed and autotuned runs compute the same function, a
   autotunes it (each config timed over ``RECORD_BENCH_MS`` instead of Triton's 25 + 100 ms) while the
   others wait for it, then use its pick. ``python -m megatron_zeco.common.tuning merge DIR -o FILE`` makes
   the record (``benchmarks/gpu_check.py --record DIR`` runs the check this way and merges).
+
+``$MEGATRON_ZECO_COMPILE_LOG=DIR`` (read at the same time) logs every Triton compile of the process, a JSON
+line each in ``DIR/<pid>.jsonl``: the kernel, whether Triton's cache had it, and the seconds it took, by
+stage. ``python -m megatron_zeco.common.tuning compiles DIR`` sums them per kernel: where a cold start
+spends its time.
 """
 
 import argparse
@@ -33,9 +38,11 @@ import json
 import os
 import re
 import sys
+import time
 from typing import Dict, Iterator, Optional, Tuple
 
 ENV = "MEGATRON_ZECO_TUNED_CONFIGS"
+COMPILE_LOG_ENV = "MEGATRON_ZECO_COMPILE_LOG"
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 # Packages whose autotuned kernels a record covers: fla's and this package's.
 PACKAGES = ("fla.", "megatron_zeco.")
@@ -217,6 +224,55 @@ def _take_first_config() -> None:
     Autotuner.run = first_run
 
 
+def log_compiles(directory: str) -> None:
+    """Append a line to ``directory/<pid>.jsonl`` for every Triton compile of this process (Triton's
+    compilation listener): ``{"kernel", "cache_hit", "seconds", "stages": {stage: seconds}, "at"}``, ``at``
+    the seconds since the log began."""
+    import triton
+
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{os.getpid()}.jsonl")
+    began = time.perf_counter()
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit):
+        fn = getattr(src, "fn", None)
+        name = f"{fn.__module__}:{fn.__name__}" if fn is not None else str(metadata.get("name"))
+        stages = {"ir": times.ir_initialization / 1e6, **{ext: us / 1e6 for ext, us in times.lowering_stages}}
+        entry = {"kernel": name, "cache_hit": cache_hit, "seconds": round(sum(stages.values()), 4),
+                 "stages": {k: round(v, 4) for k, v in stages.items()}, "at": round(time.perf_counter() - began, 2)}
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+    triton.knobs.compilation.listener = listener
+
+
+def compile_summary(directory: str) -> dict:
+    """The compile log in ``directory`` summed: processes, compiles and cache hits, seconds, and per kernel
+    (slowest first) its compiles and seconds."""
+    kernels: Dict[str, list] = {}
+    summary = {"processes": 0, "compiles": 0, "cache_hits": 0, "seconds": 0.0}
+    for path in glob.glob(os.path.join(directory, "*.jsonl")):
+        summary["processes"] += 1
+        with open(path) as f:
+            for line in f:
+                try:
+                    entry = json.loads(line)
+                except ValueError:  # a line cut short by a stopped process
+                    continue
+                if entry["cache_hit"]:
+                    summary["cache_hits"] += 1
+                    continue
+                summary["compiles"] += 1
+                summary["seconds"] += entry["seconds"]
+                totals = kernels.setdefault(entry["kernel"], [0, 0.0])
+                totals[0] += 1
+                totals[1] += entry["seconds"]
+    summary["seconds"] = round(summary["seconds"], 1)
+    summary["kernels"] = [{"kernel": k, "compiles": n, "seconds": round(t, 1)}
+                          for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+    return summary
+
+
 def merge(directory: str) -> dict:
     """The record of a recording run: ``{"gpu", versions, "kernels": {"module:attribute": [{"key", "config"}]}}``."""
     kernels: Dict[str, list] = {}
@@ -254,6 +310,8 @@ def _load(path: str) -> dict:
 def configure() -> str:
     """Apply ``$MEGATRON_ZECO_TUNED_CONFIGS`` once per process (see the module's docstring); returns what
     was done, in words. ValueError for a value that is none of the documented forms."""
+    if os.environ.get(COMPILE_LOG_ENV):
+        log_compiles(os.environ[COMPILE_LOG_ENV])
     value = os.environ.get(ENV, "off").strip()
     if value in ("", "off"):
         return "autotune"
@@ -285,13 +343,24 @@ def configure() -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Merge a recording run's picks (record:DIR) into one record.")
+    p = argparse.ArgumentParser(description="Merge a recording run's picks (record:DIR) into one record; sum a "
+                                            "compile log.")
     sub = p.add_subparsers(dest="command", required=True)
     m = sub.add_parser("merge", help="DIR's picks into one record (JSON)")
     m.add_argument("directory")
     m.add_argument("-o", "--out", required=True)
     m.add_argument("--into", default=None, help="a record to extend (its entries kept where DIR has none)")
+    c = sub.add_parser("compiles", help=f"the compile log in DIR (${COMPILE_LOG_ENV}) summed per kernel")
+    c.add_argument("directory")
+    c.add_argument("--top", type=int, default=20)
     args = p.parse_args(argv)
+    if args.command == "compiles":
+        summary = compile_summary(args.directory)
+        print(f"{summary['compiles']} compiles ({summary['cache_hits']} cache hits) in {summary['processes']} "
+              f"processes: {summary['seconds']:.1f} s")
+        for k in summary["kernels"][:args.top]:
+            print(f"  {k['seconds']:8.1f} s {k['compiles']:4d}  {k['kernel']}")
+        return
     record = merge(args.directory)
     if args.into:
         old = _load(args.into)

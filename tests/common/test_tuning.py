@@ -85,3 +85,33 @@ def test_a_gpu_without_its_own_record_takes_its_chips():
     assert tuning.file_name("NVIDIA H100 80GB HBM3") in tuning.SAME_CHIP
     for name, chip in tuning.SAME_CHIP.items():
         assert tuning.recorded_for(name) == tuning.recorded_for(chip)
+
+
+def test_the_compile_log_sums_each_kernels_compiles(tmp_path, monkeypatch):
+    import triton
+    from triton.knobs import CompileTimes
+
+    class Source:  # what Triton hands the listener: the JIT function under ``fn``
+        def __init__(self, fn):
+            self.fn = fn
+
+    def kernel_a():
+        pass
+
+    def kernel_b():
+        pass
+
+    monkeypatch.setattr(triton.knobs.compilation, "listener", None)
+    tuning.log_compiles(str(tmp_path))
+    listen = triton.knobs.compilation.listener
+    for fn, us, hit in ((kernel_a, 2_000_000, False), (kernel_b, 500_000, False), (kernel_a, 1_000_000, False),
+                        (kernel_b, 9_000_000, True)):
+        listen(src=Source(fn), metadata={}, metadata_group={}, cache_hit=hit,
+               times=CompileTimes(ir_initialization=us // 2, lowering_stages=[("ttir", us // 4), ("cubin", us // 4)],
+                                  store_results=0))
+    summary = tuning.compile_summary(str(tmp_path))
+    name = f"{__name__}:kernel_"
+    assert (summary["processes"], summary["compiles"], summary["cache_hits"]) == (1, 3, 1)
+    assert summary["seconds"] == 3.5
+    assert summary["kernels"] == [{"kernel": name + "a", "compiles": 2, "seconds": 3.0},
+                                  {"kernel": name + "b", "compiles": 1, "seconds": 0.5}]

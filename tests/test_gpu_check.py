@@ -1,0 +1,49 @@
+"""benchmarks/gpu_check.py's own logic on the CPU: a step stopped at the budget, the logs it reads back
+and the summary it prints (the steps themselves need GPUs)."""
+
+import importlib.util
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)
+
+# A step that outlives the budget; interrupted (SIGINT), it reports as pytest does, then exits.
+SLOW_STEP = ("import sys, time\n"
+             "print('started', flush=True)\n"
+             "try:\n    time.sleep(60)\n"
+             "except KeyboardInterrupt:\n    print('interrupted: wrote its report', flush=True)\n    sys.exit(2)\n")
+
+
+def test_a_step_past_the_budget_is_interrupted_first_and_reported_stopped(tmp_path):
+    clock = gpu_check.Clock(2.0)
+    status, seconds = gpu_check.run("slow", [sys.executable, "-c", SLOW_STEP], dict(os.environ), str(tmp_path), clock)
+    assert status == gpu_check.STOPPED and seconds < 30
+    log = (tmp_path / "slow.log").read_text()
+    assert "interrupted: wrote its report" in log  # SIGINT came first, so pytest can write its JUnit file
+    assert gpu_check.run("next", [sys.executable, "-c", "pass"], {}, str(tmp_path), clock) == ("left out", 0.0)
+
+
+def test_the_summary_shows_the_slowest_tests_and_the_compile_time(tmp_path):
+    times = tmp_path / "test-times.tsv"
+    times.write_text("tests/a.py::fast\tcall\tpassed\t1.0\ntests/a.py::slow\tcall\tpassed\t90.5\n"
+                     "tests/b.py::broken\tsetup\tfailed\t3.0\ncut sho")
+    slowest = gpu_check.slowest_tests(str(times), count=2)
+    assert [r["test"] for r in slowest] == ["tests/a.py::slow", "tests/b.py::broken"]
+    compiles = tmp_path / "compiles" / "tests"
+    compiles.mkdir(parents=True)
+    (compiles / "1.jsonl").write_text('{"kernel": "fla.ops.x:k1", "cache_hit": false, "seconds": 40.0}\n'
+                                      '{"kernel": "fla.ops.x:k1", "cache_hit": true, "seconds": 0.1}\n')
+    (compiles / "2.jsonl").write_text('{"kernel": "fla.ops.x:k2", "cache_hit": false, "seconds": 2.0}\n{"kern')
+    summary = gpu_check.compiles(str(tmp_path))["tests"]
+    assert (summary["processes"], summary["compiles"], summary["cache_hits"], summary["seconds"]) == (2, 2, 1, 42.0)
+    report = {"meta": {"device": "GPU", "gpus": 2, "date": "d", "commit": "c", "torch": "t", "triton": "3",
+                       "fla-core": "f", "configs": {"tests": "untuned", "bench": "auto"}},
+              "seconds": 100.0, "compiles": {"tests": summary},
+              "tests": {"seconds": 95.0, "exit": 0, "slowest": slowest,
+                        "files": {"tests/a.py": {**gpu_check._entry(), "passed": 2}}}}
+    text = "\n".join(gpu_check.summary_lines(report))
+    assert "90.5 s call" in text and "tests/a.py::slow" in text
+    assert "2 compiles in   2 processes,    42.0 s; slowest: k1 40 s (1), k2 2 s (1)" in text
