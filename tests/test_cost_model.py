@@ -395,9 +395,10 @@ SHIPPED = ROOT / "megatron_zeco" / "cost_model" / cm.DATA
 
 def test_shipped_calibration_data_are_the_result_files():
     """The calibration data shipped with the package are copies of the result files in docs/results
-    that hold calibration rows: every such file, with the same rows and meta, and nothing else; the
-    calibration reads them and not docs/results. Each copy's meta says in full what it measured
-    (cost_model.META), where docs/results' may leave out what the benchmarks did not write then."""
+    that hold calibration rows (another operator's one-GPU op times included): every such file, with
+    the same rows and meta, and nothing else; the calibration reads them and not docs/results. Each
+    copy holding rows of a build says in full what it measured (cost_model.META), where docs/results'
+    may leave out what the benchmarks did not write then."""
     results = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in RESULTS.glob("*.json")}
     shipped = {p.name: json.loads(p.read_text(encoding="utf-8")) for p in SHIPPED.glob("*.json")}
     needed = {name for name, data in results.items() if cm.calibration_rows(data)}
@@ -409,7 +410,9 @@ def test_shipped_calibration_data_are_the_result_files():
         assert copy["rows"] == source["rows"], f"{name}: the shipped rows differ from docs/results'"
         added = {k: v for k, v in copy["meta"].items() if k not in source["meta"]}
         assert {**source["meta"], **added} == copy["meta"], f"{name}: the shipped meta differs from docs/results'"
-        assert set(added) <= set(cm.META) <= set(copy["meta"]), f"{name}: meta adds {sorted(added)}"
+        assert set(added) <= set(cm.META), f"{name}: meta adds {sorted(added)}"
+        if len(cm.calibration_rows(source)) > len(cm.op_time_rows(source)):  # rows of a build, not op times alone
+            assert set(cm.META) <= set(copy["meta"]), f"{name}: meta says not all of {cm.META}"
     assert {r["file"] for r in cm.default_rows()} == needed
 
 

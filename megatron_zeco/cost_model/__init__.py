@@ -1,8 +1,12 @@
-"""Cost model of GLA context parallelism as built: the time of one layer per strategy as P grows.
+"""Cost model of linear-attention context parallelism as built: the time of one layer per strategy as P grows.
 
-Times are seconds of one GLA layer, forward + backward, on each of P GPUs holding ``tokens``
-tokens each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens per GPU.
-The equations, the figures and their sources are in ``docs/scaling.md``; in short:
+Times are seconds of one layer, forward + backward, on each of P GPUs holding ``tokens`` tokens
+each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens per GPU.
+The operator (``OPERATORS``: GLA, the gated delta rule, KDA) sets what crosses ranks through one
+:class:`Operator`: its piece maps' transition, diagonal (a K-vector per head, GLA) or dense (K x K,
+the delta rules), gives the state and map bytes, the blocks' dim and the matrix products a hop
+computes (charged at the stated ``FP32_FLOPS``; a diagonal's elementwise work is inside the
+measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
 * ``zeco``:  ``t_op (1 + extra) + passes + sum over fwd/bwd of max(0, scan - overlap * t_dir)``,
@@ -44,24 +48,26 @@ no GPU (importing it through the ``megatron_zeco`` package imports torch with th
 from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, chain_hops, critical_path,
                           hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 from ..comm.transport import Transport
-from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, PARTS, PASS_UNITS, Calibration, Residual,
-                          calibrate, calibration_rows, default_rows, file_rows, load_rows)
-from .model import (ACT_BYTES, CHUNK, FOLD_LAUNCH, FWD_FRACTION, HBM_BANDWIDTH, LAYOUTS, REGIMES, SHAPES, STRATEGIES,
-                    Software, Workload, best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases,
-                    hierarchical_time, layer_time, scan_time)
+from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, ONE_GPU, PARTS, PASS_UNITS, Calibration,
+                          Residual, calibrate, calibration_rows, default_rows, file_rows, load_rows, op_time_rows)
+from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACTION, GDN, GLA, HBM_BANDWIDTH, KDA,
+                    LAYOUTS, OPERATORS, REGIMES, SHAPES, STRATEGIES, Dense, Diagonal, Operator, Software, Workload,
+                    best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases, hierarchical_time,
+                    layer_time, scan_time)
 from .projection import Choice, main, project, projection_workload, zeco_choices
 
 __all__ = [
     # links, transports and the scan shapes (megatron_zeco.comm.shape)
     "HOP_COST", "INFINIBAND", "NVLINK", "TRANSPORTS", "Cluster", "Link", "Transport", "chain_hops", "critical_path",
     "hierarchical_steps", "prefer_hierarchical", "scan_choice", "scan_path", "walk_ranks",
-    # the equations
-    "ACT_BYTES", "CHUNK", "FOLD_LAUNCH", "FWD_FRACTION", "HBM_BANDWIDTH", "LAYOUTS", "REGIMES", "SHAPES", "STRATEGIES",
-    "Software", "Workload", "best_blocks", "blocks", "chain_time", "efficiency", "gather_time", "hierarchical_phases",
-    "hierarchical_time", "layer_time", "scan_time",
+    # the operators and the equations
+    "ACT_BYTES", "CHUNK", "DEVICE", "FOLD_LAUNCH", "FP32_FLOPS", "FWD_FRACTION", "GDN", "GLA", "HBM_BANDWIDTH", "KDA",
+    "LAYOUTS", "OPERATORS", "REGIMES", "SHAPES", "STRATEGIES", "Dense", "Diagonal", "Operator", "Software", "Workload",
+    "best_blocks", "blocks", "chain_time", "efficiency", "gather_time", "hierarchical_phases", "hierarchical_time",
+    "layer_time", "scan_time",
     # the calibration
-    "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "PARTS", "PASS_UNITS", "Calibration", "Residual",
-    "calibrate", "calibration_rows", "default_rows", "file_rows", "load_rows",
+    "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "PARTS", "PASS_UNITS", "Calibration",
+    "Residual", "calibrate", "calibration_rows", "default_rows", "file_rows", "load_rows", "op_time_rows",
     # projections and the command line
     "Choice", "main", "project", "projection_workload", "zeco_choices",
 ]

@@ -11,8 +11,8 @@ from importlib import resources
 from typing import Optional
 
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops
-from .model import (ACT_BYTES, FOLD_LAUNCH, REGIMES, STRATEGIES, Software, Workload, _a2a_wire, _hop_times,
-                    chain_time, gather_time, layer_time)
+from .model import (ACT_BYTES, DEVICE, FOLD_LAUNCH, GLA, OPERATORS, REGIMES, STRATEGIES, Software, Workload,
+                    _a2a_wire, _hop_times, chain_time, gather_time, layer_time)
 
 # What a result file measured, in its ``meta`` (the calibration reads it there, row by row):
 #   build      the build of the package it measured: a name (runs of one build are averaged together)
@@ -31,6 +31,7 @@ PASS_UNITS = ("pass_bytes", "chunk_state_bytes")  # Workload sizes a pass can be
 BUILD = "peer memory"
 BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer_memory": "v3"}, "passes": None}
 PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
+ONE_GPU = "one_gpu"  # the part of another operator's one-GPU op time, as file_rows gives it
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
@@ -63,6 +64,9 @@ class Calibration:
     op_ms: dict[str, dict[tuple[int, int, int], float]]  # regime -> (tokens, heads, dim) -> one-GPU fwd+bwd
     other_ms: dict[tuple[int, int, int, int], float]  # (tokens, heads, dim, layers) -> per-layer non-GLA ms
     residuals: list[Residual]
+    # operator -> regime -> (tokens, heads, dim) -> one-GPU fwd+bwd ms: GLA's op_ms and the other
+    # operators' measured op times (op_time_rows)
+    one_gpu: dict[str, dict[str, dict[tuple[int, int, int], float]]] = None
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
         """The code as built with its All-Scan over ``transport``, in ``regime``."""
@@ -101,8 +105,21 @@ def default_rows() -> list[dict]:
 def calibration_rows(data: dict) -> list[dict]:
     """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
     written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
-    accuracy, memory or profile rows)."""
-    return [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
+    accuracy, memory or profile rows), and :func:`op_time_rows`."""
+    gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
+    return gla + op_time_rows(data)
+
+
+def op_time_rows(data: dict) -> list[dict]:
+    """The rows of a result file that measured another operator's one-GPU op time (forward + backward)
+    on the device the model describes (:data:`DEVICE`), as written: ``bench_op.py --op <op>``'s
+    ``none`` op rows and ``profile_piece.py``'s rows of fla's own op (case ``fla``, ``fwd+bwd``).
+    The delta rules' scans are not timed; only their local op is."""
+    if DEVICE not in data.get("meta", {}).get("device", ""):
+        return []
+    return [r for r in data.get("rows", []) if r.get("op", "gla") != "gla" and r.get("op") in OPERATORS and (
+        (r.get("part") == "op" and r.get("strategy") == "none" and r.get("cp") == 1)
+        or (r.get("part") == "profile" and r.get("case") == "fla" and r.get("direction") == "fwd+bwd"))]
 
 
 def file_rows(name: str, data: dict) -> list[dict]:
@@ -115,9 +132,10 @@ def file_rows(name: str, data: dict) -> list[dict]:
     are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
     (timed one call from an empty queue).
     """
-    rows = calibration_rows(data)
+    times = [_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)]
+    rows = [r for r in calibration_rows(data) if r.get("op", "gla") == "gla"]
     if not rows:
-        return []
+        return times
     build, built = data["meta"].get("build"), _build_meta(name, data["meta"])
     shapes = {(r["heads"], r["dim"]) for r in rows if "heads" in r}
     out = []
@@ -127,7 +145,18 @@ def file_rows(name: str, data: dict) -> list[dict]:
                 raise ValueError(f"{name}: a {r['part']} row without heads/dim needs one op shape in its file")
             r = dict(r, heads=next(iter(shapes))[0], dim=next(iter(shapes))[1])
         out.append(dict(r, file=name, build=build, build_meta=built, mode=r.get("mode", "eager")))
-    return out
+    return out + times
+
+
+def _one_gpu_row(name: str, meta: dict, r: dict) -> dict:
+    """An :func:`op_time_rows` row as the calibration reads it: part :data:`ONE_GPU`, its op, regime
+    (``mode``), shape and ``ms``. profile_piece.py's rows time fla's op back to back (``steady_ms``, as
+    bench_op.py's steady rows) at the heads and dim of the file's meta."""
+    if r["part"] == "profile":
+        r = dict(mode="steady", tokens_per_gpu=r["tokens"], heads=meta["heads"], dim=meta["dim"], ms=r["steady_ms"],
+                 op=r["op"])
+    return dict(part=ONE_GPU, op=r["op"], mode=r.get("mode", "eager"), tokens_per_gpu=r["tokens_per_gpu"],
+                heads=r["heads"], dim=r["dim"], ms=r["ms"], file=name)
 
 
 def _build_meta(name: str, meta: dict) -> dict:
@@ -232,13 +261,13 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
     version of the scan code over each transport, zeco's transport.
     """
-    fit = _Fit(rows, cluster, build)
+    fit = _Fit([r for r in rows if r["part"] != ONE_GPU], cluster, build)
     residuals = fit.kernel_residuals() + fit.scan_residuals() + fit.op_residuals()
     outside = fit.outside_ms()
     residuals += fit.model_residuals(outside)
     builds = fit.builds()
     return Calibration(builds[build], builds, fit.transports(), fit.nccl_call, fit.op_ms, _mean_per_shape(outside),
-                       residuals)
+                       residuals, {GLA.name: fit.op_ms, **_one_gpu_times([r for r in rows if r["part"] == ONE_GPU])})
 
 
 class _Fit:
@@ -520,6 +549,16 @@ def _code_method(r: dict) -> str:
     """A scan row's method as one scan code's chain is named in every file: ``all_scan K=4``."""
     m = _CHAIN.match(r["method"])
     return f"all_scan K={m.group(2)}" if m else r["method"]
+
+
+def _one_gpu_times(rows: list[dict]) -> dict[str, dict[str, dict[tuple[int, int, int], float]]]:
+    """``Calibration.one_gpu`` of the operators besides GLA: per operator and regime, the mean of each
+    shape's runs."""
+    runs: dict[str, dict[str, dict[tuple[int, int, int], list[float]]]] = {}
+    for r in rows:
+        runs.setdefault(r["op"], {}).setdefault(r["mode"], {}).setdefault(_shape(r), []).append(r["ms"])
+    return {op: {regime: {k: sum(v) / len(v) for k, v in shapes.items()} for regime, shapes in regimes.items()}
+            for op, regimes in runs.items()}
 
 
 def _mean_per_shape(outside: dict[tuple, float]) -> dict[tuple[int, int, int, int], float]:

@@ -1,7 +1,7 @@
-"""The time of one GLA layer, forward + backward, under each context-parallel strategy: a
-:class:`Workload` on a :class:`~megatron_zeco.comm.shape.Cluster`, at the costs of an
-implementation beyond the wire (:class:`Software`). The equations are summed up in the package's
-docstring and set out in ``docs/scaling.md``."""
+"""The time of one linear-attention layer, forward + backward, under each context-parallel strategy:
+a :class:`Workload` of an :class:`Operator` on a :class:`~megatron_zeco.comm.shape.Cluster`, at the
+costs of an implementation beyond the wire (:class:`Software`). The equations are summed up in the
+package's docstring and set out in ``docs/scaling.md``."""
 
 import math
 from dataclasses import dataclass, replace
@@ -15,16 +15,121 @@ LAYOUTS = ("contiguous", "zigzag")
 REGIMES = ("steady", "eager")
 
 # Stated hardware figures (docs/scaling.md says why).
+DEVICE = "H200"  # the GPU the model describes: result files measured on another are not read
 HBM_BANDWIDTH = 4.8e12  # B/s, H200 HBM3e (NVIDIA spec)
 FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens, H200
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
+FP32_FLOPS = 67e12  # flop/s, H200 FP32 without tensor cores (NVIDIA spec): the dense hop's IEEE float32 products
+
+
+# ---------------------------------------------------------------------------------------------- operators
+
+class Diagonal:
+    """The linear part of GLA's piece map ``S -> Diag(gamma) S + E``: a K-vector per head.
+
+    Applying and composing it are elementwise, memory-bound work inside a hop whose cost is measured
+    (the fitted per-hop cost): no matrix product is charged beyond it. Blocks of the state's rows are
+    independent, and a zigzag walk over device transports runs as two legs (``comm/all_scan.py``)."""
+
+    block_dim = "k_dim"
+    two_legs = True
+    hop_timed = True  # the device transports' hop kernels ran with these maps (scan rows)
+
+    @staticmethod
+    def numbers(k: int) -> int:
+        """Numbers of the transition per head."""
+        return k
+
+    @staticmethod
+    def apply_macs(k: int, v: int) -> int:
+        """Multiply-adds of matrix products applying the transition to a K x V state: none (elementwise)."""
+        return 0
+
+    @staticmethod
+    def compose_macs(k: int) -> int:
+        """Multiply-adds of matrix products composing two transitions: none (elementwise)."""
+        return 0
+
+
+class Dense:
+    """The linear part of the delta rules' piece map ``S -> M S + E``: a K x K matrix per head.
+
+    Applying it to a state block of c columns is a K x K by K x c product, composing two a K x K by
+    K x K product (``comm/transition.py``); both are charged at :data:`FP32_FLOPS` (the hop kernels
+    multiply in IEEE float32). Blocks of columns are independent; a zigzag walk runs as one chain
+    (the return leg's composed maps would carry K x K more per message)."""
+
+    block_dim = "v_dim"
+    two_legs = False
+    hop_timed = False  # the dense hop kernel (kernels/scan_hop.py) has not been timed on GPUs
+
+    @staticmethod
+    def numbers(k: int) -> int:
+        return k * k
+
+    @staticmethod
+    def apply_macs(k: int, v: int) -> int:
+        return k * k * v
+
+    @staticmethod
+    def compose_macs(k: int) -> int:
+        return k ** 3
+
+
+@dataclass(frozen=True)
+class Operator:
+    """A linear-attention operator as its context parallelism sees it: the kind of its piece maps'
+    transition (:class:`Diagonal` or :class:`Dense`), from which every size and product of the scans
+    follows, and the gates its all-to-all moves. ``op_time_of`` names the operator whose measured
+    one-GPU time stands for this one's (itself where measured; else the projection is said)."""
+
+    name: str
+    title: str
+    transition: type
+    key_gates: bool  # a decay per key channel ([tokens, heads, k_dim]) rather than one per head
+    beta: bool  # a write strength per head and token (the delta rules')
+    op_time_of: str = ""  # "" = its own
+
+    @property
+    def timed_as(self) -> str:
+        """The operator whose measured one-GPU op time this one's projections use."""
+        return self.op_time_of or self.name
+
+    def state_bytes(self, heads: int, k: int, v: int) -> int:
+        """One fp32 state: what a chain hop carries."""
+        return heads * k * v * 4
+
+    def map_bytes(self, heads: int, k: int, v: int) -> int:
+        """One fp32 map (state and transition): what the hierarchical scan and LASP-2's all-gather move."""
+        return heads * (k * v + self.transition.numbers(k)) * 4
+
+    def apply_flops(self, heads: int, k: int, v: int) -> int:
+        """Matrix-product flops of combining an entering state (or block of ``v`` columns) with a map."""
+        return 2 * heads * self.transition.apply_macs(k, v)
+
+    def compose_flops(self, heads: int, k: int, v: int) -> int:
+        """Matrix-product flops of composing two maps, ``(T2, d2) o (T1, d1) = (T2 T1, T2 d1 + d2)``."""
+        return 2 * heads * (self.transition.compose_macs(k) + self.transition.apply_macs(k, v))
+
+    def gate_numbers(self, k: int) -> int:
+        """Gate numbers per head and token besides q, k, v: the decay (per key or per head) and beta."""
+        return (k if self.key_gates else 1) + (1 if self.beta else 0)
+
+
+GLA = Operator("gla", "gated linear attention", Diagonal, key_gates=True, beta=False)
+GDN = Operator("gdn", "Gated DeltaNet's gated delta rule", Dense, key_gates=False, beta=True)
+# KDA's one-GPU op is not measured: its projections use the gated delta rule's (the same scans; KDA's
+# per-key gates only add local work, so its time is a floor and its efficiency a lower bound).
+KDA = Operator("kda", "Kimi Delta Attention", Dense, key_gates=True, beta=True, op_time_of="gdn")
+OPERATORS = {op.name: op for op in (GLA, GDN, KDA)}
 
 
 @dataclass(frozen=True)
 class Workload:
-    """One GLA layer on each of P GPUs: q, k, g [tokens, heads, k_dim], v [tokens, heads, v_dim]."""
+    """One layer of ``op`` on each of P GPUs: q, k [tokens, heads, k_dim], v [tokens, heads, v_dim] and
+    the operator's gates."""
 
     P: int
     tokens: int  # per GPU
@@ -35,6 +140,7 @@ class Workload:
     act_bytes: int = 2
     layout: str = "contiguous"
     other_ms: float = 0.0  # per-layer time outside GLA (model level); 0 = the operator alone
+    op: Operator = GLA
 
     @property
     def pieces(self) -> int:
@@ -42,11 +148,23 @@ class Workload:
 
     @property
     def state_bytes(self) -> int:  # one fp32 state
-        return self.heads * self.k_dim * self.v_dim * 4
+        return self.op.state_bytes(self.heads, self.k_dim, self.v_dim)
 
     @property
-    def map_bytes(self) -> int:  # one fp32 map (state and decays): what the hierarchical scan moves
-        return self.heads * self.k_dim * (self.v_dim + 1) * 4
+    def map_bytes(self) -> int:  # one fp32 map (state and transition): what the hierarchical scan moves
+        return self.op.map_bytes(self.heads, self.k_dim, self.v_dim)
+
+    @property
+    def block_dim(self) -> int:  # the state dim the All-Scan's blocks split
+        return getattr(self, self.op.transition.block_dim)
+
+    def apply_time(self, K: int = 1) -> float:
+        """Seconds of the matrix products combining one of K blocks of the entering state with a map."""
+        return self.op.apply_flops(self.heads, self.k_dim, self.v_dim) / K / FP32_FLOPS
+
+    def compose_time(self, K: int = 1) -> float:
+        """Seconds of the matrix products composing two maps (one of K blocks of their states)."""
+        return self.op.compose_flops(self.heads, self.k_dim, self.v_dim) / K / FP32_FLOPS
 
     @property
     def pass_bytes(self) -> int:  # read by one state pass: k, v, g (or q, g, dO)
@@ -57,8 +175,9 @@ class Workload:
         return math.ceil(self.tokens / CHUNK) * self.state_bytes
 
     @property
-    def a2a_bytes(self) -> int:  # q, k, v, g, o and their gradients: what a2a reorders
-        return 2 * self.tokens * self.heads * (3 * self.k_dim + 2 * self.v_dim) * self.act_bytes
+    def a2a_bytes(self) -> int:  # q, k, v, the gates, o and their gradients: what a2a reorders
+        gates = self.op.gate_numbers(self.k_dim)
+        return 2 * self.tokens * self.heads * (2 * self.k_dim + gates + 2 * self.v_dim) * self.act_bytes
 
 
 @dataclass(frozen=True)
@@ -82,20 +201,28 @@ class Software:
 
 # ---------------------------------------------------------------------------------------------- scan shapes
 
+def _chain_hops(w: Workload, c: Cluster, sw: Software) -> tuple[int, int, int]:
+    """The chain's hops inside nodes, between nodes and on the same rank (two legs where both the
+    transport and the operator's maps allow them)."""
+    two_legs = TRANSPORTS[sw.transport].two_legs and w.op.transition.two_legs
+    return chain_hops(w.P, w.layout, c.gpus_per_node, two_legs)
+
+
 def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
     """One pipelined chain (forward or backward) over every piece, the state in K blocks."""
-    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
+    intra, inter, local = _chain_hops(w, c, sw)
     block = w.state_bytes / K
     wires = [block / link.bandwidth for n, link in ((intra, c.intra), (inter, c.inter)) if n]
-    return sw.scan_call + sum(n * tau for n, tau in _hop_times(w, c, sw, K)) + (K - 1) * max(sw.message, *wires, 0.0)
+    pace = max(sw.message, *wires, w.apply_time(K), 0.0)
+    return sw.scan_call + sum(n * tau for n, tau in _hop_times(w, c, sw, K)) + (K - 1) * pace
 
 
 def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int, float]]:
     """(number, seconds) of the chain's hops inside nodes, between nodes and on the same rank, for one
     block (the same-rank turn of a zigzag chain: a combine, no wire)."""
-    intra, inter, local = chain_hops(w.P, w.layout, c.gpus_per_node, TRANSPORTS[sw.transport].two_legs)
-    block = w.state_bytes / K
-    taus = [(intra, sw.hop + c.intra.time(block)), (inter, sw.hop + c.inter.time(block)), (local, sw.hop)]
+    intra, inter, local = _chain_hops(w, c, sw)
+    block, combine = w.state_bytes / K, sw.hop + w.apply_time(K)
+    taus = [(intra, combine + c.intra.time(block)), (inter, combine + c.inter.time(block)), (local, combine)]
     return [(n, tau) for n, tau in taus if n]
 
 
@@ -107,10 +234,11 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
 
     def cost(a, b, what, phase):
-        nbytes = w.map_bytes if what == "map" else w.state_bytes
-        return sw.hop + c.link(a, b).time(nbytes / K if phase == "A" else nbytes)
+        nbytes, combine = (w.map_bytes, w.compose_time()) if what == "map" else (w.state_bytes, w.apply_time())
+        blocks = K if phase == "A" else 1
+        return sw.hop + combine / blocks + c.link(a, b).time(nbytes / blocks)
 
-    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth)}
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
     return steps, cost, drain
 
 
@@ -147,10 +275,10 @@ def scan_time(shape: str, w: Workload, c: Cluster, sw: Software, K: int = 1, rev
 # ---------------------------------------------------------------------------------------------- a layer
 
 def gather_time(w: Workload, c: Cluster, sw: Software) -> tuple[float, float]:
-    """(communication, fold) of LASP-2's all-gather scan: every piece's (state | gamma) to all."""
-    nbytes = w.pieces * w.heads * w.k_dim * (w.v_dim + 1) * 4
+    """(communication, fold) of LASP-2's all-gather scan: every piece's map (state | transition) to all."""
+    nbytes = w.pieces * w.map_bytes
     comm = sw.gather_call + (w.P - 1) * c.slowest(w.P).time(nbytes)
-    fold = w.pieces * w.P * (sw.fold_launch + 3 * nbytes / w.pieces / HBM_BANDWIDTH)
+    fold = w.pieces * w.P * (sw.fold_launch + 3 * w.map_bytes / HBM_BANDWIDTH + w.apply_time())
     return comm, fold
 
 
@@ -162,12 +290,12 @@ def _a2a_wire(w: Workload, c: Cluster) -> float:
 
 
 def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1, shape: str = "chain") -> float:
-    """Seconds of one GLA layer, fwd + bwd, under ``strategy`` (zeco: an All-Scan of ``shape`` in K
-    blocks over ``sw.transport``)."""
+    """Seconds of one layer of ``w.op``, fwd + bwd, under ``strategy`` (zeco: an All-Scan of ``shape``
+    in K blocks over ``sw.transport``)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-    if w.k_dim % K:
-        raise ValueError(f"K (All-Scan blocks, {K}) must divide k_dim ({w.k_dim})")
+    if w.block_dim % K:
+        raise ValueError(f"K (All-Scan blocks, {K}) must divide {w.op.transition.block_dim} ({w.block_dim})")
     if w.layout not in LAYOUTS:
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {w.layout!r}")
     t_op = w.op_ms * 1e-3
@@ -196,8 +324,9 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
 
 
 def blocks(w: Workload) -> list[int]:
-    """The All-Scan block counts a layer can take: the divisors of the key dim."""
-    return [K for K in range(1, w.k_dim + 1) if w.k_dim % K == 0]
+    """The All-Scan block counts a layer can take: the divisors of the state dim its blocks split
+    (the key dim for diagonal maps, the value dim for dense ones)."""
+    return [K for K in range(1, w.block_dim + 1) if w.block_dim % K == 0]
 
 
 def best_blocks(w: Workload, c: Cluster, sw: Software, shape: str = "chain") -> tuple[int, float]:

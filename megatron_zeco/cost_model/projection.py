@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
 from .calibration import Calibration, calibrate, default_rows, load_rows
-from .model import LAYOUTS, REGIMES, SHAPES, Workload, best_blocks, layer_time
+from .model import DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Operator, Workload, best_blocks, layer_time
 
 
 @dataclass(frozen=True)
@@ -21,27 +21,35 @@ class Choice:
     transport: str = ""
     shape: str = ""
     K: int = 0
-    projected: bool = False  # rests on projected (not measured) transport costs
+    projected: bool = False  # rests on projected (not measured) transport costs or hop kernels
     why_not: str = ""  # set where the strategy cannot run this workload (seconds = inf)
 
 
 def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "contiguous", heads: int = 16,
-                        head_dim: int = 128, regime: str = "steady") -> Workload:
-    """A layer at ``tokens`` per GPU: the one-GPU op time measured in ``regime`` at the fewest tokens
-    with this head dim, scaled linearly in tokens and heads (docs/scaling.md, "Limits")."""
-    measured = {(t, h): ms for (t, h, d), ms in cal.op_ms[regime].items() if d == head_dim}
+                        head_dim: int = 128, regime: str = "steady", op: Operator = GLA) -> Workload:
+    """A layer of ``op`` at ``tokens`` per GPU: the one-GPU op time of ``op.timed_as`` measured in
+    ``regime`` at the fewest tokens with this head dim, scaled linearly in tokens and heads
+    (docs/scaling.md, "Limits")."""
+    times = cal.one_gpu.get(op.timed_as, {}).get(regime, {})
+    if not times:
+        raise ValueError(f"no measured one-GPU {regime} op time of {op.timed_as} on the {DEVICE} in the calibration data "
+                         f"(measured: {', '.join(sorted(k for k, v in cal.one_gpu.items() if regime in v))}): "
+                         f"bench_op.py --op {op.timed_as} --modes {regime} rows would give it (docs/scaling.md, "
+                         f"'Adding a measured point')")
+    measured = {(t, h): ms for (t, h, d), ms in times.items() if d == head_dim}
     if not measured:
-        raise ValueError(f"no measured one-GPU op time with head dim {head_dim} (measured: "
-                         f"{sorted({d for *_, d in cal.op_ms[regime]})}); choose --head-dim among them")
+        raise ValueError(f"no measured one-GPU op time of {op.timed_as} with head dim {head_dim} (measured: "
+                         f"{sorted({d for *_, d in times})}); choose --head-dim among them")
     t0, h0 = min(measured)
     op_ms = measured[t0, h0] * tokens / t0 * heads / h0
-    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout)
+    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op)
 
 
 def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "steady", shapes=SHAPES,
                  transports=None) -> list[Choice]:
     """ZeCO at its best K over each transport and shape that can run this group (peer memory on one
-    node only), fastest first."""
+    node only), fastest first; projected where the transport's costs are (:meth:`Calibration.projected`)
+    or its hop kernel has not run the operator's maps."""
     out = []
     for name in transports or TRANSPORTS:
         transport = TRANSPORTS[name]
@@ -53,17 +61,18 @@ def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "stead
                 K, t = 1, layer_time("zeco", w, c, sw, 1, shape)  # one message per step: K does not apply
             else:
                 K, t = best_blocks(w, c, sw, shape)
-            out.append(Choice("zeco", t, w.op_ms * 1e-3 / t, name, shape, K, cal.projected(name)))
+            projected = cal.projected(name) or (transport.device and not w.op.transition.hop_timed)
+            out.append(Choice("zeco", t, w.op_ms * 1e-3 / t, name, shape, K, projected))
     return sorted(out, key=lambda ch: ch.seconds)
 
 
 def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster = Cluster(), regime: str = "steady",
-            heads: tuple = (16, 128), transports=None) -> list[Choice]:
+            heads: tuple = (16, 128), transports=None, op: Operator = GLA) -> list[Choice]:
     """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
-    (each at its best transport), lasp2, lasp1, a2a; ``heads``: (heads, head dim) of the layer, on
-    ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
+    (each at its best transport), lasp2, lasp1, a2a; ``heads``: (heads, head dim) of a layer of
+    ``op``, on ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
     heads, head_dim = heads
-    w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime)
+    w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime, op)
     t_op = w.op_ms * 1e-3
     zeco = zeco_choices(w, cluster, cal, regime, transports=transports)
     out = [zeco[0]]
@@ -94,12 +103,16 @@ def _format(ch: Choice, layout: str) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_zeco.cost_model",
-        description="Projected efficiency t(one GPU) / t(strategy) of one GLA layer (forward + backward) under "
-                    "each context-parallel strategy, from the measured points shipped with the package "
-                    "(megatron_zeco/cost_model/data: the repository's docs/results files that hold them) and the "
-                    "stated link figures (docs/scaling.md). One line per strategy and layout, ending in "
-                    "efficiency=. Transports marked (projected) are not measured.")
+        description="Projected efficiency t(one GPU) / t(strategy) of one linear-attention layer (forward + "
+                    "backward) under each context-parallel strategy, from the measured points shipped with the "
+                    "package (megatron_zeco/cost_model/data: the repository's docs/results files that hold them) "
+                    "and the stated link figures (docs/scaling.md). Per operator a header line (# ...) saying what "
+                    "its figures rest on, then one line per strategy and layout, ending in efficiency=. Transports "
+                    "marked (projected) are not measured.")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs in the context-parallel group (P)")
+    parser.add_argument("--op", choices=(*OPERATORS, "all"), action="append",
+                        help="operator: gla (gated linear attention, default), gdn (the gated delta rule, Gated "
+                             "DeltaNet), kda (Kimi Delta Attention) or all; repeat for several")
     parser.add_argument("--tokens-per-gpu", type=int, default=16384, help="tokens per GPU (default 16384)")
     parser.add_argument("--layout", choices=LAYOUTS, action="append",
                         help="sequence layout over the GPUs: contiguous or zigzag (Megatron's); repeat for both "
@@ -125,15 +138,41 @@ def main(argv=None) -> None:
                         ("--node-size", args.node_size), ("--heads", args.heads)):
         if value < 1:
             parser.error(f"{name} must be a positive integer, got {value}")
+    ops = [OPERATORS[name] for name in dict.fromkeys(
+        name for asked in args.op or [GLA.name] for name in (OPERATORS if asked == "all" else [asked]))]
     cal = calibrate(load_rows(args.results) if args.results else default_rows())
     cluster = Cluster(inter=Link(args.ib_latency_us * 1e-6, args.ib_bandwidth_gbs * 1e9), gpus_per_node=args.node_size)
-    w = projection_workload(cal, args.gpus, args.tokens_per_gpu, heads=args.heads, head_dim=args.head_dim,
-                            regime=args.regime)
-    print(f"# {args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, {args.heads} "
-          f"heads of {args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd); links: NVLink "
-          f"{cluster.intra.latency * 1e6:g} us {cluster.intra.bandwidth / 1e9:g} GB/s, between nodes "
-          f"{cluster.inter.latency * 1e6:g} us {cluster.inter.bandwidth / 1e9:g} GB/s")
-    for layout in args.layout or LAYOUTS:
-        for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
-                          (args.heads, args.head_dim), args.transport):
-            print(_format(ch, layout))
+    for op in ops:
+        try:
+            w = projection_workload(cal, args.gpus, args.tokens_per_gpu, heads=args.heads, head_dim=args.head_dim,
+                                    regime=args.regime, op=op)
+        except ValueError as e:
+            parser.error(f"--op {op.name}: {e}")
+        print(f"# {_title(op)}{args.gpus} GPUs ({args.node_size} per node), {args.tokens_per_gpu} tokens per GPU, "
+              f"{args.heads} heads of {args.head_dim}, {args.regime}: one GPU {w.op_ms:.3f} ms per layer (fwd+bwd"
+              f"{_op_time_source(op)}); links: NVLink {cluster.intra.latency * 1e6:g} us "
+              f"{cluster.intra.bandwidth / 1e9:g} GB/s, between nodes {cluster.inter.latency * 1e6:g} us "
+              f"{cluster.inter.bandwidth / 1e9:g} GB/s")
+        if not op.transition.hop_timed:
+            print(f"# {op.name}: dense K x K maps: {w.state_bytes / 2 ** 20:g} MiB per state hop, {w.map_bytes / 2 ** 20:g} "
+                  f"MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and {w.compose_time() * 1e6:.2f} us "
+                  f"per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs measured with GLA's "
+                  f"maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); the piece's "
+                  f"correction kernels not timed (not counted)")
+        for layout in args.layout or LAYOUTS:
+            for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
+                              (args.heads, args.head_dim), args.transport, op):
+                print(_format(ch, layout))
+
+
+def _title(op: Operator) -> str:
+    """The header's name of the operator: none for GLA, whose header is the model's original one."""
+    return "" if op is GLA else f"{op.name} ({op.title}): "
+
+
+def _op_time_source(op: Operator) -> str:
+    """What the one-GPU time of ``op`` rests on, for the header: nothing to add where it is measured."""
+    if op.timed_as == op.name:
+        return "" if op is GLA else f", measured on the {DEVICE}"
+    return (f", projected: {OPERATORS[op.timed_as].name}'s measured time, {op.name}'s own not measured: a floor, "
+            f"its efficiency a lower bound")
