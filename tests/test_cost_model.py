@@ -532,3 +532,106 @@ def test_recorded_transport_costs_are_the_calibrations():
         sw = cal.sw(transport, regime)
         assert [f"{x * 1e6:.1f}" for x in (sw.scan_call, sw.message, sw.hop)] == recorded, (transport, regime)
 
+
+
+# ---------------------------------------------------------------------------------------------- operators
+# The delta rules' maps are dense (a K x K transition per head) where GLA's are diagonal: every size and
+# product of their scans follows from the heads and dims through cost_model.Operator.
+
+
+@pytest.mark.parametrize("k_dim", [32, 64, 128, 256])
+def test_delta_rule_messages_and_products_follow_the_dims(k_dim):
+    H, V = 16, 128
+    for op in (cm.GDN, cm.KDA):
+        assert op.state_bytes(H, k_dim, V) == H * k_dim * V * 4
+        assert op.map_bytes(H, k_dim, V) == H * (k_dim * V + k_dim * k_dim) * 4  # the state and a K x K map, fp32
+        assert op.apply_flops(H, k_dim, V) == 2 * H * k_dim * k_dim * V  # M S: K x K by K x V
+        assert op.compose_flops(H, k_dim, V) == 2 * H * (k_dim ** 3 + k_dim * k_dim * V)  # (M2 M1, M2 d1 + d2)
+    assert cm.Dense.compose_macs(2 * k_dim) == 8 * cm.Dense.compose_macs(k_dim)  # K^3
+    assert cm.Dense.apply_macs(2 * k_dim, V) == 4 * cm.Dense.apply_macs(k_dim, V)  # K^2 V
+    growth = cm.GDN.map_bytes(H, 2 * k_dim, V) / cm.GDN.map_bytes(H, k_dim, V)
+    assert growth == pytest.approx((2 * k_dim * V + 4 * k_dim ** 2) / (k_dim * V + k_dim ** 2), rel=1e-12)
+    # GLA: a K-vector decay per head, its elementwise work inside the measured hop (no product charged)
+    assert cm.GLA.map_bytes(H, k_dim, V) == H * k_dim * (V + 1) * 4
+    assert cm.GLA.apply_flops(H, k_dim, V) == cm.GLA.compose_flops(H, k_dim, V) == 0
+
+
+def test_dense_maps_cross_the_wire_and_cost_their_products():
+    """The model charges what the operator moves and computes: LASP-2 all-gathers each piece's map
+    (K x K more per head for the delta rule), each chain hop combines its block by a K x K product,
+    and a dense zigzag walk runs as one chain (no two legs over peer memory)."""
+    c = cm.Cluster()
+    P, H, Kd, V = 8, 16, 128, 128
+    gla, gdn = workload(P), workload(P, op=cm.GDN)
+    assert gdn.map_bytes - gla.map_bytes == H * Kd * (Kd - 1) * 4
+    comm_gla, _ = cm.gather_time(gla, c, FREE)
+    comm_gdn, fold_gdn = cm.gather_time(gdn, c, FREE)
+    assert comm_gdn - comm_gla == pytest.approx((P - 1) * (gdn.map_bytes - gla.map_bytes) / c.intra.bandwidth,
+                                                rel=1e-9)
+    assert fold_gdn == pytest.approx(P * (3 * gdn.map_bytes / cm.HBM_BANDWIDTH + 2 * H * Kd * Kd * V / cm.FP32_FLOPS))
+    # a chain of P - 1 hops in one block: the same wire, plus one product per hop
+    apply = 2 * H * Kd * Kd * V / cm.FP32_FLOPS
+    assert cm.chain_time(gdn, c, FREE, 1) - cm.chain_time(gla, c, FREE, 1) == pytest.approx((P - 1) * apply, rel=1e-9)
+    # blocks: of columns (the value dim) for dense maps, of rows (the key dim) for diagonal ones
+    narrow = dict(k_dim=64, v_dim=128)
+    assert max(cm.blocks(workload(P, op=cm.GDN, **narrow))) == 128 and max(cm.blocks(workload(P, **narrow))) == 64
+    with pytest.raises(ValueError, match="must divide k_dim"):
+        cm.layer_time("zeco", workload(P, **narrow), c, FREE, K=128)
+    with pytest.raises(ValueError, match="must divide v_dim"):
+        cm.layer_time("zeco", workload(P, op=cm.GDN, **narrow), c, FREE, K=3)
+    # zigzag over peer memory: GLA's two legs of P - 1 hops, the delta rule's one chain of 2(P - 1) and a turn
+    peer = dataclasses.replace(FREE, transport="peer_memory", hop=1e-5)
+    hops = {op.name: sum(cm.chain_hops(P, "zigzag", c.gpus_per_node, op.transition.two_legs)) for op in (cm.GLA, cm.GDN)}
+    assert hops == {"gla": P - 1, "gdn": 2 * (P - 1) + 1}
+    zig = {op.name: cm.chain_time(workload(P, "zigzag", op=op), c, peer, 1) for op in (cm.GLA, cm.GDN)}
+    assert zig["gdn"] > 2 * zig["gla"]
+
+
+def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
+    """The gated delta rule's one-GPU time is fla's own op measured on an H200 (profile_piece.py's fla
+    fwd+bwd rows, back to back), the mean of its runs; a file from another GPU is not read; KDA, not
+    measured, takes the gated delta rule's and says so; GLA's is as before."""
+    cal = _calibration()
+    profile = json.loads((RESULTS / "profile-gdn-piece-h200x1-2026-11-26.json").read_text(encoding="utf-8"))
+    for T in (16384, 32768):
+        runs = [r["steady_ms"] for r in profile["rows"] if r["case"] == "fla" and r["direction"] == "fwd+bwd"
+                and r["tokens"] == T]
+        assert len(runs) == 2
+        assert cal.one_gpu["gdn"]["steady"][T, 16, 128] == pytest.approx(sum(runs) / 2, rel=1e-12)
+    assert "eager" not in cal.one_gpu["gdn"] and "kda" not in cal.one_gpu
+    assert not cm.op_time_rows(json.loads((RESULTS / "op-gdn-h100x1-2026-11-25.json").read_text(encoding="utf-8")))
+    assert cal.one_gpu["gla"] == cal.op_ms
+    kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
+    assert kda.op_ms == cm.projection_workload(cal, 256, 16384, op=cm.GDN).op_ms and kda.op is cm.KDA
+    assert cm.KDA.timed_as == "gdn" and cm.GDN.timed_as == "gdn"
+    with pytest.raises(ValueError, match="no measured one-GPU eager op time of gdn"):
+        cm.projection_workload(cal, 256, 16384, regime="eager", op=cm.GDN)
+    # GLA's projections are those without an operator named
+    assert cm.project(cal, 256, 16384, "zigzag", op=cm.GLA) == cm.project(cal, 256, 16384, "zigzag")
+
+
+def test_command_line_prints_rows_for_each_operator():
+    lines = _cli("--gpus", "256", "--tokens-per-gpu", "16384", "--op", "all")
+    blocks, ops = [], []
+    for line in lines:
+        if line.startswith("#") and not line.startswith(("# gdn:", "# kda:")):
+            blocks.append([])
+            ops.append(line)
+        elif not line.startswith("#"):
+            assert LINE.match(line), line
+            blocks[-1].append(line)
+    assert len(blocks) == 3 and all(len(b) == 12 for b in blocks)
+    assert "measured on the H200" in ops[1] and ops[1].startswith("# gdn (")
+    assert "projected: gdn's measured time" in ops[2] and ops[2].startswith("# kda (")
+    assert blocks[0] == [line for line in _cli("--gpus", "256", "--tokens-per-gpu", "16384") if not line.startswith("#")]
+    assert blocks[1] != blocks[0]  # the dense maps cost more per hop; the local op differs
+    # the delta rule's device transports run a hop kernel not timed: marked projected
+    for line in blocks[1] + blocks[2]:
+        if "transport=peer_memory" in line or "transport=nvshmem" in line:
+            assert "(projected)" in line, line
+    assert sum("# gdn: dense K x K maps: 1 MiB per state hop, 2 MiB per map message" in x for x in lines) == 1
+    assert _cli("--gpus", "8", "--op", "gdn", "--op", "gla")[0].startswith("# gdn (")
+    with pytest.raises(SystemExit):
+        with contextlib.redirect_stderr(io.StringIO()) as err:
+            cm.main(["--gpus", "8", "--op", "gdn", "--regime", "eager"])
+    assert "no measured one-GPU eager op time of gdn" in err.getvalue()
