@@ -635,3 +635,20 @@ def test_command_line_prints_rows_for_each_operator():
         with contextlib.redirect_stderr(io.StringIO()) as err:
             cm.main(["--gpus", "8", "--op", "gdn", "--regime", "eager"])
     assert "no measured one-GPU eager op time of gdn" in err.getvalue()
+
+
+def test_recorded_delta_rule_efficiencies_are_the_models():
+    """docs/scaling.md's table of the gated delta rule's projected efficiencies (16K tokens per GPU,
+    64, 256 and 1024 GPUs, contiguous / zigzag), row by row."""
+    pair = r"(\d\.\d{3}) / (\d\.\d{3})"
+    table = {m.group(1): [float(x) for x in m.group(*range(2, 8))] for m in re.finditer(
+        rf"^\| (.+?) \| {pair} \| {pair} \| {pair} \|$", SCALING.read_text(encoding="utf-8"), flags=re.M)}
+    cal = _calibration()
+    rows = {"zeco: hierarchical over send/recv (measured message costs, *projected* products)": "zeco-hierarchical",
+            "zeco: chain over NVSHMEM (*projected*)": "zeco-chain",
+            "LASP-2 (all-gather of state and transition)": "lasp2"}
+    assert set(rows) <= set(table), sorted(table)
+    for label, strategy in rows.items():
+        assert table[label] == [round(next(ch for ch in cm.project(cal, P, 16384, layout, op=cm.GDN)
+                                           if ch.strategy == strategy).efficiency, 3)
+                                for P in (64, 256, 1024) for layout in cm.LAYOUTS], label
