@@ -66,7 +66,7 @@ class Calibration:
     residuals: list[Residual]
     # operator -> regime -> (tokens, heads, dim) -> one-GPU fwd+bwd ms: GLA's op_ms and the other
     # operators' measured op times (op_time_rows)
-    one_gpu: dict[str, dict[str, dict[tuple[int, int, int], float]]] = None
+    one_gpu: dict[str, dict[str, dict[tuple[int, int, int], float]]]
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
         """The code as built with its All-Scan over ``transport``, in ``regime``."""
