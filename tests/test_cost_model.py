@@ -581,7 +581,8 @@ def test_dense_maps_cross_the_wire_and_cost_their_products():
         cm.layer_time("zeco", workload(P, op=cm.GDN, **narrow), c, FREE, K=3)
     # zigzag over peer memory: GLA's two legs of P - 1 hops, the delta rule's one chain of 2(P - 1) and a turn
     peer = dataclasses.replace(FREE, transport="peer_memory", hop=1e-5)
-    hops = {op.name: sum(cm.chain_hops(P, "zigzag", c.gpus_per_node, op.transition.two_legs)) for op in (cm.GLA, cm.GDN)}
+    hops = {op.name: sum(cm.chain_hops(P, "zigzag", c.gpus_per_node, op.transition.two_legs))
+            for op in (cm.GLA, cm.GDN)}
     assert hops == {"gla": P - 1, "gdn": 2 * (P - 1) + 1}
     zig = {op.name: cm.chain_time(workload(P, "zigzag", op=op), c, peer, 1) for op in (cm.GLA, cm.GDN)}
     assert zig["gdn"] > 2 * zig["gla"]
@@ -623,7 +624,8 @@ def test_command_line_prints_rows_for_each_operator():
     assert len(blocks) == 3 and all(len(b) == 12 for b in blocks)
     assert "measured on the H200" in ops[1] and ops[1].startswith("# gdn (")
     assert "projected: gdn's measured time" in ops[2] and ops[2].startswith("# kda (")
-    assert blocks[0] == [line for line in _cli("--gpus", "256", "--tokens-per-gpu", "16384") if not line.startswith("#")]
+    gla = _cli("--gpus", "256", "--tokens-per-gpu", "16384")
+    assert blocks[0] == [line for line in gla if not line.startswith("#")] and ops[0] == gla[0]
     assert blocks[1] != blocks[0]  # the dense maps cost more per hop; the local op differs
     # the delta rule's device transports run a hop kernel not timed: marked projected
     for line in blocks[1] + blocks[2]:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
 from .calibration import Calibration, calibrate, default_rows, load_rows
-from .model import DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Operator, Workload, best_blocks, layer_time
+from .model import (DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Operator, Workload, best_blocks,
+                    layer_time)
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,8 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
     (docs/scaling.md, "Limits")."""
     times = cal.one_gpu.get(op.timed_as, {}).get(regime, {})
     if not times:
-        raise ValueError(f"no measured one-GPU {regime} op time of {op.timed_as} on the {DEVICE} in the calibration data "
-                         f"(measured: {', '.join(sorted(k for k, v in cal.one_gpu.items() if regime in v))}): "
+        raise ValueError(f"no measured one-GPU {regime} op time of {op.timed_as} on the {DEVICE} in the calibration "
+                         f"data (measured: {', '.join(sorted(k for k, v in cal.one_gpu.items() if regime in v))}): "
                          f"bench_op.py --op {op.timed_as} --modes {regime} rows would give it (docs/scaling.md, "
                          f"'Adding a measured point')")
     measured = {(t, h): ms for (t, h, d), ms in times.items() if d == head_dim}
@@ -154,24 +155,30 @@ def main(argv=None) -> None:
               f"{cluster.intra.bandwidth / 1e9:g} GB/s, between nodes {cluster.inter.latency * 1e6:g} us "
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
-            print(f"# {op.name}: dense K x K maps: {w.state_bytes / 2 ** 20:g} MiB per state hop, {w.map_bytes / 2 ** 20:g} "
-                  f"MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and {w.compose_time() * 1e6:.2f} us "
-                  f"per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs measured with GLA's "
-                  f"maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); the piece's "
-                  f"correction kernels not timed (not counted)")
+            print(_scan_source(w))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               (args.heads, args.head_dim), args.transport, op):
                 print(_format(ch, layout))
 
 
+def _scan_source(w: Workload) -> str:
+    """The header's second line for an operator whose maps no measured scan ran: its sizes and products,
+    and what its scan costs rest on."""
+    return (f"# {w.op.name}: dense K x K maps: {w.state_bytes / 2 ** 20:g} MiB per state hop, "
+            f"{w.map_bytes / 2 ** 20:g} MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and "
+            f"{w.compose_time() * 1e6:.2f} us per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs "
+            f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); the "
+            f"piece's correction kernels not timed (not counted)")
+
+
 def _title(op: Operator) -> str:
-    """The header's name of the operator: none for GLA, whose header is the model's original one."""
+    """The header's name of the operator: none for the default, GLA (its header as the model prints it alone)."""
     return "" if op is GLA else f"{op.name} ({op.title}): "
 
 
 def _op_time_source(op: Operator) -> str:
-    """What the one-GPU time of ``op`` rests on, for the header: nothing to add where it is measured."""
+    """What the one-GPU time of ``op`` rests on, for the header (for GLA, as :func:`_title`: the default)."""
     if op.timed_as == op.name:
         return "" if op is GLA else f", measured on the {DEVICE}"
     return (f", projected: {OPERATORS[op.timed_as].name}'s measured time, {op.name}'s own not measured: a floor, "
