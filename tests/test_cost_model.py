@@ -627,6 +627,10 @@ def test_command_line_prints_rows_for_each_operator():
     gla = _cli("--gpus", "256", "--tokens-per-gpu", "16384")
     assert blocks[0] == [line for line in gla if not line.startswith("#")] and ops[0] == gla[0]
     assert blocks[1] != blocks[0]  # the dense maps cost more per hop; the local op differs
+    # LASP-1's ring is built for GLA only (megatron_zeco.cp.config.RULES)
+    assert [line.startswith("lasp1") and "cannot run: not built for" in line for line in blocks[1]] == [
+        line.startswith("lasp1") for line in blocks[1]]
+    assert not any("cannot run" in line for line in blocks[0] if line.startswith("lasp1"))
     # the delta rule's device transports run a hop kernel not timed: marked projected
     for line in blocks[1] + blocks[2]:
         if "transport=peer_memory" in line or "transport=nvshmem" in line:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps
 from ..comm.transport import Transport
+from ..cp.config import RULES
 
 STRATEGIES = ("none", "zeco", "lasp2", "lasp1", "a2a")
 SHAPES = ("chain", "hierarchical")
@@ -82,15 +83,22 @@ class Dense:
 class Operator:
     """A linear-attention operator as its context parallelism sees it: the kind of its piece maps'
     transition (:class:`Diagonal` or :class:`Dense`), from which every size and product of the scans
-    follows, and the gates its all-to-all moves. ``op_time_of`` names the operator whose measured
-    one-GPU time stands for this one's (itself where measured; else the projection is said)."""
+    follows, the gates its all-to-all moves and the strategies built for it (its entry of
+    ``megatron_zeco.cp.config.RULES``). ``op_time_of`` names the operator whose measured one-GPU time
+    stands for this one's (itself where measured; else the projection is said)."""
 
     name: str
     title: str
     transition: type
     key_gates: bool  # a decay per key channel ([tokens, heads, k_dim]) rather than one per head
     beta: bool  # a write strength per head and token (the delta rules')
+    rules: str  # its key in megatron_zeco.cp.config.RULES
     op_time_of: str = ""  # "" = its own
+
+    @property
+    def strategies(self) -> tuple:
+        """The context-parallel strategies built for it (``none`` always)."""
+        return ("none", *RULES[self.rules].strategies)
 
     @property
     def timed_as(self) -> str:
@@ -118,11 +126,11 @@ class Operator:
         return (k if self.key_gates else 1) + (1 if self.beta else 0)
 
 
-GLA = Operator("gla", "gated linear attention", Diagonal, key_gates=True, beta=False)
-GDN = Operator("gdn", "Gated DeltaNet's gated delta rule", Dense, key_gates=False, beta=True)
+GLA = Operator("gla", "gated linear attention", Diagonal, key_gates=True, beta=False, rules="gla")
+GDN = Operator("gdn", "Gated DeltaNet's gated delta rule", Dense, key_gates=False, beta=True, rules="gated_delta_rule")
 # KDA's one-GPU op is not measured: its projections use the gated delta rule's (the same scans; KDA's
 # per-key gates only add local work, so its time is a floor and its efficiency a lower bound).
-KDA = Operator("kda", "Kimi Delta Attention", Dense, key_gates=True, beta=True, op_time_of="gdn")
+KDA = Operator("kda", "Kimi Delta Attention", Dense, key_gates=True, beta=True, rules="kda", op_time_of="gdn")
 OPERATORS = {op.name: op for op in (GLA, GDN, KDA)}
 
 

@@ -83,6 +83,9 @@ def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster
                    Choice(f"zeco-{shape}", math.inf, 0.0, why_not="no transport runs it here"))
     sw = cal.sw(Transport.SEND_RECV, regime)
     for strategy in ("lasp2", "lasp1", "a2a"):
+        if strategy not in op.strategies:
+            out.append(Choice(strategy, math.inf, 0.0, why_not=f"not built for {op.name}"))
+            continue
         if strategy == "a2a" and heads % P:
             out.append(Choice(strategy, math.inf, 0.0, why_not=f"needs the {heads} heads divisible by {P} GPUs"))
             continue
