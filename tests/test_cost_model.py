@@ -350,7 +350,7 @@ def test_command_line_help_documents_every_flag():
     done = subprocess.run([sys.executable, "-m", "megatron_zeco.cost_model", "--help"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
-    for flag in ("--gpus", "--tokens-per-gpu", "--layout", "--node-size", "--regime", "--transport", "--heads",
+    for flag in ("--gpus", "--op", "--tokens-per-gpu", "--layout", "--node-size", "--regime", "--transport", "--heads",
                  "--head-dim", "--ib-latency-us", "--ib-bandwidth-gbs", "--results"):
         assert re.search(rf"{flag}\b[^\n]*\n?\s+\S", done.stdout), flag
     with pytest.raises(SystemExit):
@@ -554,6 +554,22 @@ def test_delta_rule_messages_and_products_follow_the_dims(k_dim):
     # GLA: a K-vector decay per head, its elementwise work inside the measured hop (no product charged)
     assert cm.GLA.map_bytes(H, k_dim, V) == H * k_dim * (V + 1) * 4
     assert cm.GLA.apply_flops(H, k_dim, V) == cm.GLA.compose_flops(H, k_dim, V) == 0
+
+
+def test_operators_are_those_of_the_code():
+    """Each operator's map, blocks and strategies in the cost model are the code's: the message of a map
+    is the state and comm/transition.py's transition columns, the blocks split the axis cp/config.py's
+    RULES name, and the strategies are the ones built."""
+    from megatron_zeco.comm import transition
+    from megatron_zeco.cp.config import RULES
+
+    code = {cm.Diagonal: transition.Diagonal, cm.Dense: transition.Dense}
+    for op in cm.OPERATORS.values():
+        for k in (16, 64, 128):
+            assert op.map_bytes(4, k, 32) == 4 * k * (32 + code[op.transition].width(k)) * 4, (op.name, k)
+        assert {"k_dim": "rows", "v_dim": "columns"}[op.transition.block_dim] == RULES[op.rules].blocks
+        assert set(op.strategies) == {"none", *RULES[op.rules].strategies}
+    assert "lasp1" in cm.GLA.strategies and "lasp1" not in cm.GDN.strategies + cm.KDA.strategies
 
 
 def test_dense_maps_cross_the_wire_and_cost_their_products():
