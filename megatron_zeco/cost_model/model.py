@@ -39,8 +39,8 @@ class Diagonal:
     hop_timed = True  # the device transports' hop kernels ran with these maps (scan rows)
 
     @staticmethod
-    def numbers(k: int) -> int:
-        """Numbers of the transition per head."""
+    def entries(k: int) -> int:
+        """Entries of the transition per head."""
         return k
 
     @staticmethod
@@ -67,7 +67,7 @@ class Dense:
     hop_timed = False  # the dense hop kernel (kernels/scan_hop.py) has not been timed on GPUs
 
     @staticmethod
-    def numbers(k: int) -> int:
+    def entries(k: int) -> int:
         return k * k
 
     @staticmethod
@@ -111,7 +111,7 @@ class Operator:
 
     def map_bytes(self, heads: int, k: int, v: int) -> int:
         """One fp32 map (state and transition): what the hierarchical scan and LASP-2's all-gather move."""
-        return heads * (k * v + self.transition.numbers(k)) * 4
+        return heads * (k * v + self.transition.entries(k)) * 4
 
     def apply_flops(self, heads: int, k: int, v: int) -> int:
         """Matrix-product flops of combining an entering state (or block of ``v`` columns) with a map."""
@@ -121,8 +121,8 @@ class Operator:
         """Matrix-product flops of composing two maps, ``(T2, d2) o (T1, d1) = (T2 T1, T2 d1 + d2)``."""
         return 2 * heads * (self.transition.compose_macs(k) + self.transition.apply_macs(k, v))
 
-    def gate_numbers(self, k: int) -> int:
-        """Gate numbers per head and token besides q, k, v: the decay (per key or per head) and beta."""
+    def gate_width(self, k: int) -> int:
+        """Gate entries per head and token besides q, k, v: the decay (per key or per head) and beta."""
         return (k if self.key_gates else 1) + (1 if self.beta else 0)
 
 
@@ -184,7 +184,7 @@ class Workload:
 
     @property
     def a2a_bytes(self) -> int:  # q, k, v, the gates, o and their gradients: what a2a reorders
-        gates = self.op.gate_numbers(self.k_dim)
+        gates = self.op.gate_width(self.k_dim)
         return 2 * self.tokens * self.heads * (2 * self.k_dim + gates + 2 * self.v_dim) * self.act_bytes
 
 
