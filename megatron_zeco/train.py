@@ -448,7 +448,7 @@ def transformer_config(cfg: TrainConfig):
     if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern:
         moe = dict(num_moe_experts=cfg.experts, moe_ffn_hidden_size=4 * cfg.hidden, add_bias_linear=False)
     # What the mixer's layers need of the config beyond the model's size (Gated DeltaNet: its heads, its SiLU).
-    mixer = registry.mixer(cfg.mixer).transformer_config_fields(cfg.hidden, cfg.heads)
+    mixer_fields = registry.mixer(cfg.mixer).transformer_config_fields(cfg.hidden, cfg.heads)
     # A GPTModel's checkpoint stacks each layer tensor of its block along a layer axis, which needs every
     # layer to hold the same tensors; GLA and softmax layers (--pattern 'G*') do not (without this the
     # save fails megatron-core's sharding check), so they are saved per layer, as HybridModel's always
@@ -459,7 +459,7 @@ def transformer_config(cfg: TrainConfig):
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe, **mixer,
+        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe, **mixer_fields,
     )
 
 

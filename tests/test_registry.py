@@ -122,5 +122,9 @@ def test_clashes_are_refused(stub):
     with pytest.raises(ValueError, match="RULES has 'gla' already"):
         registry.register(Mixer(name="other", title="Other", operator="gla", layer_spec="m:f"),
                           rules=Rules("x", ("zeco",), blocks="rows", auto_transport=None))
+    with pytest.raises(ValueError, match="knob 'gate_low_rank_dim' defaults to 16 for GLA and 8"):
+        registry.register(Mixer(name="other", title="Other", operator="other_op", layer_spec="m:f",
+                                knobs=dict(gate_low_rank_dim=8)),
+                          rules=Rules("x", ("zeco",), blocks="rows", auto_transport=None))
     assert registry.register(stub.MIXER, rules=stub.RULES) is stub.MIXER  # the same again: a no-op
-    assert registry.mixer("gla") is gla and "other" not in registry.mixers()
+    assert registry.mixer("gla") is gla and "other" not in registry.mixers() and "other_op" not in RULES

@@ -63,12 +63,10 @@ def register(mixer: Mixer, rules: Optional[Rules] = None) -> Mixer:
     if mixer.name in _MIXERS:
         raise ValueError(f"megatron_zeco: mixer {mixer.name!r} is registered already "
                          f"({_MIXERS[mixer.name].title}); give {mixer.title} another name")
-    if rules is not None:
-        if mixer.operator in RULES and RULES[mixer.operator] != rules:
-            raise ValueError(f"megatron_zeco: cp.config.RULES has {mixer.operator!r} already "
-                             f"({RULES[mixer.operator].name}); give {mixer.title}'s operator another key")
-        RULES[mixer.operator] = rules
-    if mixer.operator not in RULES:
+    if rules is not None and mixer.operator in RULES and RULES[mixer.operator] != rules:
+        raise ValueError(f"megatron_zeco: cp.config.RULES has {mixer.operator!r} already "
+                         f"({RULES[mixer.operator].name}); give {mixer.title}'s operator another key")
+    if rules is None and mixer.operator not in RULES:
         raise ValueError(f"megatron_zeco: mixer {mixer.name!r} runs operator {mixer.operator!r}, which has no "
                          f"entry in cp.config.RULES: pass its rules to register()")
     for knob, default in mixer.knobs.items():
@@ -76,6 +74,8 @@ def register(mixer: Mixer, rules: Optional[Rules] = None) -> Mixer:
             if knob in other.knobs and other.knobs[knob] != default:
                 raise ValueError(f"megatron_zeco: knob {knob!r} defaults to {other.knobs[knob]!r} for "
                                  f"{other.title} and {default!r} for {mixer.title}: one knob, one default")
+    if rules is not None:
+        RULES[mixer.operator] = rules
     _MIXERS[mixer.name] = mixer
     return mixer
 
