@@ -13,8 +13,9 @@ Where things live (``docs/design.md`` has the map):
 
 from .comm import Layout, ScanTimeoutError, check_scans
 from .cp import STRATEGIES, CPConfig, packed_positions
-from .gated_delta_rule.op import zeco_gated_delta_rule
+# Importing an operator's folder registers its mixer (cp/registry.py); this order is --mixer's.
 from .gla.op import zeco_gla
+from .gated_delta_rule.op import zeco_gated_delta_rule
 from .kda.op import zeco_kda
 
 __all__ = ["zeco_gla", "zeco_gated_delta_rule", "zeco_kda", "CPConfig", "packed_positions", "check_scans", "ScanTimeoutError",

@@ -1,16 +1,38 @@
 """The token mixers a ``G`` layer holds, by the name the specs (``mixer=``) and the main job (``--mixer``)
 give them: the context-parallel operator each runs (its ``CPConfig``'s rules), its name in messages, and
-the initialisation knobs its spec function takes. Imports nothing: the main job checks its flags with it
-before megatron-core is imported."""
+the initialisation knobs its spec function takes. Each is a live view of the registry
+(``megatron_zeco.cp.registry``), where every operator folder registers its mixer; none imports megatron-core,
+so the main job checks its flags with them before megatron-core is imported."""
+
+from collections.abc import Mapping
+
+from .cp.registry import mixers, view
 
 # mixer -> the CP operator it runs (megatron_zeco.cp.config.RULES)
-OPERATORS = {"gla": "gla", "gdn": "gated_delta_rule", "kda": "kda"}
-NAMES = {"gla": "GLA", "gdn": "Gated DeltaNet", "kda": "KDA"}
-# The initialisation knobs of each mixer's spec function (specs.gla_layer_spec, gdn_layer_spec,
-# kda_layer_spec), which hybrid_layer_spec and hybrid_stack_spec pass on, and their defaults.
-KNOBS = {"gla": ("gate_low_rank_dim", "gate_timescales"), "gdn": ("gate_timescales", "conv_init"),
-         "kda": ("gate_timescales", "conv_init")}
-KNOB_DEFAULTS = dict(gate_low_rank_dim=16, gate_timescales=None, conv_init=None)
+OPERATORS = view(lambda m: m.operator)
+# mixer -> its name in messages
+NAMES = view(lambda m: m.title)
+# mixer -> the initialisation knobs of its spec function, which hybrid_layer_spec and hybrid_stack_spec pass on
+KNOBS = view(lambda m: tuple(m.knobs))
+
+
+class _KnobDefaults(Mapping):
+    """Every mixer's initialisation knobs and their defaults, live (one default per knob: the registry checks)."""
+
+    def _all(self) -> dict:
+        return {knob: default for m in mixers().values() for knob, default in m.knobs.items()}
+
+    def __getitem__(self, knob):
+        return self._all()[knob]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self):
+        return len(self._all())
+
+
+KNOB_DEFAULTS = _KnobDefaults()
 
 
 def owners(knob: str) -> str:

@@ -72,6 +72,7 @@ from typing import Optional
 
 from . import mixers
 from .comm import Layout, as_layout
+from .cp import registry
 from .cp.config import CPConfig, config_of, split_keywords
 from .mcore import optional_packages_unmentioned
 
@@ -493,9 +494,10 @@ def _cp_config(operator: str, config: Optional[CPConfig], knobs: dict, who: str)
 
 
 def _g_layer_spec(mixer: str, config: CPConfig, use_te: bool, normalization: Optional[str], **knobs) -> ModuleSpec:
-    """The GPT layer spec whose norm and token mixer the ``G`` layers take: :func:`gla_layer_spec`'s,
-    :func:`gdn_layer_spec`'s or :func:`kda_layer_spec`'s, given the mixer's knobs (``mixers.KNOBS``). A knob
-    of another mixer set away from its default is an error, not ignored."""
+    """The GPT layer spec whose norm and token mixer the ``G`` layers take: the registered mixer's layer spec
+    builder's (``cp.registry.Mixer.layer_spec``: :func:`gla_layer_spec`, :func:`gdn_layer_spec`,
+    :func:`kda_layer_spec`, ...), given the mixer's knobs (``mixers.KNOBS``). A knob of another mixer set
+    away from its default is an error, not ignored."""
     mine = {name: knobs.pop(name) for name in mixers.KNOBS[mixer]}
     changed = [name for name, value in knobs.items() if value != mixers.KNOB_DEFAULTS[name]]
     if changed:
@@ -503,13 +505,14 @@ def _g_layer_spec(mixer: str, config: CPConfig, use_te: bool, normalization: Opt
         defaults = ", ".join(f"{n}={mixers.KNOB_DEFAULTS[n]!r}" for n in changed)
         raise ValueError(f"megatron_zeco.specs: {owners}; for {mixers.NAMES[mixer]} (mixer={mixer!r}) keep the "
                          f"default{'s' if len(changed) > 1 else ''} ({defaults})")
-    spec = {"gla": gla_layer_spec, "gdn": gdn_layer_spec, "kda": kda_layer_spec}[mixer]
-    return spec(use_te=use_te, cp_config=config, normalization=normalization, **mine)
+    return registry.mixer(mixer).build_layer_spec(use_te=use_te, cp_config=config, normalization=normalization,
+                                                  **mine)
 
 
 def _check_mixer(mixer: str) -> None:
     if mixer not in mixers.OPERATORS:
-        raise ValueError(f"megatron_zeco.specs: mixer {mixer!r} is not one of {', '.join(mixers.OPERATORS)}")
+        raise ValueError(f"megatron_zeco.specs: mixer {mixer!r} is not one of {', '.join(mixers.OPERATORS)} "
+                         "(the mixers megatron_zeco.cp.registry holds)")
 
 
 gla_local_spec = gla_layer_spec(use_te=False)

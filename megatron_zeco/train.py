@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from . import checkpoint, mixers
 from .comm import Layout, ScanTimeoutError, as_layout, check_scans
 from .comm.transport import CHOICES as TRANSPORTS
+from .cp import registry
 from .cp.config import RULES, CPConfig
 from .mcore import hide_optional_package_notices
 from .recall import RecallTask
@@ -51,10 +52,11 @@ GPT_LAYERS = 2  # --layers' default for --model gpt (--model hybrid takes the pa
 # --hybrid-layer-pattern's symbols this job builds (Megatron-LM's): the hybrid stack's slots of
 # megatron_zeco.specs.hybrid_stack_spec without TransformerEngine.
 HYBRID_SYMBOLS = {"G": "the --mixer layer", "*": "softmax attention", "-": "MLP", "E": "mixture of experts"}
-# Where megatron-core has Gated DeltaNet (megatron/core/ssm/gated_delta_net/, from 0.19 on) and HybridModel
-# (megatron/core/models/hybrid/, 0.19 too): looked up on the path, so that the flags are checked before
-# megatron-core is imported (seconds).
-GDN_PATH, HYBRID_PATH = "core/ssm/gated_delta_net", "core/models/hybrid"
+# Where megatron-core has HybridModel (megatron/core/models/hybrid/, from 0.19 on) and Gated DeltaNet (0.19 too;
+# the gdn mixer's registered path): looked up on the path, so that the flags are checked before megatron-core is
+# imported (seconds).
+HYBRID_PATH = "core/models/hybrid"
+GDN_PATH = registry.mixer("gdn").megatron_core_path
 
 
 def _flag(default, group: str, help: str, shown: Optional[str] = None, aliases=(), **argparse_kwargs):
@@ -107,7 +109,7 @@ class TrainConfig:
     mixer: str = _flag("gla", MODEL, "the token mixer of the G layers: gla (gated linear attention), gdn "
                        "(megatron-core's Gated DeltaNet: the gated delta rule, a short convolution; megatron-core "
                        ">= 0.19) or kda (Kimi Delta Attention: the gated delta rule with a forget gate per key "
-                       "channel, a short convolution)", choices=list(mixers.OPERATORS))
+                       "channel, a short convolution)", choices=mixers.OPERATORS)
     conv_init: Optional[str] = _flag(None, MODEL, "--mixer gdn and kda: the short convolution's initial taps: "
                                      "identity (each channel starts passing its own token on: the layer starts as "
                                      "without the convolution and learns its taps) or uniform (nn.Conv1d's, as fla's "
@@ -325,9 +327,11 @@ def resolve_mixer(cfg: TrainConfig) -> None:
     latter's default; ValueError naming the flag to change."""
     if cfg.mixer not in mixers.OPERATORS:
         raise ValueError(f"--mixer must be one of {', '.join(mixers.OPERATORS)}, got {cfg.mixer!r}")
-    if cfg.mixer == "gdn" and not megatron_core_has(GDN_PATH):
-        raise _needs_megatron_core_019("--mixer gdn (the Gated DeltaNet layers subclass megatron-core's GatedDeltaNet)",
-                                       "use --mixer gla or kda")
+    mixer = registry.mixer(cfg.mixer)
+    if mixer.megatron_core_path is not None and not megatron_core_has(mixer.megatron_core_path):
+        others = " or ".join(m for m, other in registry.mixers().items() if other.megatron_core_path is None)
+        raise _needs_megatron_core_019(f"--mixer {cfg.mixer} (its layers need megatron-core's "
+                                       f"megatron/{mixer.megatron_core_path})", f"use --mixer {others}")
     if "conv_init" in mixers.KNOBS[cfg.mixer]:
         cfg.conv_init = cfg.conv_init or "identity"
     elif cfg.conv_init is not None:
@@ -443,14 +447,8 @@ def transformer_config(cfg: TrainConfig):
     moe = {}
     if cfg.model == "hybrid" and "E" in cfg.hybrid_layer_pattern:
         moe = dict(num_moe_experts=cfg.experts, moe_ffn_hidden_size=4 * cfg.hidden, add_bias_linear=False)
-    # Gated DeltaNet's heads are the linear_* fields (Megatron-LM's --linear-num-key-heads, ...): --heads q/k and
-    # value heads of --hidden / --heads channels, a convolution of 4 taps; its kernels apply SiLU, which it
-    # takes from activation_func: Megatron-LM's --swiglu (SiLU-gated MLPs) sets it.
-    gdn = {}
-    if cfg.mixer == "gdn":
-        gdn = dict(linear_num_key_heads=cfg.heads, linear_num_value_heads=cfg.heads,
-                   linear_key_head_dim=cfg.hidden // cfg.heads, linear_value_head_dim=cfg.hidden // cfg.heads,
-                   linear_conv_kernel_dim=4, activation_func=F.silu, gated_linear_unit=True)
+    # What the mixer's layers need of the config beyond the model's size (Gated DeltaNet: its heads, its SiLU).
+    mixer_fields = registry.mixer(cfg.mixer).transformer_config_fields(cfg.hidden, cfg.heads)
     # A GPTModel's checkpoint stacks each layer tensor of its block along a layer axis, which needs every
     # layer to hold the same tensors; GLA and softmax layers (--pattern 'G*') do not (without this the
     # save fails megatron-core's sharding check), so they are saved per layer, as HybridModel's always
@@ -461,18 +459,20 @@ def transformer_config(cfg: TrainConfig):
         tensor_model_parallel_size=cfg.tp, context_parallel_size=cfg.cp,
         use_cpu_initialization=True, params_dtype=getattr(torch, cfg.dtype),
         hidden_dropout=0.0, attention_dropout=0.0, init_method_std=cfg.init_std,
-        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe, **gdn,
+        deterministic_mode=cfg.deterministic, hetereogenous_dist_checkpoint=mixed, **graphs, **moe, **mixer_fields,
     )
 
 
 def cp_config(cfg: TrainConfig) -> CPConfig:
     """The G layers' context parallelism from the job's flags (ValueError naming the bad knob)."""
     knobs = dict(strategy=cfg.strategy, layout=cfg.layout, num_blocks=cfg.num_blocks, transport=cfg.transport)
-    if cfg.mixer == "gla":
+    operator = mixers.OPERATORS[cfg.mixer]
+    if RULES[operator].applies("piece_split"):
         knobs["piece_split"] = cfg.piece_split
     elif cfg.piece_split is not None:
-        raise ValueError(f"--piece-split applies to --mixer gla only; drop it for --mixer {cfg.mixer}")
-    return CPConfig(operator=mixers.OPERATORS[cfg.mixer], **knobs)
+        having = " and ".join(m for m, op in mixers.OPERATORS.items() if RULES[op].applies("piece_split"))
+        raise ValueError(f"--piece-split applies to --mixer {having} only; drop it for --mixer {cfg.mixer}")
+    return CPConfig(operator=operator, **knobs)
 
 
 def _mixer_knobs(cfg: TrainConfig) -> dict:
@@ -492,7 +492,7 @@ def layer_spec(cfg: TrainConfig):
 
     knobs = _mixer_knobs(cfg)
     if cfg.pattern == "G":
-        return getattr(specs, f"{knobs.pop('mixer')}_layer_spec")(**knobs)
+        return registry.mixer(knobs.pop("mixer")).build_layer_spec(**knobs)
     return specs.hybrid_layer_spec(cfg.pattern, **knobs)
 
 
@@ -782,7 +782,8 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
             kind = (name if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}, G = {name})") + " GPTModel"
         log(f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
             f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
-            f"layout {cfg.layout}" + (f", piece split {cfg.piece_split or 'auto'}" if cfg.mixer == "gla" else "")
+            f"layout {cfg.layout}" + (f", piece split {cfg.piece_split or 'auto'}"
+                                     if RULES[mixers.OPERATORS[cfg.mixer]].applies("piece_split") else "")
             + " | "
             f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
             f"(chance accuracy {task.chance:.3f})")

@@ -219,8 +219,8 @@ MISCONFIGURED = {
 if not HAVE_HYBRID_MODEL:  # megatron-core 0.16: train.resolve_model, train.resolve_mixer
     MISCONFIGURED["hybrid"] = (["--model", "hybrid"], ["--model hybrid (megatron-core's HybridModel) needs "
                                                         "megatron-core >= 0.19", "pip install 'megatron-core>=0.19.2'"])
-    MISCONFIGURED["gdn"] = (["--mixer", "gdn"], ["--mixer gdn (the Gated DeltaNet layers subclass megatron-core's "
-                                                  "GatedDeltaNet) needs megatron-core >= 0.19"])
+    MISCONFIGURED["gdn"] = (["--mixer", "gdn"], ["--mixer gdn (its layers need megatron-core's "
+                                                  "megatron/core/ssm/gated_delta_net) needs megatron-core >= 0.19"])
 
 
 def _main_outputs(rank, world, cases, load_dir):

@@ -5,7 +5,8 @@
 strategies by name (zeco and lasp2 in ``scan.py``, lasp1 in ``ring.py``, a2a in ``a2a.py``, none);
 ``operator.py``: what an operator gives them, and one call through them; ``checks.py``: input
 checks that agree across ranks; ``packed.py``: packed documents (Megatron's THD format);
-``conv.py``: the short causal convolution across pieces (halo exchange).
+``conv.py``: the short causal convolution across pieces (halo exchange); ``registry.py``: the
+token mixers the operator folders register (what the specs and the main job offer).
 
 The operators themselves are folders of their own (``megatron_zeco/gla``,
 ``megatron_zeco/gated_delta_rule``); nothing here imports them.

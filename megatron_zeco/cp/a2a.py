@@ -18,7 +18,7 @@ from .local import initial_state_to
 
 
 def head_all_to_all(op, plan, call, inputs, h0):
-    """``op.local`` over the whole sequence for this rank's heads. ``inputs``: per-token tensors
+    """``op.run_local`` over the whole sequence for this rank's heads. ``inputs``: per-token tensors
     ``[B, T, H, ...]``. Returns ``(o, final on every rank)``."""
     group, packing = plan.group, call.packing
     world, me = group.size(), group.rank()
@@ -26,7 +26,7 @@ def head_all_to_all(op, plan, call, inputs, h0):
     gathered = None if packing is None else packing.gathered
     mine = tuple(_whole_sequence(all_to_all(list(x.split(heads, dim=2)), group), plan, gathered) for x in inputs)
     h0 = None if h0 is None else h0[:, me * heads:(me + 1) * heads]
-    o, final = op.local(mine, initial_state_to(h0, mine[0]), call)
+    o, final = op.run_local(mine, initial_state_to(h0, mine[0]), call)
     if packing is None:
         back = all_to_all([plan.layout.shard(o, r, world, dim=1) for r in range(world)], group)
     else:

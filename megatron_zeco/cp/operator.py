@@ -3,9 +3,11 @@
 An operator (GLA, the gated delta rule, ...) is a folder of its own (``megatron_zeco/gla/``,
 ``megatron_zeco/gated_delta_rule/``) that describes itself to the strategies with an
 :class:`Operator`: its per-token inputs and their shapes, its local op over a piece from a given
-state (strategies ``none`` and ``a2a``), its *piece* (``zeco`` and ``lasp2``: the summary of a piece
-before the scan, the output after it), and for ``lasp1`` its forward from a state and backward to
-one. Its context-parallel rules are its entry in :data:`megatron_zeco.cp.config.RULES`.
+state (strategies ``none`` and ``a2a``; a :class:`LocalOp`, fla's calling convention), its *piece*
+(``zeco`` and ``lasp2``: a :class:`Piece`, the summary of a piece before the scan, the output after
+it), and for ``lasp1`` its forward from a state and backward to one. Its context-parallel rules are
+its entry in :data:`megatron_zeco.cp.config.RULES`. :class:`LocalOp` and :class:`Piece` are the
+extension points a new operator implements; the strategies use nothing else of it.
 
 :func:`call_operator` is what the public functions (``zeco_gla``, ``zeco_gated_delta_rule``) do:
 make the config from their keywords, check the inputs on every rank alike, plan, run.
@@ -15,7 +17,8 @@ make the config from their keywords, check the inputs on every rank alike, plan,
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from abc import abstractmethod
+from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -28,6 +31,84 @@ from .plan import CPPlan, final_state_everywhere, make_plan
 Tensor = torch.Tensor
 
 
+class LocalOp(Protocol):
+    """An operator's local op, in flash-linear-attention's calling convention (``chunk_gla``,
+    ``chunk_gated_delta_rule``, ``chunk_kda``): the operator over this device's tokens from a given state,
+    differentiable in every input and ``initial_state``.
+
+    Args:
+        *inputs: the per-token tensors ``[B, T, H, ...]`` in ``Operator.inputs`` order (q first).
+        scale: the output scale.
+        initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) in the state dtype
+            (float32; float64 for float64 inputs), or None for a zero state.
+        output_final_state: whether the state after the last token is returned.
+        cu_seqlens: ``[N+1]`` int64 offsets of N packed documents (B = 1), each from a zero state, or None.
+        cu_seqlens_cpu: the same offsets on the host (fla builds its launch tables from them), or None.
+    Returns:
+        ``o [B, T, H, V]`` in the input dtype and the final state (state dtype), or None when not asked for.
+    """
+
+    def __call__(self, *inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
+                 output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
+                 cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
+        ...
+
+
+@runtime_checkable
+class Piece(Protocol):
+    """A piece of a sequence whose entering state comes later, from a scan (strategies ``zeco`` and
+    ``lasp2``, ``cp/scan.py``): an operator's forward and backward cut in two around the scan.
+
+    A piece maps the state entering it to the state leaving it by ``S_out = T S_in + E``. N below is the
+    batch (one entry per piece and sub-piece) or, packed, one entry per document segment; states are
+    ``[N, H, K, V]`` in the state dtype (float32; float64 for float64 inputs). The scan uses these
+    members and no others, in this order: ``E`` and ``transition`` once the piece is made;
+    ``before_output``, then ``output``; in backward ``entering_grad``, ``before_grads``, then ``grads``.
+
+    Implement it by subclassing (the two hooks default to no-ops) or structurally; an operator's
+    ``piece`` that returns an object lacking a member is refused where the piece is made
+    (:meth:`Operator.make_piece`).
+
+    Attributes:
+        E: ``[N, H, K, V]``: the state leaving the piece when it is entered by a zero state.
+        transition: the linear part ``T`` of the piece's map: decays ``[N, H, K]`` (``T = Diag(gamma)``,
+            GLA) or a dense ``[N, H, K, K]`` matrix (the delta rules' ``M``) (``comm/transition.py``).
+    """
+
+    E: Tensor
+
+    @property
+    @abstractmethod
+    def transition(self) -> Tensor:
+        """The linear part of the piece's map (see the class docstring)."""
+
+    def before_output(self) -> None:
+        """Work that needs no entering state, issued while the scan is in flight (no-op by default);
+        ``output`` must run it itself if it has not run."""
+
+    @abstractmethod
+    def output(self, S_in: Tensor) -> Tensor:
+        """``o [B, T, H, V]`` (the input dtype) of the piece entered by ``S_in [N, H, K, V]``."""
+
+    @abstractmethod
+    def entering_grad(self, do: Tensor) -> Tensor:
+        """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in`` (that of the whole
+        loss is ``A + T^T D``, which the reverse scan forms)."""
+
+    def before_grads(self) -> None:
+        """Work that needs no gradient of the leaving state, issued while the reverse scan is in flight
+        (no-op by default); ``grads`` must run it itself if it has not run."""
+
+    @abstractmethod
+    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
+        """The inputs' gradients (``Operator.inputs`` order, the inputs' dtypes) given ``D [N, H, K, V]``,
+        the gradient of the state leaving the piece."""
+
+
+# Piece's members, what a structural piece must have (named in the error that refuses one lacking any).
+PIECE_MEMBERS = tuple(n for n in (*Piece.__annotations__, *vars(Piece)) if not n.startswith("_"))
+
+
 @dataclass(frozen=True)
 class Operator:
     """An operator's hooks into the strategies (see the module docstring).
@@ -37,10 +118,11 @@ class Operator:
         name: its public function's name (errors name it).
         inputs: per-token inputs in call order, each with its dims: ``BTHK`` (a key-sized vector
             per token and head), ``BTHV`` (value-sized) or ``BTH`` (a scalar per token and head).
-        local: ``local(inputs, h0, call) -> (o, final or None)``: the op over this rank's tokens from
-            ``h0``, differentiable (``call.packing``: its documents, each from a zero state).
-        piece: ``piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=)``: a piece whose entering state
-            comes from a scan (``megatron_zeco.cp.scan``).
+        local: the op over this rank's tokens from a given state, a :class:`LocalOp` (strategies
+            ``none`` and ``a2a`` call it through :meth:`run_local`).
+        piece: ``piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=) -> Piece``: a piece whose entering
+            state comes from a scan (:class:`Piece`; strategies ``zeco`` and ``lasp2`` make it through
+            :meth:`make_piece`).
         ring: ``(forward, backward)`` for ``lasp1``: ``forward(inputs, scale, h0) -> (o, final, saved)``,
             ``backward(saved, do, dht) -> (*grads, dh0)``; None where the operator has no lasp1.
         float32: inputs that may be float32 beside lower-precision others (log decays, as fla takes them).
@@ -49,10 +131,32 @@ class Operator:
     key: str
     name: str
     inputs: Tuple[Tuple[str, str], ...]
-    local: Callable
-    piece: Callable
+    local: LocalOp
+    piece: Callable[..., Piece]
     ring: Optional[Tuple[Callable, Callable]] = None
     float32: Tuple[str, ...] = ()
+
+    def run_local(self, inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call: "Call"
+                  ) -> Tuple[Tensor, Optional[Tensor]]:
+        """``(o, final state or None)`` of :attr:`local` over ``inputs`` from ``h0`` (state dtype), the
+        call's scale, final state and packed documents (each from a zero state) passed as fla takes them."""
+        cu_seqlens, cu_seqlens_cpu = call.documents or (None, None)
+        o, final = self.local(*inputs, scale=call.scale, initial_state=h0,
+                              output_final_state=call.output_final_state, cu_seqlens=cu_seqlens,
+                              cu_seqlens_cpu=cu_seqlens_cpu)
+        return o, (final if call.output_final_state else None)
+
+    def make_piece(self, *inputs: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
+                   cu_seqlens_cpu: Optional[Tensor] = None) -> Piece:
+        """:attr:`piece` over ``inputs``, refused with a ``TypeError`` naming what it lacks if it is not a
+        :class:`Piece` (rather than an ``AttributeError`` in the middle of the scan)."""
+        piece = self.piece(*inputs, scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if not isinstance(piece, Piece):
+            missing = [n for n in PIECE_MEMBERS if not hasattr(piece, n)]
+            raise TypeError(f"{self.name}: its piece ({type(piece).__qualname__}) lacks {', '.join(missing)}: an "
+                            "operator's piece must implement megatron_zeco.cp.operator.Piece (subclass it for "
+                            "the no-op hooks)")
+        return piece
 
 
 @dataclass(frozen=True)

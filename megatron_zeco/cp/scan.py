@@ -30,17 +30,18 @@ from .local import initial_state_grad
 
 
 class ScanOp(torch.autograd.Function):
-    """A scan strategy over the local pieces ``make_piece(*inputs, scale, cu_seqlens=, cu_seqlens_cpu=)``
-    builds (an operator's ``piece``): the inputs are per-token tensors ``[B, T, H, ...]``, q first and v
-    third; the piece's ``transition`` is its map's linear part. Returns ``o`` and the final state
-    (zeros where the rank does not end the chain); gradients for ``h0`` and every input."""
+    """A scan strategy over the local pieces ``make_piece(*inputs, scale=, cu_seqlens=, cu_seqlens_cpu=)``
+    builds (an operator's :meth:`~megatron_zeco.cp.operator.Operator.make_piece`; each a
+    :class:`~megatron_zeco.cp.operator.Piece`): the inputs are per-token tensors ``[B, T, H, ...]``, q
+    first. Returns ``o`` and the final state (zeros where the rank does not end the chain); gradients for
+    ``h0`` and every input."""
 
     @staticmethod
     def forward(ctx, make_piece, plan, call, h0, *inputs):
         n = plan.pieces_per_rank
         pieces = _Pieces(n, call.piece_split) if call.packing is None else call.packing
         q = inputs[0]
-        piece = make_piece(*(pieces.local(x) for x in inputs), call.scale, cu_seqlens=pieces.cu,
+        piece = make_piece(*(pieces.local(x) for x in inputs), scale=call.scale, cu_seqlens=pieces.cu,
                            cu_seqlens_cpu=pieces.cu_cpu)
         E, gamma = pieces.summaries(piece.E, piece.transition)
         ctx.h0_dtype = None if h0 is None else h0.dtype

@@ -60,7 +60,7 @@ class Local(Strategy):
     name = "none"
 
     def run(self, op, plan, call, inputs, h0):
-        return op.local(inputs, initial_state_to(h0, inputs[0]), call)
+        return op.run_local(inputs, initial_state_to(h0, inputs[0]), call)
 
 
 class Scan(Strategy):
@@ -74,7 +74,7 @@ class Scan(Strategy):
         self.all_scan = name == "zeco"
 
     def run(self, op, plan, call, inputs, h0):
-        return ScanOp.apply(op.piece, plan, call, h0, *inputs)
+        return ScanOp.apply(op.make_piece, plan, call, h0, *inputs)
 
 
 class Ring(Strategy):

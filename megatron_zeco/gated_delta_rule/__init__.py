@@ -6,6 +6,7 @@ path); ``local.py``: the local op and the piece the strategies run (fla's kernel
 DeltaNet with ZeCO context parallelism.
 """
 
+from ..cp.registry import Mixer, register
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 from .local import gdn_local, gdn_piece, require_gdn_backend
 from .naive import naive_recurrent_gated_delta_rule
@@ -14,3 +15,10 @@ from .op import GATED_DELTA_RULE, zeco_gated_delta_rule
 __all__ = ["zeco_gated_delta_rule", "GATED_DELTA_RULE",
            "naive_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "chunk_gated_delta_rule_state",
            "chunk_gated_delta_rule_state_grad", "gdn_local", "gdn_piece", "require_gdn_backend"]
+
+# The G layers' mixer --mixer gdn / mixer="gdn": Megatron-Core's Gated DeltaNet layer (megatron-core >= 0.19)
+# under ZeCO (megatron_zeco.cp.registry).
+register(Mixer(name="gdn", title="Gated DeltaNet", operator=GATED_DELTA_RULE.key,
+               layer_spec="megatron_zeco.specs:gdn_layer_spec", knobs=dict(gate_timescales=None, conv_init=None),
+               megatron_core_path="core/ssm/gated_delta_net",
+               config_fields="megatron_zeco.gated_delta_rule.layer:transformer_config_fields"))

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Tuple
 import torch
 
 from ..common.backend import require_fla
+from ..cp.operator import Piece
 from ..kernels.delta_correction import PieceCorrection, SubPieces, plan_sub_pieces
 
 Tensor = torch.Tensor
@@ -80,9 +81,9 @@ def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device
     return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
 
 
-class FlaPiece:
+class FlaPiece(Piece):
     """One rank's piece of the sequence on fla's kernels and this package's correction kernels (see the
-    module docstring, and ``local.gdn_piece`` for the protocol). ``E [N, H, K, V]``, ``M [N, H, K, K]``
+    module docstring; the protocol: ``cp.operator.Piece``). ``E [N, H, K, V]``, ``M [N, H, K, K]``
     float32."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
@@ -122,11 +123,7 @@ class FlaPiece:
                                          chunk_size=CHUNK, **self.kw)
             del self.h, self.v_new
 
-    def before_grads(self) -> None:  # fla's backward needs D
-        pass
-
     def output(self, S_in: Tensor) -> Tensor:
-        """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
         self.before_output()
         self.S_in = S_in.contiguous()
         o = self.correction.output(self.o0, self.S_in)
@@ -134,7 +131,6 @@ class FlaPiece:
         return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
-        """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
         self.do = do.contiguous()
         return self.correction.entering_grad(self.do)
 

@@ -274,3 +274,13 @@ def _check_config(config, submodules, tp: int):
                          f"and to its output gate, and fla's kernels (Megatron's too) compute it as SiLU only; "
                          f"got {name}: pass --swiglu (activation_func = torch.nn.functional.silu)")
     check_low_precision(config, submodules, ("in_proj", "out_proj"), WHO, "gdn_hybrid_stack_te_spec")
+
+
+def transformer_config_fields(hidden: int, heads: int) -> dict:
+    """The ``TransformerConfig`` fields a model of ``hidden`` channels in ``heads`` heads sets for these layers
+    (the main job's; Megatron-LM's ``--linear-num-key-heads``, ...): ``heads`` query/key and value heads of
+    ``hidden / heads`` channels, a convolution of 4 taps; the kernels apply SiLU, which the layer takes from
+    ``activation_func`` (Megatron-LM's ``--swiglu``, SiLU-gated MLPs, sets it)."""
+    return dict(linear_num_key_heads=heads, linear_num_value_heads=heads, linear_key_head_dim=hidden // heads,
+                linear_value_head_dim=hidden // heads, linear_conv_kernel_dim=4, activation_func=F.silu,
+                gated_linear_unit=True)

@@ -2,14 +2,15 @@
 
 As ``gla/local.py`` for GLA:
 
-* ``gdn_local``: the gated delta rule over a piece from a given initial state, differentiable.
+* ``gdn_local``: the gated delta rule over a piece from a given initial state, differentiable, in fla's
+  calling convention (``cp.operator.LocalOp``).
   On CUDA flash-linear-attention's ``chunk_gated_delta_rule`` (fla-core); elsewhere, and for
   float64, the PyTorch chunked form of ``chunk.py``.
 * ``gdn_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
   ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
   kernels and a correction for the entering state (``fla_piece.py``), elsewhere the chunked form
-  (``common.piece.ChunkedPiece`` on ``chunk.py``).
+  (``cp.chunked_piece.ChunkedPiece`` on ``chunk.py``).
 
 ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -19,20 +20,21 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..common.backend import fla, uses_kernels, varlen
-from ..common.piece import ChunkedForms, ChunkedPiece
+from ..cp.chunked_piece import ChunkedForms, ChunkedPiece
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
 
 Tensor = torch.Tensor
 CHUNKED_FORMS = ChunkedForms(chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad)
 
 
-def gdn_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
+def gdn_local(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
               output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
               cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """The gated delta rule on this device (differentiable in every input and the initial state).
+    """The gated delta rule on this device (differentiable in every input and the initial state): the
+    operator's local op (a :class:`~megatron_zeco.cp.operator.LocalOp`, fla's calling convention).
 
     Args:
-        inputs: ``(q, k, v, g, beta)``: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g, beta ``[B, T, H]``;
+        inputs: ``q, k, v, g, beta``: q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g, beta ``[B, T, H]``;
             one floating dtype (g may be float32 beside lower-precision others).
         initial_state: ``[B, H, K, V]`` (``[N, H, K, V]`` with ``cu_seqlens``) float32 (float64 for
             float64 inputs), or None.
@@ -48,29 +50,11 @@ def gdn_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[
     return chunk_gated_delta_rule(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 
-def gdn_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
-    """The operator's local op (``cp.operator.Operator.local``): the gated delta rule over ``inputs = (q, k,
-    v, g, beta)`` from ``h0``, its packed documents from ``call``; ``(o, final state or None)``."""
-    o, final = gdn_local(inputs, call.scale, h0, call.output_final_state, *call.documents)
-    return o, (final if call.output_final_state else None)
-
-
 def gdn_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-    """A piece of a sequence whose entering state comes later (from a scan).
-
-    Inputs as :func:`gdn_local`. The result holds the piece's summary ``E [N, H, K, V]`` and
-    ``M [N, H, K, K]`` (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with
-    ``cu_seqlens``), ``transition`` (= ``M``), and, called in this order:
-
-    * ``before_output()``: work that needs no entering state (a no-op here);
-    * ``output(S_in) -> o [B, T, H, V]``: the output given the entering state ``[N, H, K, V]``;
-    * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
-      (that of the whole loss is ``A + M^T D``);
-    * ``before_grads()``: likewise (a no-op here);
-    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
-      state leaving the piece.
-    """
+    """A piece of a sequence whose entering state comes later (from a scan): a
+    :class:`~megatron_zeco.cp.operator.Piece` whose transition is the dense ``M [N, H, K, K]``
+    (``S_out = M S_in + E``). Inputs as :func:`gdn_local`; ``grads`` gives dq, dk, dv, dg, dbeta."""
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_gated_delta_rule()  # the clear ImportError if fla is missing
         from .fla_piece import FlaPiece

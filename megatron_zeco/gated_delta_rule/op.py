@@ -27,13 +27,13 @@ import torch
 
 from ..comm import Layout
 from ..cp.operator import Arguments, Operator, call_operator
-from .local import gdn_local_op, gdn_piece
+from .local import gdn_local, gdn_piece
 
 # The gated delta rule's hooks into the context-parallel strategies (its rules: cp.config.RULES).
 GATED_DELTA_RULE = Operator(
     key="gated_delta_rule", name="zeco_gated_delta_rule",
     inputs=(("q", "BTHK"), ("k", "BTHK"), ("v", "BTHV"), ("g", "BTH"), ("beta", "BTH")),
-    local=gdn_local_op, piece=gdn_piece, float32=("g",))
+    local=gdn_local, piece=gdn_piece, float32=("g",))
 
 
 def zeco_gated_delta_rule(

@@ -6,6 +6,7 @@ path); ``local.py``: the local op and the piece the strategies run (fla's ``chun
 fused in; ``op.py``: :func:`zeco_gla`; ``layer.py``: the Megatron-Core token mixer.
 """
 
+from ..cp.registry import Mixer, register
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 from .local import gla_bwd, gla_fwd, gla_piece, require_backend
 from .naive import naive_recurrent_gla
@@ -13,3 +14,7 @@ from .op import GLA, zeco_gla
 
 __all__ = ["zeco_gla", "GLA", "naive_recurrent_gla", "chunk_gla", "chunk_gla_state",
            "chunk_gla_state_grad", "gla_fwd", "gla_bwd", "gla_piece", "require_backend"]
+
+# The G layers' mixer --mixer gla / mixer="gla" (megatron_zeco.cp.registry).
+register(Mixer(name="gla", title="GLA", operator=GLA.key, layer_spec="megatron_zeco.specs:gla_layer_spec",
+               knobs=dict(gate_low_rank_dim=16, gate_timescales=None)))

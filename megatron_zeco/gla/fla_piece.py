@@ -35,6 +35,7 @@ import torch
 import triton
 
 from ..common.backend import require_fla
+from ..cp.operator import Piece
 from .kernels import chunk_decays, chunk_dqkg_with_state, chunk_dv_with_state, chunk_o_with_state
 
 Tensor = torch.Tensor
@@ -112,14 +113,10 @@ def _state_grads(c: _Chunks, q: Tensor, do: Tensor, gk: Tensor, h0: Tensor, scal
     return dh, dh0
 
 
-class FlaPiece:
-    """One rank's piece of the sequence through fla's kernels (see the module docstring).
-
-    ``FlaPiece(q, k, v, g, scale)`` runs what needs no outside state and holds the piece's
-    summary ``E [N, H, K, V]`` and ``gamma [N, H, K]`` (float32; N = B, or one per segment
-    with ``cu_seqlens``). Then ``output(S_in)`` gives ``o``; ``entering_grad(do)`` gives
-    ``A`` (the outputs' gradient with respect to ``S_in``); ``grads(D)`` gives dq, dk, dv, dg.
-    """
+class FlaPiece(Piece):
+    """One rank's piece of the sequence through fla's kernels (see the module docstring; the protocol:
+    ``cp.operator.Piece``). ``FlaPiece(q, k, v, g, scale)`` runs what needs no outside state and holds
+    the summary ``E`` and the decays ``gamma [N, H, K]`` (float32, the transition)."""
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
@@ -151,7 +148,6 @@ class FlaPiece:
         return fla.chunk_local_cumsum(self.g, c.size, scale=fla.RCP_LN2, cu_seqlens=c.cu, chunk_indices=c.indices)
 
     def output(self, S_in: Tensor) -> Tensor:
-        """``o [B, T, H, V]`` of the piece entered by ``S_in [N, H, K, V]`` (float32)."""
         if self.A is None:
             self.before_output()
         c = self.chunks
@@ -162,7 +158,6 @@ class FlaPiece:
         return o
 
     def entering_grad(self, do: Tensor) -> Tensor:
-        """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``."""
         self.do = do.contiguous()
         self._g_cumsum = self._cumsum()
         self._dh, A = _state_grads(self.chunks, self.q, self.do, self._g_cumsum, self.S_in, self.scale)

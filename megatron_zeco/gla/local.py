@@ -27,6 +27,7 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..common.backend import Saved, fla, record, replay, uses_kernels, varlen
+from ..cp.operator import Piece
 from .chunk import chunk_gla, chunk_gla_state, chunk_gla_state_grad
 
 Tensor = torch.Tensor
@@ -65,21 +66,9 @@ def gla_bwd(saved: Saved, do: Tensor, dht: Optional[Tensor]
 
 def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqlens: Optional[Tensor] = None,
               cu_seqlens_cpu: Optional[Tensor] = None):
-    """A piece of a sequence whose incoming state comes later (from a scan).
-
-    Inputs as :func:`gla_fwd`. The result holds the piece's summary ``E [N, H, K, V]`` and
-    ``gamma [N, H, K]`` (state dtype; ``S_out = Diag(gamma) S_in + E``; N = B, or one per
-    segment with ``cu_seqlens``) and has, called in this order:
-
-    * ``transition``: ``gamma`` (what the scans call the map's linear part);
-    * ``before_output()``: work that needs no incoming state (run it while the scan is in flight;
-      ``output`` runs it if it has not run);
-    * ``output(S_in) -> o [B, T, H, V]``: the output given the incoming state ``[N, H, K, V]``;
-    * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``;
-    * ``before_grads()``: work that needs no outgoing-state gradient (likewise, for ``grads``);
-    * ``grads(D) -> (dq, dk, dv, dg)``: the inputs' gradients given ``D``, the gradient of the
-      outgoing state ``S_out`` (the piece's total final-state gradient).
-    """
+    """A piece of a sequence whose incoming state comes later (from a scan): a
+    :class:`~megatron_zeco.cp.operator.Piece` whose transition is the decays ``gamma [N, H, K]``
+    (``S_out = Diag(gamma) S_in + E``). Inputs as :func:`gla_fwd`; ``grads`` gives dq, dk, dv, dg."""
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_gla()  # the clear ImportError if fla is missing
         from .fla_piece import FlaPiece
@@ -87,8 +76,9 @@ def gla_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, cu_seqle
     return _TorchPiece(q, k, v, g, scale, cu_seqlens)
 
 
-class _TorchPiece:
-    """``gla_piece`` on ``chunk.py``: the summary and ``A`` as separate reductions."""
+class _TorchPiece(Piece):
+    """``gla_piece`` on ``chunk.py``: the summary and ``A`` as separate reductions, the rest as a whole once
+    the state is known."""
 
     def __init__(self, q, k, v, g, scale, cu_seqlens):
         self.inputs, self.scale, self.cu = (q, k, v, g), scale, cu_seqlens
@@ -98,12 +88,6 @@ class _TorchPiece:
     def transition(self) -> Tensor:
         """The linear part of the piece's map: the decays ``gamma`` (``comm/transition.py``)."""
         return self.gamma
-
-    def before_output(self) -> None:  # the PyTorch forms run as a whole once the state is known
-        pass
-
-    def before_grads(self) -> None:
-        pass
 
     def output(self, S_in: Tensor) -> Tensor:
         o, _, self.saved = gla_fwd(self.inputs, self.scale, S_in, output_final_state=True, cu_seqlens=self.cu)
@@ -137,37 +121,40 @@ class LocalGLA(torch.autograd.Function):
     """GLA over this rank's tokens from ``h0`` (state dtype), differentiable; ``final`` is an empty
     tensor when not requested.
 
-    Packed input (``call.documents``: offsets and their host copy; no initial or final state) runs
-    as a piece entered by zero states: fla's own ``chunk_gla`` reads the offsets back from the GPU
-    at every state kernel (a host synchronisation, and no CUDA graph), the piece's kernels take
-    them from the host copy.
+    Packed input (``documents``: ``cu_seqlens`` and its host copy; no initial or final state) runs as a
+    piece entered by zero states: fla's own ``chunk_gla`` reads the offsets back from the GPU at every state kernel
+    (a host synchronisation, and no CUDA graph), the piece's kernels take them from the host copy.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, h0, call):
+    def forward(ctx, q, k, v, g, h0, scale, output_final_state, documents):
         ctx.piece = None
-        if call.packing is not None:
-            cu_seqlens, cu_seqlens_cpu = call.documents
-            ctx.piece = piece = gla_piece(q, k, v, g, call.scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+        if documents is not None:
+            cu_seqlens, cu_seqlens_cpu = documents
+            ctx.piece = piece = gla_piece(q, k, v, g, scale, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
             return piece.output(torch.zeros_like(piece.E)), q.new_zeros(0)
-        o, ht, ctx.saved = gla_fwd((q, k, v, g), call.scale, h0, call.output_final_state)
-        ctx.output_final_state = call.output_final_state
+        o, ht, ctx.saved = gla_fwd((q, k, v, g), scale, h0, output_final_state)
+        ctx.output_final_state = output_final_state
         return o, (q.new_zeros(0) if ht is None else ht)
 
     @staticmethod
     def backward(ctx, do, dht):
         if ctx.piece is not None:
             A = ctx.piece.entering_grad(do)
-            return (*ctx.piece.grads(torch.zeros_like(A)), None, None)
+            return (*ctx.piece.grads(torch.zeros_like(A)), None, None, None, None)
         dq, dk, dv, dg, dh0 = gla_bwd(ctx.saved, do, dht if ctx.output_final_state else None)
-        return dq, dk, dv, dg, dh0, None
+        return dq, dk, dv, dg, dh0, None, None, None
 
 
-def gla_local(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
-    """The operator's local op (``cp.operator.Operator.local``): GLA over ``inputs = (q, k, v, g)`` from
-    ``h0``; ``(o, final state or None)``."""
-    o, final = LocalGLA.apply(*inputs, h0, call)
-    return o, (final if call.output_final_state else None)
+def gla_local(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None, output_final_state: bool = False,
+              cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None
+              ) -> Tuple[Tensor, Optional[Tensor]]:
+    """GLA over ``inputs = (q, k, v, g)`` on this device, differentiable in every input and ``initial_state``:
+    the operator's local op (a :class:`~megatron_zeco.cp.operator.LocalOp`, fla's calling convention;
+    packed input takes no initial or final state)."""
+    documents = None if cu_seqlens is None else (cu_seqlens, cu_seqlens_cpu)
+    o, final = LocalGLA.apply(*inputs, initial_state, scale, output_final_state, documents)
+    return o, (final if output_final_state else None)
 
 
 def gla_ring_forward(inputs: Tuple[Tensor, ...], scale: float, h0: Optional[Tensor]):

@@ -6,6 +6,7 @@ gradient; ``local.py`` the local operation and the piece the context-parallel st
 ``op.py``: :func:`zeco_kda`; ``layer.py``: a Megatron-Core KDA mixer with ZeCO context parallelism.
 """
 
+from ..cp.registry import Mixer, register
 from .local import kda_local, kda_piece, require_kda_backend
 from .op import KDA, zeco_kda
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
@@ -22,3 +23,7 @@ __all__ = [
     "kda_piece",
     "require_kda_backend",
 ]
+
+# The G layers' mixer --mixer kda / mixer="kda" (megatron_zeco.cp.registry).
+register(Mixer(name="kda", title="KDA", operator=KDA.key, layer_spec="megatron_zeco.specs:kda_layer_spec",
+               knobs=dict(gate_timescales=None, conv_init=None)))

@@ -1,13 +1,14 @@
 """The local KDA operations the context-parallel strategies are built from.
 
-* ``kda_local``: KDA over a piece from a given initial state, differentiable. On CUDA
+* ``kda_local``: KDA over a piece from a given initial state, differentiable, in fla's calling
+  convention (``cp.operator.LocalOp``). On CUDA
   flash-linear-attention's ``chunk_kda`` (fla-core); elsewhere, and for float64, the PyTorch chunked
   form of ``chunk.py``. Strategies ``none`` and ``a2a`` run it.
 * ``kda_piece``: a piece whose entering state comes from a scan (strategies zeco and lasp2): its
   summary ``(E, M)`` first, then the output from the entering state; the entering-state gradient
   ``A`` first, then the inputs' gradients from the gradient of the state leaving it. On CUDA fla's
   KDA kernels from a zero state and a correction for the entering state (``fla_piece.py``), elsewhere
-  the chunked form (``common.piece.ChunkedPiece`` on ``chunk.py``).
+  the chunked form (``cp.chunked_piece.ChunkedPiece`` on ``chunk.py``).
 
 ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
@@ -17,20 +18,21 @@ from typing import Optional, Tuple, Union
 import torch
 
 from ..common.backend import fla, uses_kernels, varlen
-from ..common.piece import ChunkedForms, ChunkedPiece
+from ..cp.chunked_piece import ChunkedForms, ChunkedPiece
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 
 Tensor = torch.Tensor
 CHUNKED_FORMS = ChunkedForms(chunk_kda, chunk_kda_state, chunk_kda_state_grad)
 
 
-def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[Tensor] = None,
+def kda_local(*inputs: Tensor, scale: float, initial_state: Optional[Tensor] = None,
               output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
               cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
-    """KDA on this device (differentiable in every input and the initial state).
+    """KDA on this device (differentiable in every input and the initial state): the operator's local op
+    (a :class:`~megatron_zeco.cp.operator.LocalOp`, fla's calling convention).
 
     Args:
-        inputs: ``(q, k, v, g, beta)``: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``;
+        inputs: ``q, k, v, g, beta``: q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV, K]``;
             beta ``[B, T, HV]``; one floating dtype.
         initial_state: ``[B, HV, K, V]`` (``[N, HV, K, V]`` with ``cu_seqlens``) float32 (float64 for
             float64 inputs), or None.
@@ -46,30 +48,12 @@ def kda_local(inputs: Tuple[Tensor, ...], scale: float, initial_state: Optional[
     return chunk_kda(*inputs, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens)
 
 
-def kda_local_op(inputs: Tuple[Tensor, ...], h0: Optional[Tensor], call) -> Tuple[Tensor, Optional[Tensor]]:
-    """The operator's local op (``cp.operator.Operator.local``): KDA over ``inputs = (q, k, v, g, beta)``
-    from ``h0``, its packed documents from ``call``; ``(o, final state or None)``."""
-    o, final = kda_local(inputs, call.scale, h0, call.output_final_state, *call.documents)
-    return o, (final if call.output_final_state else None)
-
-
 def kda_piece(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
               cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
-    """A piece of a sequence whose entering state comes later (from a scan).
-
-    Inputs as :func:`kda_local`. The result holds the piece's summary ``E [N, HV, K, V]`` and
-    ``M [N, HV, K, K]`` (state dtype; ``S_out = M S_in + E``; N = B, or one per segment with
-    ``cu_seqlens``), ``transition`` (= ``M``), and, called in this order:
-
-    * ``before_output()``: work that needs no entering state (on CUDA fla's output kernel from the
-      zero-state chunk states, while the scan is in flight);
-    * ``output(S_in) -> o [B, T, HV, V]``: the output given the entering state ``[N, HV, K, V]``;
-    * ``entering_grad(do) -> A [N, HV, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
-      (that of the whole loss is ``A + M^T D``);
-    * ``before_grads()``: likewise (a no-op here);
-    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
-      state leaving the piece.
-    """
+    """A piece of a sequence whose entering state comes later (from a scan): a
+    :class:`~megatron_zeco.cp.operator.Piece` whose transition is the dense ``M [N, HV, K, K]``
+    (``S_out = M S_in + E``; HV the value heads). Inputs as :func:`kda_local`; ``grads`` gives dq, dk,
+    dv, dg, dbeta."""
     if uses_kernels(q.device, q.dtype):
         _fla_chunk_kda()  # the clear ImportError if fla is missing
         from .fla_piece import FlaPiece

@@ -22,13 +22,13 @@ import torch
 
 from ..comm import Layout
 from ..cp.operator import Arguments, Operator, call_operator
-from .local import kda_local_op, kda_piece
+from .local import kda_local, kda_piece
 
 # KDA's hooks into the context-parallel strategies (its rules: cp.config.RULES["kda"]).
 KDA = Operator(
     key="kda", name="zeco_kda",
     inputs=(("q", "BTHK"), ("k", "BTHK"), ("v", "BTHV"), ("g", "BTHK"), ("beta", "BTH")),
-    local=kda_local_op, piece=kda_piece, float32=("g",))
+    local=kda_local, piece=kda_piece, float32=("g",))
 
 
 def zeco_kda(

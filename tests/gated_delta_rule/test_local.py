@@ -67,10 +67,12 @@ def test_local_op_packed_and_low_precision(seed):
     cu = torch.tensor([0, 5, 25, 26])
     x = delta_problem(seed, B=1, T=26, H=2, K=8, V=4)
     h0 = torch.randn(3, 2, 8, 4, dtype=torch.float64)
-    o, ht = gdn_local(tuple(x[n] for n in NAMES), 8 ** -0.5, h0, True, cu_seqlens=cu)
+    o, ht = gdn_local(*(x[n] for n in NAMES), scale=8 ** -0.5, initial_state=h0, output_final_state=True,
+                      cu_seqlens=cu)
     for n, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         ref = reference({**{m: x[m][:, a:e] for m in (*NAMES, "do")}, "h0": h0[n:n + 1], "dht": x["dht"]})
         assert rel_err(o[:, a:e], ref["o"]) < TOL and rel_err(ht[n], ref["ht"][0]) < TOL, (n, lengths[n])
     low = {n: x[n].to(torch.bfloat16) for n in NAMES}
-    o, ht = gdn_local(tuple(low.values()), 8 ** -0.5, h0.float(), True, cu_seqlens=cu)
+    o, ht = gdn_local(*low.values(), scale=8 ** -0.5, initial_state=h0.float(), output_final_state=True,
+                      cu_seqlens=cu)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32

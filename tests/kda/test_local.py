@@ -4,7 +4,7 @@ token loop (gradients: autograd of the loop)."""
 import pytest
 import torch
 
-from megatron_zeco.common.piece import ChunkedPiece
+from megatron_zeco.cp.chunked_piece import ChunkedPiece
 from megatron_zeco.kda import chunk_kda, kda_local, naive_recurrent_kda
 from megatron_zeco.kda.local import CHUNKED_FORMS
 from megatron_zeco.gated_delta_rule import naive_recurrent_gated_delta_rule
@@ -113,7 +113,8 @@ def test_local_op_packed_and_low_precision(seed):
     x = kda_problem(seed, B=1, T=26, H=2, K=8, V=5, gate="mixed")
     h0 = torch.randn(3, 2, 8, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + 1))
     leaves = [x[n].clone().requires_grad_() for n in NAMES] + [h0.clone().requires_grad_()]
-    o, ht = kda_local(tuple(leaves[:5]), 8 ** -0.5, leaves[5], True, cu_seqlens=cu, cu_seqlens_cpu=cu)
+    o, ht = kda_local(*leaves[:5], scale=8 ** -0.5, initial_state=leaves[5], output_final_state=True,
+                      cu_seqlens=cu, cu_seqlens_cpu=cu)
     grads = torch.autograd.grad((o * x["do"]).sum() + (ht * x["dht"][:1]).sum(), leaves)
     for n, (a, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
         ref = kda_reference({**{m: x[m][:, a:e] for m in (*NAMES, "do")}, "h0": h0[n:n + 1], "dht": x["dht"]})
@@ -123,7 +124,8 @@ def test_local_op_packed_and_low_precision(seed):
         assert max(errs.values()) < TOL, (n, errs)
 
     low = {n: x[n].to(torch.bfloat16) for n in NAMES}
-    o, ht = kda_local(tuple(low.values()), 8 ** -0.5, h0.float(), True, cu_seqlens=cu)
+    o, ht = kda_local(*low.values(), scale=8 ** -0.5, initial_state=h0.float(), output_final_state=True,
+                      cu_seqlens=cu)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
     piece = ChunkedPiece(CHUNKED_FORMS, tuple(low.values()), 8 ** -0.5, cu_seqlens=cu)
     assert piece.E.dtype == piece.M.dtype == torch.float32

@@ -1,9 +1,9 @@
 """A ZeCO piece of a delta-rule-like operator on its chunked PyTorch forms (the CPU and float64 path).
 
 A piece maps the state entering it to the state leaving it by ``S_out = M S_in + E``. :class:`ChunkedPiece`
-runs the piece protocol (``cp.operator.Operator.piece``) on an operator's chunked forms: its summary and
-its entering-state gradient ``A`` as passes of their own, the output and the inputs' gradients through
-autograd of the chunked form started from ``S_in``. On CUDA the delta rules' pieces run fla's kernels from
+implements :class:`megatron_zeco.cp.operator.Piece` on an operator's chunked forms: its summary and its
+entering-state gradient ``A`` as passes of their own, the output and the inputs' gradients through autograd
+of the chunked form started from ``S_in``. On CUDA the delta rules' pieces run fla's kernels from
 a zero state plus a correction for the entering state (``gated_delta_rule/fla_piece.py``,
 ``kda/fla_piece.py``).
 """
@@ -12,7 +12,8 @@ from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
 
-from .backend import record, replay
+from ..common.backend import record, replay
+from .operator import Piece
 
 Tensor = torch.Tensor
 
@@ -31,22 +32,10 @@ class ChunkedForms(NamedTuple):
     state_grad: Callable
 
 
-class ChunkedPiece:
-    """The piece protocol (``cp.operator.Operator.piece``) on an operator's :class:`ChunkedForms`: the
-    summary and ``A`` as passes of their own, the output and the gradients through autograd of the
-    chunked form started from ``S_in``.
-
-    Holds the summary ``E [N, H, K, V]`` and ``M [N, H, K, K]`` (state dtype; ``S_out = M S_in + E``;
-    N = B, or one per segment with ``cu_seqlens``), ``transition`` (= ``M``), and, called in this order:
-
-    * ``before_output()``: work that needs no entering state (a no-op here);
-    * ``output(S_in) -> o``: the output given the entering state ``[N, H, K, V]``;
-    * ``entering_grad(do) -> A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in``
-      (that of the whole loss is ``A + M^T D``);
-    * ``before_grads()``: likewise (a no-op here);
-    * ``grads(D) -> (dq, dk, dv, dg, dbeta)``: the inputs' gradients given ``D``, the gradient of the
-      state leaving the piece.
-    """
+class ChunkedPiece(Piece):
+    """A :class:`~megatron_zeco.cp.operator.Piece` on an operator's :class:`ChunkedForms`: the summary
+    ``E`` and ``M [N, H, K, K]`` (the transition) and ``A`` as passes of their own, the output and the
+    gradients (dq, dk, dv, dg, dbeta) through autograd of the chunked form started from ``S_in``."""
 
     def __init__(self, forms: ChunkedForms, inputs: Tuple[Tensor, ...], scale: float,
                  cu_seqlens: Optional[Tensor] = None):
@@ -57,12 +46,6 @@ class ChunkedPiece:
     @property
     def transition(self) -> Tensor:
         return self.M
-
-    def before_output(self) -> None:
-        pass
-
-    def before_grads(self) -> None:
-        pass
 
     def output(self, S_in: Tensor) -> Tensor:
         o, _, self.saved = record(self.forms.chunk, self.inputs, S_in, scale=self.scale, output_final_state=True,
