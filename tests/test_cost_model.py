@@ -624,7 +624,7 @@ def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
     with pytest.raises(ValueError, match="no measured one-GPU eager op time of gdn"):
         cm.projection_workload(cal, 256, 16384, regime="eager", op=cm.GDN)
     # GLA's projections are those without an operator named
-    assert cm.project(cal, 256, 16384, "zigzag", op=cm.GLA) == cm.project(cal, 256, 16384, "zigzag")
+    assert cm.project(cal, 256, 16384, "zigzag", layer=cm.LayerShape(op=cm.GLA)) == cm.project(cal, 256, 16384, "zigzag")
 
 
 def test_command_line_prints_rows_for_each_operator():
@@ -671,6 +671,6 @@ def test_recorded_delta_rule_efficiencies_are_the_models():
             "LASP-2 (all-gather of state and transition)": "lasp2"}
     assert set(rows) <= set(table), sorted(table)
     for label, strategy in rows.items():
-        assert table[label] == [round(next(ch for ch in cm.project(cal, P, 16384, layout, op=cm.GDN)
+        assert table[label] == [round(next(ch for ch in cm.project(cal, P, 16384, layout, layer=cm.LayerShape(op=cm.GDN))
                                            if ch.strategy == strategy).efficiency, 3)
                                 for P in (64, 256, 1024) for layout in cm.LAYOUTS], label

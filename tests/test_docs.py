@@ -97,3 +97,10 @@ def test_loss_curve_runs_named_in_docs_are_recorded():
                     break
     assert named, "no loss_curves.py compare command found in the docs"
     assert named <= runs, f"runs named in the docs but not in {LOSS_CSV}: {sorted(named - runs)}"
+
+
+@pytest.mark.parametrize("path", markdown_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_unfilled_placeholders(path):
+    """No template slot such as ``{TIMES}`` left in the prose: a figure to fill is filled or left out."""
+    slots = re.findall(r"\{[A-Z][A-Z0-9_]*\}", _prose(path.read_text()))
+    assert not slots, f"{path.relative_to(ROOT)}: unfilled {slots}"

@@ -54,7 +54,7 @@ from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACT
                     LAYOUTS, OPERATORS, REGIMES, SHAPES, STRATEGIES, Dense, Diagonal, Operator, Software, Workload,
                     best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases, hierarchical_time,
                     layer_time, scan_time)
-from .projection import Choice, main, project, projection_workload, zeco_choices
+from .projection import Choice, LayerShape, main, project, projection_workload, zeco_choices
 
 __all__ = [
     # links, transports and the scan shapes (megatron_zeco.comm.shape)
@@ -69,5 +69,5 @@ __all__ = [
     "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "PARTS", "PASS_UNITS", "Calibration",
     "Residual", "calibrate", "calibration_rows", "default_rows", "file_rows", "load_rows", "op_time_rows",
     # projections and the command line
-    "Choice", "main", "project", "projection_workload", "zeco_choices",
+    "Choice", "LayerShape", "main", "project", "projection_workload", "zeco_choices",
 ]

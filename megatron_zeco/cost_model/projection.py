@@ -4,6 +4,7 @@
 import argparse
 import math
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
@@ -67,12 +68,20 @@ def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "stead
     return sorted(out, key=lambda ch: ch.seconds)
 
 
+class LayerShape(NamedTuple):
+    """The layer a projection is for: its heads, their key and value dim, and its operator."""
+
+    heads: int = 16
+    head_dim: int = 128
+    op: Operator = GLA
+
+
 def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster = Cluster(), regime: str = "steady",
-            heads: tuple = (16, 128), transports=None, op: Operator = GLA) -> list[Choice]:
+            layer: tuple = LayerShape(), transports=None) -> list[Choice]:
     """One line per strategy: zeco (its best transport and shape), zeco-chain, zeco-hierarchical
-    (each at its best transport), lasp2, lasp1, a2a; ``heads``: (heads, head dim) of a layer of
-    ``op``, on ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
-    heads, head_dim = heads
+    (each at its best transport), lasp2, lasp1, a2a, for a layer ``layer`` (a :class:`LayerShape`, or
+    ``(heads, head dim)`` of a GLA layer) on ``cluster`` (its ``gpus_per_node`` consecutive ranks a node)."""
+    heads, head_dim, op = LayerShape(*layer)
     w = projection_workload(cal, P, tokens, layout, heads, head_dim, regime, op)
     t_op = w.op_ms * 1e-3
     zeco = zeco_choices(w, cluster, cal, regime, transports=transports)
@@ -161,7 +170,7 @@ def main(argv=None) -> None:
             print(_scan_source(w))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
-                              (args.heads, args.head_dim), args.transport, op):
+                              LayerShape(args.heads, args.head_dim, op), args.transport):
                 print(_format(ch, layout))
 
 
