@@ -895,6 +895,11 @@ def quiet_third_party_warnings(on_cpu: bool):
         logging.getLogger(name).addFilter(_DropMessage(start))
 
 
+# Seconds a rank other than 0 waits, after a misconfiguration, for rank 0 to print it and exit (the
+# launcher then stops the others at once).
+OTHER_RANKS_WAIT = 10.0
+
+
 def _tell_the_launcher(message: str) -> None:
     """Under torchrun, hand ``message`` to its failure report (the error file it names in
     ``$TORCHELASTIC_ERROR_FILE``), so that the report it prints last ends with the message, not with a
@@ -951,9 +956,13 @@ def main(argv=None):
             train(cfg)
     except ConfigError as e:
         message = f"{PROG}: error: {e}"
+        _tell_the_launcher(message)
         if _launch_rank() == 0:
             print(message, file=sys.stderr, flush=True)
-        _tell_the_launcher(message)
+        elif int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            # Every rank finds the same error; rank 0 prints it and its exit ends the others. Leaving
+            # first, another rank would have the launcher stop rank 0 before its message is out.
+            time.sleep(OTHER_RANKS_WAIT)
         code = 2
     except (ScanTimeoutError, FloatingPointError) as e:  # each rank says what it saw; no step was applied
         message = f"{PROG}: error on global rank {_launch_rank()}: {type(e).__name__}: {e}"
