@@ -53,7 +53,7 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=10, help="timed iterations per benchmark row")
     p.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench"], help="steps left out")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression for the tests")
-    p.add_argument("--budget", type=float, default=None,
+    p.add_argument("--time-limit", type=float, default=None,
                    help="seconds for the whole check: a step still running then is stopped (and reported as "
                         "such) and the steps after it are left out, so the summary is always written")
     configs = p.add_mutually_exclusive_group()
@@ -85,16 +85,16 @@ def environment(args, step):
 
 
 class Clock:
-    """The check's deadline (``--budget``): seconds left, None for no limit."""
+    """The check's deadline (``--time-limit``): seconds left, None for no limit."""
 
-    def __init__(self, budget):
-        self.deadline = None if budget is None else time.perf_counter() + budget
+    def __init__(self, limit):
+        self.deadline = None if limit is None else time.perf_counter() + limit
 
     def left(self):
         return None if self.deadline is None else self.deadline - time.perf_counter()
 
 
-STOPPED = "stopped at the budget"
+STOPPED = "stopped at the time limit"
 
 
 def write_record(directory, device):
@@ -138,7 +138,7 @@ def run(step, command, env, logs, clock):
 
 
 def _stop(*procs):
-    """Stop each of ``procs`` and every process it started (its session): SIGINT (pytest then reports the
+    """Stop each of ``procs`` and every process it started (its process group): SIGINT (pytest then reports the
     tests that ended and writes its JUnit file), SIGTERM, then SIGKILL."""
     for sig, grace in ((signal.SIGINT, 15), (signal.SIGTERM, 5), (signal.SIGKILL, 0)):
         for proc in procs:
@@ -338,7 +338,7 @@ def summary_lines(report):
 def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
-    clock = Clock(args.budget)
+    clock = Clock(args.time_limit)
     logs = args.logs or os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logs, exist_ok=True)
     shutil.rmtree(os.path.join(logs, "compiles"), ignore_errors=True)  # a log of this run's compiles only

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.py's own logic on the CPU: a step stopped at the budget, the logs it reads back
+"""benchmarks/gpu_check.py's own logic on the CPU: a step stopped at the time limit, the logs it reads back
 and the summary it prints (the steps themselves need GPUs)."""
 
 import importlib.util
@@ -10,14 +10,14 @@ spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "b
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)
 
-# A step that outlives the budget; interrupted (SIGINT), it reports as pytest does, then exits.
+# A step that outlives the time limit; interrupted (SIGINT), it reports as pytest does, then exits.
 SLOW_STEP = ("import sys, time\n"
              "print('started', flush=True)\n"
              "try:\n    time.sleep(60)\n"
              "except KeyboardInterrupt:\n    print('interrupted: wrote its report', flush=True)\n    sys.exit(2)\n")
 
 
-def test_a_step_past_the_budget_is_interrupted_first_and_reported_stopped(tmp_path):
+def test_a_step_past_the_time_limit_is_interrupted_first_and_reported_stopped(tmp_path):
     clock = gpu_check.Clock(2.0)
     status, seconds = gpu_check.run("slow", [sys.executable, "-c", SLOW_STEP], dict(os.environ), str(tmp_path), clock)
     assert status == gpu_check.STOPPED and seconds < 30
