@@ -172,7 +172,9 @@ def test_results(junit, log):
                     entry["failures"][test] = "(see the log)"
         return files
     for case in ET.parse(junit).getroot().iter("testcase"):
-        name = case.get("classname", "").replace(".", "/") + ".py"
+        if not case.get("name"):  # a test a stopped run left unfinished: no outcome to count
+            continue
+        name = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
         entry = files.setdefault(name, _entry())
         entry["seconds"] += float(case.get("time", 0))
         outcome = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)

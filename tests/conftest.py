@@ -13,6 +13,21 @@ import torch
 if not torch.cuda.is_available():  # Triton kernels run on the CPU through its interpreter (set before
     os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports triton)
 
+
+def _share_cores():
+    """Under pytest-xdist, each worker's intra-op threads: the process's cores split among the workers
+    (unless ``OMP_NUM_THREADS`` says otherwise), also for the processes a test starts. torch's default, a
+    thread per core in every worker, makes the float64 references' many small operations spin on one
+    another: with 6 workers on 32 cores one reference took over 140 s where a lone worker takes 1 s."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, len(os.sched_getaffinity(0)) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+_share_cores()
+
 from tests.helpers.distributed import RankPool  # noqa: E402
 from tests.helpers.reference import draw_seed  # noqa: E402
 
@@ -32,7 +47,8 @@ def pytest_runtest_logreport(report):
     the test, its phase, outcome and seconds, appended to that file by whichever process ran it, so a run
     stopped part-way still shows where its time went."""
     path = os.environ.get("MEGATRON_ZECO_TEST_LOG")
-    if path and (report.when == "call" or report.outcome != "passed" or report.duration > 1):
+    from_worker = getattr(report, "node", None) is not None  # pytest-xdist's controller: the worker wrote it
+    if path and not from_worker and (report.when == "call" or report.outcome != "passed" or report.duration > 1):
         with open(path, "a") as f:
             f.write(f"{report.nodeid}\t{report.when}\t{report.outcome}\t{report.duration:.1f}\n")
 
