@@ -497,7 +497,7 @@ def main(argv=None):
     args = parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("profile_piece.py needs a CUDA GPU (fla's kernels)")
-    from megatron_zeco.common.tuning import ENV, configure, snapshot
+    from megatron_zeco.common.tuning import ENV, configure
 
     os.environ.setdefault(ENV, "off" if args.autotune else "auto")
     configs = configure()
@@ -524,7 +524,7 @@ def main(argv=None):
                 rows.append({"part": "profile", "op": args.op, "tokens": T, "case": name, "direction": direction,
                              **row})
                 print_case(rows[-1], args.top)
-                write(args, rows, {"failed": failed, "autotuned": snapshot()})
+                write(args, rows, {"failed": failed, "configs": configs})
             torch.cuda.empty_cache()
     print(summary(rows), flush=True)
 

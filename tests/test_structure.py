@@ -76,11 +76,31 @@ def _imported_package_modules(path: str, package: str):
                 defined = open(MODULES[base]).read()
                 yield from ((node.lineno, f"{base}.{a.name}") for a in node.names
                             if f"{base}.{a.name}" in MODULES or not re.search(rf"\b{a.name}\b", defined))
+            elif base in MODULES:  # a name a module defines at its top level
+                defined = _top_level_names(MODULES[base])
+                yield from ((node.lineno, f"{base}.{a.name}") for a in node.names
+                            if defined is not None and a.name != "*" and a.name not in defined)
+
+
+def _top_level_names(path: str):
+    """The names a module binds at its top level (None where it has a module ``__getattr__``)."""
+    names = set()
+    for node in ast.parse(open(path).read()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With, ast.If, ast.Try)):
+            names.update(n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store))
+            names.update(n.name for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef)))
+            names.update((a.asname or a.name).split(".")[0] for n in ast.walk(node)
+                         if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names)
+    return None if "__getattr__" in names else names
 
 
 def test_every_import_of_the_package_names_a_module_that_exists():
     """Imports inside functions run only on some paths (a Megatron-Core version, a GPU): a moved module
-    must not leave one behind, in the package, its tests, benchmarks or examples."""
+    or a removed name must not leave one behind, in the package, its tests, benchmarks or examples."""
     root = os.path.dirname(PACKAGE)
     files = {path: (m if path.endswith("__init__.py") else m.rpartition(".")[0]) for m, path in MODULES.items()}
     for folder in ("tests", "benchmarks", "examples"):
@@ -89,7 +109,7 @@ def test_every_import_of_the_package_names_a_module_that_exists():
     missing = [f"{os.path.relpath(path, root)}:{line}: {name}" for path, package in sorted(files.items())
                for line, name in _imported_package_modules(path, package)
                if name.split(".")[0] == "megatron_zeco" and name not in MODULES]
-    assert not missing, "imports of modules that do not exist:\n" + "\n".join(missing)
+    assert not missing, "imports of modules or names that do not exist:\n" + "\n".join(missing)
 
 
 def _folder(module: str) -> str:

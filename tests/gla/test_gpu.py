@@ -302,7 +302,9 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory"):
 
     group = dist.new_group(list(range(world)))
     failures = []
-    late = inject.scan_delays(DELAY, seed=seed) if delays and rank == 1 else contextlib.nullcontext()
+    def late(call):  # a context for one scan: fresh delays per call on rank 1 (a context is entered once)
+        return inject.scan_delays(DELAY, seed=seed + call) if delays and rank == 1 else contextlib.nullcontext()
+
     for (N, K, V), layout, reverse, blocks in itertools.product(((16, 128, 128), (3, 64, 96)), Layout,
                                                                  (False, True), (1, 4, 16)):
         n = layout.num_pieces(world)
@@ -313,7 +315,7 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory"):
             deltas = torch.randn(n, N, K, V, generator=gen, dtype=torch.float64)
             init = torch.randn(N, K, V, generator=gen, dtype=torch.float64) if call % 2 else None
             mine = layout.pieces(rank, world)
-            with late:
+            with late(call):
                 entering, last = all_scan([gammas[p].cuda().float() for p in mine],
                                           [deltas[p].cuda().float() for p in mine],
                                           None if init is None else init.cuda().float(),

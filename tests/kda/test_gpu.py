@@ -195,18 +195,23 @@ def test_piece_issues_without_host_sync(seed):
     x = kda_problem(seed, B=1, T=300, H=4, K=64, V=64)
     inputs = [x[n].to("cuda", torch.float32 if n == "g" else torch.bfloat16) for n in NAMES]
     S, D = (torch.randn(2, 4, 64, 64, device="cuda") for _ in range(2))
+    do = x["do"].to("cuda", torch.bfloat16)
     cu = torch.tensor([0, 100, 300])
+
+    def forward_and_backward(kw, n):
+        piece = kda_piece(*inputs, 64 ** -0.5, **kw)
+        piece.before_output()
+        piece.output(S[:n])
+        piece.entering_grad(do)
+        piece.before_grads()
+        piece.grads(D[:n])
+
     for kw, n in (({}, 1), (dict(cu_seqlens=cu.cuda(), cu_seqlens_cpu=cu), 2)):
-        kda_piece(*inputs, 64 ** -0.5, **kw)  # first call: autotuning and the per-shape tables
+        forward_and_backward(kw, n)  # first call: compiling, autotuning and the per-shape tables
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            piece = kda_piece(*inputs, 64 ** -0.5, **kw)
-            piece.before_output()
-            piece.output(S[:n])
-            piece.entering_grad(x["do"].to("cuda", torch.bfloat16))
-            piece.before_grads()
-            piece.grads(D[:n])
+            forward_and_backward(kw, n)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
