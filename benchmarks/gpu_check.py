@@ -276,11 +276,15 @@ def op_table(result):
 
 
 def commit():
+    """The checkout's commit, ``-dirty`` where tracked files differ from it (a copied working tree)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                 capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+    return head + ("-dirty" if changed else "")
 
 
 def versions(env):
