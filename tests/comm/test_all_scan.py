@@ -35,6 +35,8 @@ def _scan_worker(rank, world, seed, groups):
     cases = itertools.product(Layout, (1, 4), (False, True), (False, True),
                               ("all_scan send_recv", "all_scan peer_memory", "gather_scan"))
     for n, (layout, blocks, reverse, with_init, impl) in enumerate(cases):
+        if impl == "all_scan peer_memory" and (blocks == 4) != reverse:
+            continue  # the interpreted hop kernel is most of the time: half the combinations (every value of each)
         gen = torch.Generator().manual_seed(seed + 1000 * gid + n)  # each group scans different data
         pieces = layout.num_pieces(P)
         gammas = [torch.rand(2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(pieces)]
