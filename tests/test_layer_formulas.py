@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_zeco.train import GDN_PATH, megatron_core_has
+from megatron_zeco.training.arguments import GDN_PATH, megatron_core_has
 from tests.helpers.distributed import run_ranks
 from tests.helpers.megatron import transformer_config
 from tests.helpers.reference import rel_err

@@ -466,7 +466,7 @@ def _hybrid_runs(rank, world, root):
     # E layers: megatron-core's MoE router moves its weights to CUDA, which the job refuses on the CPU
     # (check_device); the host stands in for CUDA here, as in tests/mcore/test_hybrid_stack.py.
     moe = dict(HYBRID, hybrid_layer_pattern="G-GE", steps=3)
-    with host_as_cuda(), mock.patch.object(T, "check_device"):
+    with host_as_cuda(), mock.patch("megatron_zeco.training.training.check_device"):
         out["moe cp2"] = T.train(T.TrainConfig(**moe, cp=2), log=lambda line: None)
         out["moe cp1"] = T.train(T.TrainConfig(**moe, cp=1, dp=2), log=lambda line: None)
     return out
