@@ -8,13 +8,13 @@ DeltaNet with ZeCO context parallelism.
 
 from ..cp.registry import Mixer, register
 from .chunk import chunk_gated_delta_rule, chunk_gated_delta_rule_state, chunk_gated_delta_rule_state_grad
-from .local import gdn_local, gdn_piece, require_gdn_backend
+from .local import gdn_local, gdn_piece, require_backend, require_gdn_backend
 from .naive import naive_recurrent_gated_delta_rule
 from .op import GATED_DELTA_RULE, zeco_gated_delta_rule
 
 __all__ = ["zeco_gated_delta_rule", "GATED_DELTA_RULE",
            "naive_recurrent_gated_delta_rule", "chunk_gated_delta_rule", "chunk_gated_delta_rule_state",
-           "chunk_gated_delta_rule_state_grad", "gdn_local", "gdn_piece", "require_gdn_backend"]
+           "chunk_gated_delta_rule_state_grad", "gdn_local", "gdn_piece", "require_backend", "require_gdn_backend"]
 
 # The G layers' mixer --mixer gdn / mixer="gdn": Megatron-Core's Gated DeltaNet layer (megatron-core >= 0.19)
 # under ZeCO (megatron_zeco.cp.registry).

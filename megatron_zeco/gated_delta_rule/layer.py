@@ -45,7 +45,7 @@ from ..cp.operator import Arguments, run_planned
 from ..mcore.common import (LayerCP, check_conv_init, check_gate_timescales, check_low_precision,
                             dt_bias_for_timescales, init_conv_taps, log_spaced)
 from ..mcore.host import host_as_cuda
-from .local import require_gdn_backend
+from .local import require_backend
 from .op import GATED_DELTA_RULE
 
 __all__ = ["ZecoGatedDeltaNet", "GatedDeltaNetSubmodules"]
@@ -100,7 +100,7 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         _check_config(config, submodules, pg_collection.tp.size())
         on_gpu = torch.cuda.is_available()
         if on_gpu:  # Megatron's module puts its own parameters on the GPU whatever the config says
-            require_gdn_backend("cuda", config.params_dtype)
+            require_backend("cuda", config.params_dtype)
         with _megatron_constructible(on_gpu):
             super().__init__(config, submodules, **megatron)
         self.cp = LayerCP(GATED_DELTA_RULE, cp_config, (pg_collection.tp, pg_collection.cp),

@@ -15,6 +15,7 @@ As ``gla/local.py`` for GLA:
 ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -66,7 +67,7 @@ def _fla_chunk_gated_delta_rule():
     return fla("the gated delta rule on CUDA", "fla.ops.gated_delta_rule.chunk_gated_delta_rule")
 
 
-def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+def require_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
     """Raise ``ImportError`` now if Gated DeltaNet on ``device`` in ``dtype`` needs flash-linear-attention
     (its gated-delta-rule, causal-convolution and L2-norm kernels) and it cannot be imported: the
     layer calls this at model build, not at the first step."""
@@ -74,3 +75,10 @@ def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) ->
         from ..common.conv import _fla_causal_conv1d, _fla_l2norm
 
         _fla_chunk_gated_delta_rule(), _fla_causal_conv1d(), _fla_l2norm()
+
+
+def require_gdn_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+    """Deprecated: :func:`require_backend` (the module names the operator, the function its role)."""
+    warnings.warn("megatron_zeco.gated_delta_rule.require_gdn_backend is deprecated; use megatron_zeco.gated_delta_rule.require_backend",
+                  DeprecationWarning, stacklevel=2)
+    require_backend(device, dtype)

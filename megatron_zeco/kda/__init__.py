@@ -7,7 +7,7 @@ gradient; ``local.py`` the local operation and the piece the context-parallel st
 """
 
 from ..cp.registry import Mixer, register
-from .local import kda_local, kda_piece, require_kda_backend
+from .local import kda_local, kda_piece, require_backend, require_kda_backend
 from .op import KDA, zeco_kda
 from .chunk import chunk_kda, chunk_kda_state, chunk_kda_state_grad
 from .naive import naive_recurrent_kda
@@ -21,6 +21,7 @@ __all__ = [
     "chunk_kda_state_grad",
     "kda_local",
     "kda_piece",
+    "require_backend",
     "require_kda_backend",
 ]
 

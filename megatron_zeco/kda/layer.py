@@ -47,7 +47,7 @@ from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
 from ..mcore.common import (LayerCP, check_conv_init, check_gate_timescales, check_low_precision,
                             dt_bias_for_timescales, init_conv_taps, log_uniform)
-from .local import require_kda_backend
+from .local import require_backend
 from .op import KDA
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class KimiDeltaAttention(MegatronModule):
         check_low_precision(config, submodules, ("in_proj", "gate_up", "out_gate_up", "out_proj"), WHO,
                             "kda_hybrid_stack_te_spec")
         if not config.use_cpu_initialization:  # parameters, so the layer, live on the GPU
-            require_kda_backend("cuda", config.params_dtype)
+            require_backend("cuda", config.params_dtype)
         self.num_heads, self.head_dim, self.conv_kernel_size = H, D, conv_kernel_size
         self.heads_per_rank = H // self.tp_group.size()
         self._warned_rotary = False

@@ -13,6 +13,7 @@
 ``MEGATRON_ZECO_BACKEND=torch`` forces the PyTorch forms here too.
 """
 
+import warnings
 from typing import Optional, Tuple, Union
 
 import torch
@@ -65,7 +66,7 @@ def _fla_chunk_kda():
     return fla("KDA on CUDA", "fla.ops.kda.chunk_kda")
 
 
-def require_kda_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+def require_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
     """Raise ``ImportError`` now if KDA on ``device`` in ``dtype`` needs flash-linear-attention (its KDA,
     causal-convolution and L2-norm kernels) and it cannot be imported: the layer calls this at model
     build, not at the first step."""
@@ -73,3 +74,10 @@ def require_kda_backend(device: Union[torch.device, str], dtype: torch.dtype) ->
         from ..common.conv import _fla_causal_conv1d, _fla_l2norm
 
         _fla_chunk_kda(), _fla_causal_conv1d(), _fla_l2norm()
+
+
+def require_kda_backend(device: Union[torch.device, str], dtype: torch.dtype) -> None:
+    """Deprecated: :func:`require_backend` (the module names the operator, the function its role)."""
+    warnings.warn("megatron_zeco.kda.require_kda_backend is deprecated; use megatron_zeco.kda.require_backend",
+                  DeprecationWarning, stacklevel=2)
+    require_backend(device, dtype)

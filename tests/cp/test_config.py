@@ -102,3 +102,15 @@ def test_the_backend_variable_keeps_its_earlier_name(monkeypatch):
         assert backend.backend_choice() == "torch"
     monkeypatch.setenv(backend.BACKEND_ENV, "auto")
     assert backend.backend_choice() == "auto"
+
+
+@pytest.mark.parametrize("operator, old", [("gated_delta_rule", "require_gdn_backend"), ("kda", "require_kda_backend")])
+def test_each_operator_names_its_backend_check_require_backend(operator, old):
+    """``megatron_zeco.<operator>.require_backend`` (the module names the operator, the symbol its role, as
+    fla names them); the earlier name still works, with a deprecation warning."""
+    import importlib
+
+    module = importlib.import_module(f"megatron_zeco.{operator}")
+    assert module.require_backend("cpu", torch.float32) is None
+    with pytest.warns(DeprecationWarning, match=f"megatron_zeco.{operator}.require_backend"):
+        getattr(module, old)("cpu", torch.float32)
