@@ -223,10 +223,11 @@ def slowest_tests(path, count=10):
 
 
 def compiles(logs):
-    """Per step, the compile log summed (megatron_zeco/common/tuning.py), the five slowest kernels kept."""
+    """Per step, the compile log summed (megatron_zeco/common/tuning.py), the five slowest kernels and the ten
+    processes that compiled longest kept."""
     root = os.path.join(logs, "compiles")
     steps = sorted(os.listdir(root)) if os.path.isdir(root) else []
-    return {step: {**summary, "kernels": summary["kernels"][:5]}
+    return {step: {**summary, "kernels": summary["kernels"][:5], "by_process": summary["by_process"][:10]}
             for step, summary in ((step, tuning.compile_summary(os.path.join(root, step))) for step in steps)}
 
 

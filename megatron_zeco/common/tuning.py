@@ -247,29 +247,38 @@ def log_compiles(directory: str) -> None:
 
 
 def compile_summary(directory: str) -> dict:
-    """The compile log in ``directory`` summed: processes, compiles and cache hits, seconds, and per kernel
-    (slowest first) its compiles and seconds."""
+    """The compile log in ``directory`` summed: processes, compiles and cache hits, seconds, per kernel
+    (slowest first) its compiles and seconds, and per process (slowest first) its compiles, their seconds
+    and when it last met a kernel."""
     kernels: Dict[str, list] = {}
     summary = {"processes": 0, "compiles": 0, "cache_hits": 0, "seconds": 0.0}
-    for path in glob.glob(os.path.join(directory, "*.jsonl")):
+    processes = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.jsonl"))):
         summary["processes"] += 1
+        mine = {"process": os.path.basename(path)[:-len(".jsonl")], "compiles": 0, "seconds": 0.0, "last_at": 0.0}
         with open(path) as f:
             for line in f:
                 try:
                     entry = json.loads(line)
                 except ValueError:  # a line cut short by a stopped process
                     continue
+                mine["last_at"] = max(mine["last_at"], entry.get("at", 0.0))
                 if entry["cache_hit"]:
                     summary["cache_hits"] += 1
                     continue
                 summary["compiles"] += 1
                 summary["seconds"] += entry["seconds"]
+                mine["compiles"] += 1
+                mine["seconds"] += entry["seconds"]
                 totals = kernels.setdefault(entry["kernel"], [0, 0.0])
                 totals[0] += 1
                 totals[1] += entry["seconds"]
+        processes.append({**mine, "seconds": round(mine["seconds"], 1)})
     summary["seconds"] = round(summary["seconds"], 1)
     summary["kernels"] = [{"kernel": k, "compiles": n, "seconds": round(t, 1)}
                           for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])]
+    # per process: its compiles, their seconds, and when (seconds after its log began) it last met a kernel
+    summary["by_process"] = sorted(processes, key=lambda p: -p["seconds"])
     return summary
 
 

@@ -115,3 +115,6 @@ def test_the_compile_log_sums_each_kernels_compiles(tmp_path, monkeypatch):
     assert summary["seconds"] == 3.5
     assert summary["kernels"] == [{"kernel": name + "a", "compiles": 2, "seconds": 3.0},
                                   {"kernel": name + "b", "compiles": 1, "seconds": 0.5}]
+    (process,) = summary["by_process"]
+    assert (process["process"], process["compiles"], process["seconds"]) == (str(os.getpid()), 3, 3.5)
+    assert process["last_at"] >= 0
