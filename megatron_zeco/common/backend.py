@@ -90,6 +90,21 @@ def varlen(x: Tensor, cu_seqlens: Optional[Tensor], cu_seqlens_cpu: Optional[Ten
     return {"cu_seqlens": cu_seqlens, "cu_seqlens_cpu": cu_seqlens_cpu}
 
 
+@functools.lru_cache(maxsize=64)
+def fla_varlen(offsets: Tuple[int, ...], chunk_size: int, device: torch.device) -> dict:
+    """fla's keywords for packed documents at ``offsets`` on ``device`` (its chunked kernels at ``chunk_size``):
+    ``cu_seqlens`` on the device, its host copy ``cu_seqlens_cpu`` and fla's ``chunk_indices``, made once per
+    offsets and device (a copy from pageable host memory, or fla's read-back, would wait for the device).
+    Shared by every caller: read, never modify."""
+    require_fla("packed documents on fla's kernels")
+    from fla.ops.utils import prepare_chunk_indices
+
+    host = torch.tensor(offsets, dtype=torch.long)
+    cu = host.pin_memory().to(device, non_blocking=True)
+    return dict(cu_seqlens=cu, chunk_indices=prepare_chunk_indices(cu, chunk_size, cu_seqlens_cpu=host),
+                cu_seqlens_cpu=host)
+
+
 class Saved(NamedTuple):
     """What :func:`replay` needs from :func:`record`: the inputs as autograd leaves (``inputs`` of them,
     then the initial state if any) and the outputs."""

@@ -37,13 +37,13 @@ imported on first use.
 
 import functools
 from types import SimpleNamespace
-from typing import NamedTuple, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from ..common.backend import require_fla
+from ..common.backend import fla_varlen, require_fla
 from ..cp.operator import Piece
-from ..kernels.delta_correction import PieceCorrection, SubPieces, plan_sub_pieces
+from ..kernels.delta_correction import PieceCorrection, segment_plan
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for KDA (chunk_kda's default)
@@ -63,28 +63,6 @@ def _fla() -> SimpleNamespace:
         prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
 
 
-class _Segments(NamedTuple):
-    """What a piece's launches need of its segments, kept per shape (a layer's pieces have the same
-    segments every step of an unpacked batch): fla's keywords (packed documents: the offsets on the
-    device, their host copy and fla's chunk indices, each made once: a copy from pageable host memory, or
-    fla's read-back, waits for the device; dense input: none) and the sub-pieces of the correction
-    kernels, enough of them to fill the device's SMs."""
-
-    fla: dict
-    plan: SubPieces
-
-
-@functools.lru_cache(maxsize=64)
-def _segments(offsets: Tuple[int, ...], packed: bool, heads: int, K: int, device: torch.device) -> _Segments:
-    host = torch.tensor(offsets, dtype=torch.long)
-    plan = plan_sub_pieces(host, CHUNK, heads, K, device)
-    if not packed:
-        return _Segments({}, plan)
-    cu = host.pin_memory().to(device, non_blocking=True)
-    indices = _fla().prepare_chunk_indices(cu, CHUNK, cu_seqlens_cpu=host)
-    return _Segments(dict(cu_seqlens=cu, chunk_indices=indices, cu_seqlens_cpu=host), plan)
-
-
 class FlaPiece(Piece):
     """One rank's piece of the sequence on fla's KDA kernels and this package's correction kernels (see the
     module docstring; the protocol: ``cp.operator.Piece``). ``E [N, HV, K, V]``, ``M [N, HV, K, K]``
@@ -98,18 +76,19 @@ class FlaPiece(Piece):
         self.dtypes, self.scale = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype), scale
         packed = cu_seqlens is not None  # else B sequences of T tokens: B segments for this package's kernels
         offsets = tuple(int(x) for x in cu_seqlens_cpu) if packed else tuple(range(0, (B + 1) * T, T))
-        segments = _segments(offsets, packed, HV, K, q.device)
+        fla_kw = fla_varlen(offsets, CHUNK, q.device) if packed else {}
+        plan = segment_plan(offsets, CHUNK, HV, K, q.device)
         self.q, self.k, self.v, self.beta = (x.contiguous() for x in (q, k, v, beta))
-        self.kw = {n: x for n, x in segments.fla.items() if n != "cu_seqlens_cpu"}
+        self.kw = {n: x for n, x in fla_kw.items() if n != "cu_seqlens_cpu"}
         self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
         w, u, _, kg, self.Aqk, self.Akk = fla.chunk_kda_fwd_intra(
             q=self.q, k=self.k, v=self.v, gk=self.g, beta=self.beta, scale=scale, chunk_size=CHUNK, **self.kw)
         # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
-        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, segments.plan, aqk=self.Aqk,
+        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, plan, aqk=self.Aqk,
                                           beside=True)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=kg, w=w, u=u, gk=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
-            **segments.fla)
+            **fla_kw)
         self.correction.join()
         self.o0 = None
 

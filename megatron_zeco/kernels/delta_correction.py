@@ -62,6 +62,7 @@ Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bi
 16-bit products are computed from the same values in float32 (exact products, as on tensor cores).
 """
 
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -491,6 +492,13 @@ def plan_sub_pieces(cu_seqlens_cpu: Tensor, chunk_size: int, heads: int, K: int,
     blocks = triton.cdiv(K, block_cols or default_block_cols(K))
     return SubPieces(cu_seqlens_cpu, chunk_size,
                      choose_sub_pieces(cu_seqlens_cpu, chunk_size, heads, blocks, processors, waves, min_chunks))
+
+
+@functools.lru_cache(maxsize=64)
+def segment_plan(offsets: Tuple[int, ...], chunk_size: int, heads: int, K: int, device: torch.device) -> SubPieces:
+    """:func:`plan_sub_pieces` over segments at ``offsets``, made once per shape (a layer's pieces have the
+    same segments every step of an unpacked batch)."""
+    return plan_sub_pieces(torch.tensor(offsets, dtype=torch.long), chunk_size, heads, K, device)
 
 
 def _check(plan: SubPieces, precision: str, **tensors: Tensor) -> None:

@@ -460,6 +460,20 @@ def test_kernels_refuse_what_they_cannot_run():
         dc.sub_piece_maps(x, torch.zeros(1, 20, 3, 16), x, g, plan)
 
 
+
+def test_segment_plan_is_the_plan_made_once_per_shape():
+    """``segment_plan`` (what the CUDA pieces call every step) is ``plan_sub_pieces`` over the offsets, and the
+    same object on a second call with the same shape."""
+    from megatron_zeco.kernels import delta_correction as dc
+
+    offsets = (0, 70, 71, 300, 512)
+    plan = dc.segment_plan(offsets, 64, 4, 32, torch.device("cpu"))
+    want = dc.plan_sub_pieces(torch.tensor(offsets), 64, 4, 32, torch.device("cpu"))
+    assert (plan.segments, plan.pieces, plan.chunks, plan.piece_offsets) == \
+        (want.segments, want.pieces, want.chunks, want.piece_offsets)
+    assert dc.segment_plan(offsets, 64, 4, 32, torch.device("cpu")) is plan
+    assert dc.segment_plan(offsets[:-1], 64, 4, 32, torch.device("cpu")).segments == want.segments[:-1]
+
 _COMPILE = r'''
 import triton
 from triton.backends.compiler import GPUTarget

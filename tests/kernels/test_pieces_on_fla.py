@@ -25,16 +25,19 @@ def pieces(monkeypatch):
     """The two CUDA piece modules on the CPU: fla under the interpreter, no pinned host memory (no CUDA), and
     three sub-pieces per segment (the plan for a GPU would keep these short segments whole)."""
     fla_interpreter.enable()
+    from megatron_zeco.common import backend
     from megatron_zeco.gated_delta_rule import fla_piece as gdn
     from megatron_zeco.kda import fla_piece as kda
+    from megatron_zeco.kernels import delta_correction
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
-    for module in (gdn, kda):
-        monkeypatch.setattr(module, "plan_sub_pieces", lambda cu, chunk, *args, **kwargs: SubPieces(cu, chunk, 3))
-        module._segments.cache_clear()
+    monkeypatch.setattr(delta_correction, "plan_sub_pieces", lambda cu, chunk, *args, **kwargs: SubPieces(cu, chunk, 3))
+    caches = (delta_correction.segment_plan, backend.fla_varlen)  # made under the patches above: not kept
+    for cache in caches:
+        cache.cache_clear()
     yield {"gdn": gdn.FlaPiece, "kda": kda.FlaPiece}
-    for module in (gdn, kda):
-        module._segments.cache_clear()
+    for cache in caches:
+        cache.cache_clear()
 
 
 @pytest.mark.parametrize("op,gate", [("gdn", "normal"), ("kda", "normal"), ("kda", "mixed")])
