@@ -167,18 +167,7 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
 
     rank0 = dist.get_rank() == 0
     if rank0:
-        name = mixers.NAMES[cfg.mixer]
-        if cfg.model == "hybrid":
-            kind = f"HybridModel {cfg.hybrid_layer_pattern!r} (G = {name}),"
-        else:
-            kind = (name if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}, G = {name})") + " GPTModel"
-        log(f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
-            f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
-            f"layout {cfg.layout}" + (f", piece split {cfg.piece_split or 'auto'}"
-                                     if RULES[mixers.OPERATORS[cfg.mixer]].applies("piece_split") else "")
-            + " | "
-            f"seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
-            f"(chance accuracy {task.chance:.3f})")
+        log(_describe_run(cfg, task, device))
     history, step, saved_at = [], first - 1, None
     start = window_start = time.time()
     window_steps, saving = 0, 0.0  # steps since the last log line; seconds spent saving checkpoints
@@ -224,6 +213,21 @@ def _loop(cfg, task, model, optimizer, scheduler, device, first, log):
     if rank0:
         _summary(cfg, task, history, (first, step), time.time() - start, saving, saved_at, log)
     return history
+
+
+def _describe_run(cfg, task, device) -> str:
+    """The job's first log line: the model, the parallel layout, the CP strategy and the task."""
+    name = mixers.NAMES[cfg.mixer]
+    if cfg.model == "hybrid":
+        kind = f"HybridModel {cfg.hybrid_layer_pattern!r} (G = {name}),"
+    else:
+        kind = (name if cfg.pattern == "G" else f"hybrid ({cfg.pattern!r}, G = {name})") + " GPTModel"
+    split = (f", piece split {cfg.piece_split or 'auto'}"
+             if RULES[mixers.OPERATORS[cfg.mixer]].applies("piece_split") else "")
+    return (f"megatron_zeco: {kind} {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads | "
+            f"TP {cfg.tp} x CP {cfg.cp} x DP {cfg.dp} on {device.type} | CP strategy {cfg.strategy}, "
+            f"layout {cfg.layout}{split} | seq {cfg.seq_len}, batch {cfg.batch}, task {cfg.task} "
+            f"(chance accuracy {task.chance:.3f})")
 
 
 def _summary(cfg, task, history, steps, elapsed, saving, saved_at, log):
