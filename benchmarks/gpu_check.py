@@ -48,7 +48,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/gpu-check.json", help="the summary (JSON)")
     p.add_argument("--logs", default=None, help="folder for the logs of each step (default: beside --out)")
-    p.add_argument("--jobs", type=int, default=4, help="pytest-xdist workers for the tests (1: no xdist)")
+    p.add_argument("--jobs", type=int, default=max(1, min(8, (os.cpu_count() or 4) // 4)),
+                   help="pytest-xdist workers for the tests (1: no xdist; default: a worker per 4 cores, at most 8)")
     p.add_argument("--tokens", type=int, default=16384, help="tokens per GPU of the benchmark rows")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per benchmark row")
     p.add_argument("--skip", nargs="*", default=[], choices=["tests", "bench"], help="steps left out")
