@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import time
 
 import pytest
@@ -178,19 +179,20 @@ def _bound(one_gpu):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("delays", [False, True], ids=["", "delayed"])
-@pytest.mark.parametrize("transports", ["all", "nvshmem"])
-def test_two_gpus_every_strategy_matches_float64(seed, delays, transports):
-    """Every strategy and zeco option against float64, ``ZECO_REPEAT`` times with fresh seeds (the
-    processes are spawned once); ``delayed``: one rank late at random before and after each scan
-    kernel. A failure names the seed, the case and every result's error, with zeco's case re-run
-    over send/recv and without the side stream (PROBES)."""
-    cases = None
-    if transports == "nvshmem":
+@pytest.mark.parametrize("case", [*CASES, *NVSHMEM_CASES], ids=lambda c: re.sub(r"[^\w@+-]+", "-", c))
+def test_two_gpus_every_strategy_matches_float64(seed, delays, case):
+    """Each strategy and zeco option (CASES, NVSHMEM_CASES) against float64, ``ZECO_REPEAT`` times with
+    fresh seeds (the processes are spawned once); ``delayed``: one rank late at random before and after each
+    scan kernel. A failure names the seed, the case and every result's error, with zeco's case re-run over
+    send/recv and without the side stream (PROBES). A test per case: on a cold machine each compiles its own
+    kernels, side by side with the others under pytest-xdist (one test of every case compiled them in turn,
+    for minutes)."""
+    if case in NVSHMEM_CASES:
         import torch.distributed._symmetric_memory as symm_mem
 
         if not symm_mem.is_nvshmem_available():
             pytest.skip("no NVSHMEM in this torch build")
-        cases = NVSHMEM_CASES
+    cases = {case: {**CASES, **NVSHMEM_CASES}[case]}
     seeds = [seed + 7919 * i for i in range(REPEAT)]
     runs = run_ranks(_two_ranks, 2, seeds, delays, cases, backend="nccl", timeout=RANK_TIMEOUT + 60 * REPEAT)[0]
     if os.environ.get("ZECO_ERRORS_JSON"):  # every error, for a look at their distribution
