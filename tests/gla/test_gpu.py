@@ -212,9 +212,9 @@ def _describe(run):
     return "\n".join(lines)
 
 
-def _packed(rank, world, seed):
+def _packed(rank, world, seed, strategy):
     """Packed documents (fla's varlen chunk_gla, the varlen state kernels) against every document
-    alone in float64; both splits, zeco / lasp2 / a2a (one rank: the local varlen op)."""
+    alone in float64; both splits, ``strategy`` (one rank: the local varlen op)."""
     from megatron_zeco import packed_positions
 
     group = dist.new_group(list(range(world)))
@@ -232,22 +232,22 @@ def _packed(rank, world, seed):
         want = {n: torch.cat(ref[n], 1)[:, mine] for n in ref}
         theirs = _fla({**x, "h0": None, "dht": None}, cu_seqlens=cu)  # the whole packed sequence on this GPU
         fla = {n: rel_err(theirs[n][:, mine], want[n]) for n in ref}
-        for strategy in ("zeco", "lasp2", "a2a"):
-            leaves = {n: x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in ("q", "k", "v", "g")}
-            o, _ = zeco_gla(*leaves.values(), group=group, strategy=strategy if world > 1 else "none",
-                            layout="zigzag", cu_seqlens=cu.cuda(), per_document=per_document)
-            grads = torch.autograd.grad((o.float() * x["do"][:, mine].cuda()).sum(), list(leaves.values()))
-            got = dict(zip(("o", "dq", "dk", "dv", "dg"), (o, *grads)))
-            out[per_document, strategy] = ({n: rel_err(got[n].cpu(), want[n]) for n in ref}, fla)
+        leaves = {n: x[n][:, mine].to("cuda", torch.bfloat16).requires_grad_() for n in ("q", "k", "v", "g")}
+        o, _ = zeco_gla(*leaves.values(), group=group, strategy=strategy, layout="zigzag", cu_seqlens=cu.cuda(),
+                        per_document=per_document)
+        grads = torch.autograd.grad((o.float() * x["do"][:, mine].cuda()).sum(), list(leaves.values()))
+        got = dict(zip(("o", "dq", "dk", "dv", "dg"), (o, *grads)))
+        out[per_document, strategy] = ({n: rel_err(got[n].cpu(), want[n]) for n in ref}, fla)
     return out
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_packed_documents_on_gpus_match_float64(seed, world):
-    """bf16, each rank's tokens: within the bound of fla's own error on the same tokens (tests/helpers/bounds.py)."""
+@pytest.mark.parametrize("world, strategy", [(1, "none"), (2, "zeco"), (2, "lasp2"), (2, "a2a")])
+def test_packed_documents_on_gpus_match_float64(seed, world, strategy):
+    """bf16, each rank's tokens: within the bound of fla's own error on the same tokens (tests/helpers/bounds.py).
+    A test per strategy: on a cold machine their compiles run side by side under pytest-xdist."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    errors = run_ranks(_packed, world, seed, backend="nccl", timeout=RANK_TIMEOUT)
+    errors = run_ranks(_packed, world, seed, strategy, backend="nccl", timeout=RANK_TIMEOUT)
     bad = {(r, case): over for r, each in enumerate(errors) for case, (e, fla) in each.items()
            if (over := over_bounds(e, fla))}
     assert not bad, bad
