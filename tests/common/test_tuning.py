@@ -118,3 +118,46 @@ def test_the_compile_log_sums_each_kernels_compiles(tmp_path, monkeypatch):
     (process,) = summary["by_process"]
     assert (process["process"], process["compiles"], process["seconds"]) == (str(os.getpid()), 3, 3.5)
     assert process["last_at"] >= 0
+
+
+def _shipped_record_problems():
+    """What is wrong with the shipped records' entries for this package's kernels, one line each, with the
+    kernels' configs as on a GPU (this runs in a process without Triton's interpreter)."""
+    import glob
+    import importlib
+
+    problems = []
+    records = sorted(glob.glob(os.path.join(tuning.CONFIG_DIR, "*.json")))
+    if not records:
+        problems.append("no record shipped")
+    for path in records:
+        name = os.path.basename(path)
+        record = json.load(open(path))
+        if name != tuning.file_name(record["gpu"]) + ".json":
+            problems.append(f"{name}: recorded on {record['gpu']}")
+        ours = {k: v for k, v in record["kernels"].items() if k.startswith("megatron_zeco.")}
+        if not ours:
+            problems.append(f"{name}: no entry for this package's kernels")
+        for kernel, picks in ours.items():
+            module, _, attribute = kernel.partition(":")
+            tuner = tuning._autotuner(getattr(importlib.import_module(module), attribute, None))
+            if tuner is None:
+                problems.append(f"{name}: {kernel} is not an autotuned kernel")
+                continue
+            configs = [tuning.describe(c) for c in tuner.configs]
+            problems += [f"{name}: {kernel} has no config {pick['config']}" for pick in picks
+                         if pick["config"] not in configs]
+    return problems
+
+
+def test_shipped_records_name_this_package_s_kernels_and_their_configs():
+    """Every record in megatron_zeco/common/configs/ is named for its GPU, and each of its entries for this
+    package's kernels names an autotuned kernel that exists and one of that kernel's own configs on a GPU
+    (a renamed kernel or a changed config list would otherwise be skipped on every GPU without a word).
+    fla's entries are checked where fla imports: `replay` counts the entries it skips."""
+    code = ("import json; from tests.common.test_tuning import _shipped_record_problems as p; "
+            "print(json.dumps(p()))")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": ROOT}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
