@@ -37,7 +37,9 @@ with no host issue at all; where capture fails, why) and ``host`` (median host t
 iteration while the GPU is busy with a 50 ms sleep: a host time of about 50 ms or more means the
 case synchronises with the GPU). The
 ``gpu`` loop also times each case's stages (a piece: summary, output, entering_grad, grads;
-fla and a2a: forward, backward). Then ``--profile-iters`` iterations run under torch.profiler:
+fla and a2a: forward, backward). ``--host-profile`` calls run under cProfile, the host's issue time by
+package (fla, megatron_zeco, triton, torch, other Python, C builtins) and its costliest functions. Then ``--profile-iters``
+iterations run under torch.profiler:
 CUDA time and launches per kernel name per iteration, and each kernel's grid and block (the
 number of programs of fla's sequential state passes). The autotuned config of every fla kernel
 that ran is recorded too. Prints tables as it goes and rewrites ``--out`` (JSON) after each case.
@@ -80,6 +82,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--profile-iters", type=int, default=10)
     p.add_argument("--top", type=int, default=14, help="kernels printed per case")
+    p.add_argument("--host-profile", type=int, default=5, metavar="N",
+                   help="calls per case under cProfile: the host's issue time by package and function (0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autotune", action="store_true",
                    help="autotune every kernel instead of replaying the configs recorded for this GPU")
@@ -271,6 +275,37 @@ def host_ms(run, iters, cycles_per_ms):
     return statistics.median(times)
 
 
+def host_profile(run, iters, cycles_per_ms, top=15):
+    """Where the host's issue time goes: ``iters`` calls of ``run`` under cProfile while the GPU is busy.
+    ``({package: ms per call}, [[function, calls per call, own µs per call, cumulative µs per call], ...])``
+    with packages fla, megatron_zeco, triton, torch, other (by the function's file) and C (builtins: torch's
+    operators, Triton's launcher), own time only;
+    the ``top`` functions by own time. cProfile's own cost inflates the times about alike, so read them as
+    shares."""
+    import cProfile
+    import pstats
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(200 * iters * cycles_per_ms))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        run()
+    profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler).stats
+    by_package = collections.Counter()
+    rows = []
+    for (path, line, name), (_, calls, own, cumulative, _) in stats.items():
+        package = "C" if path == "~" else next(
+            (p for p in ("fla", "megatron_zeco", "triton", "torch") if f"/{p}/" in path), "other")
+        by_package[package] += own * 1e3 / iters
+        where = name if path == "~" else f"{package}:{os.path.basename(path)}:{line}({name})"  # "~": builtins
+        rows.append([where, calls / iters, own * 1e6 / iters, cumulative * 1e6 / iters])
+    rows.sort(key=lambda r: -r[2])
+    return dict(by_package.most_common()), [[w, round(c, 2), round(o, 1), round(u, 1)] for w, c, o, u in rows[:top]]
+
+
 def gpu_ms(run, iters, sleep_ms, cycles_per_ms):
     """Median GPU time (ms) of one ``run`` and of each of its marked stages: each iteration is issued
     behind a GPU sleep of ``sleep_ms`` so that its kernels run back to back."""
@@ -396,6 +431,11 @@ def print_case(row, top):
         grid = row["launches"].get(name, [])
         print(f"  {short(name):64s} {k['us']:9.1f} us {k['calls']:5.1f}x {100 * k['us'] / total:5.1f}%  "
               + " ".join(f"grid{tuple(s[0] or ())}" for s in grid[:2]), flush=True)
+    if row.get("host_by_package_ms"):
+        print("  host issue by package (cProfile, ms per call): "
+              + ", ".join(f"{p} {ms:.3f}" for p, ms in row["host_by_package_ms"].items()), flush=True)
+        for where, calls, own, cumulative in row["host_top"][:6]:
+            print(f"    {where[:80]:80s} {calls:6.1f}x own {own:8.1f} us cum {cumulative:8.1f} us", flush=True)
 
 
 def summary(rows):
@@ -490,6 +530,8 @@ def measure(args, make, cycles):
     row = {"gpu_ms": ms, "stages_ms": stages, "steady_ms": steady_ms(run, args.iters), "host_ms": host,
            "graph_ms": graphed, "graph_error": why, "warmup_s": warm_s}
     row["kernels"], row["launches"] = kernel_times(run, args.profile_iters)
+    if args.host_profile:
+        row["host_by_package_ms"], row["host_top"] = host_profile(run, args.host_profile, cycles)
     return row
 
 
