@@ -605,26 +605,57 @@ def test_dense_maps_cross_the_wire_and_cost_their_products():
 
 
 def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
-    """The gated delta rule's one-GPU time is fla's own op measured on an H200 (profile_piece.py's fla
-    fwd+bwd rows, back to back), the mean of its runs; a file from another GPU is not read; KDA, not
-    measured, takes the gated delta rule's and says so; GLA's is as before."""
+    """Each delta rule's one-GPU time is fla's own op measured on an H200 (profile_piece.py's fla fwd+bwd
+    rows, back to back), the mean of its runs over the files; a file from another GPU is not read; GLA's is
+    as before."""
     cal = _calibration()
-    profile = json.loads((RESULTS / "profile-gdn-piece-h200x1-2026-11-26.json").read_text(encoding="utf-8"))
-    for T in (16384, 32768):
-        runs = [r["steady_ms"] for r in profile["rows"] if r["case"] == "fla" and r["direction"] == "fwd+bwd"
-                and r["tokens"] == T]
-        assert len(runs) == 2
-        assert cal.one_gpu["gdn"]["steady"][T, 16, 128] == pytest.approx(sum(runs) / 2, rel=1e-12)
-    assert "eager" not in cal.one_gpu["gdn"] and "kda" not in cal.one_gpu
+    files = {op: [json.loads((RESULTS / name).read_text(encoding="utf-8")) for name in names] for op, names in {
+        "gdn": ("profile-gdn-piece-h200x1-2026-11-26.json", "piece-gdn-h200x1-2026-11-28b.json"),
+        "kda": ("piece-kda-h200x1-2026-11-28.json",)}.items()}
+    for op, datas in files.items():
+        for T in (16384, 32768):
+            runs = [r["steady_ms"] for data in datas for r in data["rows"] if r["case"] == "fla"
+                    and r["direction"] == "fwd+bwd" and r["tokens"] == T]
+            assert len(runs) >= 1
+            assert cal.one_gpu[op]["steady"][T, 16, 128] == pytest.approx(sum(runs) / len(runs), rel=1e-12)
+        assert "eager" not in cal.one_gpu[op]
     assert not cm.op_time_rows(json.loads((RESULTS / "op-gdn-h100x1-2026-11-25.json").read_text(encoding="utf-8")))
     assert cal.one_gpu["gla"] == cal.op_ms
-    kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
-    assert kda.op_ms == cm.projection_workload(cal, 256, 16384, op=cm.GDN).op_ms and kda.op is cm.KDA
-    assert cm.KDA.timed_as == "gdn" and cm.GDN.timed_as == "gdn"
+    assert cm.projection_workload(cal, 256, 16384, op=cm.KDA).op_ms == pytest.approx(
+        cal.one_gpu["kda"]["steady"][16384, 16, 128])
     with pytest.raises(ValueError, match="no measured one-GPU eager op time of gdn"):
         cm.projection_workload(cal, 256, 16384, regime="eager", op=cm.GDN)
     # GLA's projections are those without an operator named
     assert cm.project(cal, 256, 16384, "zigzag", layer=cm.LayerShape(op=cm.GLA)) == cm.project(cal, 256, 16384, "zigzag")
+
+
+def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_add():
+    """A delta rule's ZeCO piece adds to the layer its measured share of the one-GPU op: the mean GPU time of
+    the newest file's pieces (first, middle, last) over fla's op on the same tokens, forward + backward (an
+    older file times a piece since replaced); at the measured tokens nearest those projected; zeco and lasp2
+    pay it, a2a (fla's op on other heads) does not, and GLA has none."""
+    cal = _calibration()
+    for op, name in (("gdn", "piece-gdn-h200x1-2026-11-28b.json"), ("kda", "piece-kda-h200x1-2026-11-28.json")):
+        rows = [r for r in json.loads((RESULTS / name).read_text(encoding="utf-8"))["rows"]
+                if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]
+        pieces = [r["gpu_ms"] for r in rows if r["case"].startswith("piece")]
+        (fla,) = [r["gpu_ms"] for r in rows if r["case"] == "fla"]
+        assert len(pieces) == 3
+        assert cal.piece_share[op][16384, 16, 128] == pytest.approx(sum(pieces) / 3 / fla - 1, rel=1e-12)
+        assert 0 < cal.piece_share[op][16384, 16, 128] < 0.5
+    assert "gla" not in cal.piece_share
+    assert cm.piece_share(cal, cm.GDN, 20000, 128) == (cal.piece_share["gdn"][16384, 16, 128], 16384)
+    assert cm.piece_share(cal, cm.GDN, 10 ** 6, 128)[1] == max(t for t, *_ in cal.piece_share["gdn"])
+    assert cm.piece_share(cal, cm.GLA, 16384, 128) == (0.0, None)
+    assert cm.piece_share(cal, cm.GDN, 16384, 64) == (0.0, None)
+    w = cm.projection_workload(cal, 8, 16384, op=cm.GDN)
+    assert w.piece_share == cal.piece_share["gdn"][16384, 16, 128]
+    bare, sw = dataclasses.replace(w, piece_share=0.0), cal.sw("send_recv")
+    c = cm.Cluster()
+    for strategy in ("zeco", "lasp2"):
+        added = cm.layer_time(strategy, w, c, sw) - cm.layer_time(strategy, bare, c, sw)
+        assert added == pytest.approx(w.piece_share * w.op_ms * 1e-3, rel=1e-9), strategy
+    assert cm.layer_time("a2a", w, c, sw) == cm.layer_time("a2a", bare, c, sw)
 
 
 def test_command_line_prints_rows_for_each_operator():
@@ -639,7 +670,9 @@ def test_command_line_prints_rows_for_each_operator():
             blocks[-1].append(line)
     assert len(blocks) == 3 and all(len(b) == 12 for b in blocks)
     assert "measured on the H200" in ops[1] and ops[1].startswith("# gdn (")
-    assert "projected: gdn's measured time" in ops[2] and ops[2].startswith("# kda (")
+    assert "measured on the H200" in ops[2] and ops[2].startswith("# kda (")
+    assert sum("the ZeCO piece 1." in x and "x the one-GPU op (measured, GPU time at 16384 tokens)" in x
+               for x in lines) == 2
     gla = _cli("--gpus", "256", "--tokens-per-gpu", "16384")
     assert blocks[0] == [line for line in gla if not line.startswith("#")] and ops[0] == gla[0]
     assert blocks[1] != blocks[0]  # the dense maps cost more per hop; the local op differs

@@ -6,7 +6,7 @@ import glob
 import json
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Optional
 
@@ -32,6 +32,7 @@ BUILD = "peer memory"
 BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer_memory": "v3"}, "passes": None}
 PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
 ONE_GPU = "one_gpu"  # the part of another operator's one-GPU op time, as file_rows gives it
+PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op, as file_rows gives it
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
@@ -67,6 +68,9 @@ class Calibration:
     # operator -> regime -> (tokens, heads, dim) -> one-GPU fwd+bwd ms: GLA's op_ms and the other
     # operators' measured op times (op_time_rows)
     one_gpu: dict[str, dict[str, dict[tuple[int, int, int], float]]]
+    # operator -> (tokens, heads, dim) -> what a ZeCO piece's own work adds to the one-GPU op, as a share
+    # of its GPU time, forward + backward (piece_rows; the delta rules')
+    piece_share: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
         """The code as built with its All-Scan over ``transport``, in ``regime``."""
@@ -122,6 +126,27 @@ def op_time_rows(data: dict) -> list[dict]:
         or (r.get("part") == "profile" and r.get("case") == "fla" and r.get("direction") == "fwd+bwd"))]
 
 
+def piece_rows(name: str, data: dict) -> list[dict]:
+    """What a delta rule's ZeCO piece adds to one GPU's work, from ``profile_piece.py``'s rows on the device
+    the model describes: per operator and tokens, the mean GPU time of its pieces (first, middle, last: the
+    exchange stubbed) over fla's op on the same tokens, forward + backward. Part :data:`PIECE`, ``share``
+    the piece's time over the op's less one, ``date`` the file's."""
+    meta = data.get("meta", {})
+    if DEVICE not in meta.get("device", ""):
+        return []
+    rows = [r for r in data.get("rows", []) if r.get("part") == "profile" and r.get("direction") == "fwd+bwd"
+            and r.get("op") in OPERATORS]
+    out = []
+    for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
+        fla = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"], r["case"]) == (op, tokens, "fla")]
+        pieces = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"]) == (op, tokens) and r["case"].startswith("piece")]
+        if fla and pieces:
+            share = (sum(pieces) / len(pieces)) / (sum(fla) / len(fla)) - 1
+            out.append(dict(part=PIECE, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],
+                            share=share, date=meta.get("date", ""), file=name))
+    return out
+
+
 def file_rows(name: str, data: dict) -> list[dict]:
     """The calibration rows of one result file ``{"meta": {...}, "rows": [...]}``, each with ``file``
     (``name``) and the file's defaults.
@@ -132,7 +157,7 @@ def file_rows(name: str, data: dict) -> list[dict]:
     are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
     (timed one call from an empty queue).
     """
-    times = [_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)]
+    times = [_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)] + piece_rows(name, data)
     rows = [r for r in calibration_rows(data) if r.get("op", "gla") == "gla"]
     if not rows:
         return times
@@ -261,13 +286,14 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
     version of the scan code over each transport, zeco's transport.
     """
-    fit = _Fit([r for r in rows if r["part"] != ONE_GPU], cluster, build)
+    fit = _Fit([r for r in rows if r["part"] not in (ONE_GPU, PIECE)], cluster, build)
     residuals = fit.kernel_residuals() + fit.scan_residuals() + fit.op_residuals()
     outside = fit.outside_ms()
     residuals += fit.model_residuals(outside)
     builds = fit.builds()
     return Calibration(builds[build], builds, fit.transports(), fit.nccl_call, fit.op_ms, _mean_per_shape(outside),
-                       residuals, {GLA.name: fit.op_ms, **_one_gpu_times([r for r in rows if r["part"] == ONE_GPU])})
+                       residuals, {GLA.name: fit.op_ms, **_one_gpu_times([r for r in rows if r["part"] == ONE_GPU])},
+                       _piece_shares([r for r in rows if r["part"] == PIECE]))
 
 
 class _Fit:
@@ -559,6 +585,16 @@ def _one_gpu_times(rows: list[dict]) -> dict[str, dict[str, dict[tuple[int, int,
         runs.setdefault(r["op"], {}).setdefault(r["mode"], {}).setdefault(_shape(r), []).append(r["ms"])
     return {op: {regime: {k: sum(v) / len(v) for k, v in shapes.items()} for regime, shapes in regimes.items()}
             for op, regimes in runs.items()}
+
+
+def _piece_shares(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], float]]:
+    """``Calibration.piece_share``: per operator and shape, the newest file's share (by date, then name): the
+    piece as built. Pieces change with the code, so older files time pieces since replaced (one GPU's op,
+    fla's, does not change with the code: its times are averaged over the files)."""
+    newest: dict[str, dict[tuple[int, int, int], dict]] = {}
+    for r in sorted(rows, key=lambda r: (r["date"], r["file"])):
+        newest.setdefault(r["op"], {})[_shape(r)] = r
+    return {op: {k: r["share"] for k, r in shapes.items()} for op, shapes in newest.items()}
 
 
 def _mean_per_shape(outside: dict[tuple, float]) -> dict[tuple[int, int, int, int], float]:

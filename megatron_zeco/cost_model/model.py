@@ -84,8 +84,7 @@ class Operator:
     """A linear-attention operator as its context parallelism sees it: the kind of its piece maps'
     transition (:class:`Diagonal` or :class:`Dense`), from which every size and product of the scans
     follows, the gates its all-to-all moves and the strategies built for it (its entry of
-    ``megatron_zeco.cp.config.RULES``). ``op_time_of`` names the operator whose measured one-GPU time
-    stands for this one's (itself where measured; else the projection is said)."""
+    ``megatron_zeco.cp.config.RULES``). Its one-GPU op time is measured (the calibration's ``one_gpu``)."""
 
     name: str
     title: str
@@ -93,17 +92,11 @@ class Operator:
     key_gates: bool  # a decay per key channel ([tokens, heads, k_dim]) rather than one per head
     beta: bool  # a write strength per head and token (the delta rules')
     rules: str  # its key in megatron_zeco.cp.config.RULES
-    op_time_of: str = ""  # "" = its own
 
     @property
     def strategies(self) -> tuple:
         """The context-parallel strategies built for it (``none`` always)."""
         return ("none", *RULES[self.rules].strategies)
-
-    @property
-    def timed_as(self) -> str:
-        """The operator whose measured one-GPU op time this one's projections use."""
-        return self.op_time_of or self.name
 
     def state_bytes(self, heads: int, k: int, v: int) -> int:
         """One fp32 state: what a chain hop carries."""
@@ -128,9 +121,7 @@ class Operator:
 
 GLA = Operator("gla", "gated linear attention", Diagonal, key_gates=True, beta=False, rules="gla")
 GDN = Operator("gdn", "Gated DeltaNet's gated delta rule", Dense, key_gates=False, beta=True, rules="gated_delta_rule")
-# KDA's one-GPU op is not measured: its projections use the gated delta rule's (the same scans; KDA's
-# per-key gates only add local work, so its time is a floor and its efficiency a lower bound).
-KDA = Operator("kda", "Kimi Delta Attention", Dense, key_gates=True, beta=True, rules="kda", op_time_of="gdn")
+KDA = Operator("kda", "Kimi Delta Attention", Dense, key_gates=True, beta=True, rules="kda")
 OPERATORS = {op.name: op for op in (GLA, GDN, KDA)}
 
 
@@ -149,6 +140,7 @@ class Workload:
     layout: str = "contiguous"
     other_ms: float = 0.0  # per-layer time outside GLA (model level); 0 = the operator alone
     op: Operator = GLA
+    piece_share: float = 0.0  # share of op_ms a ZeCO piece's own work adds (the delta rules' correction; measured)
 
     @property
     def pieces(self) -> int:
@@ -328,7 +320,7 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
         comm = [gather_time(w, c, sw)] * 2
     windows = (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op)
     exposed = sum(max(0.0, scan - sw.overlap * t) + after for (scan, after), t in zip(comm, windows))
-    return t_op * (1 + sw.extra) + passes + exposed
+    return t_op * (1 + sw.extra + w.piece_share) + passes + exposed
 
 
 def blocks(w: Workload) -> list[int]:

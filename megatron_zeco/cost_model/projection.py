@@ -4,7 +4,7 @@
 import argparse
 import math
 from dataclasses import dataclass, replace
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
@@ -29,22 +29,33 @@ class Choice:
 
 def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "contiguous", heads: int = 16,
                         head_dim: int = 128, regime: str = "steady", op: Operator = GLA) -> Workload:
-    """A layer of ``op`` at ``tokens`` per GPU: the one-GPU op time of ``op.timed_as`` measured in
-    ``regime`` at the fewest tokens with this head dim, scaled linearly in tokens and heads
-    (docs/scaling.md, "Limits")."""
-    times = cal.one_gpu.get(op.timed_as, {}).get(regime, {})
+    """A layer of ``op`` at ``tokens`` per GPU: its one-GPU op time measured in ``regime`` at the fewest tokens
+    with this head dim, scaled linearly in tokens and heads (docs/scaling.md, "Limits"), and the share a ZeCO
+    piece's own work adds to it where measured (the delta rules'), at the measured tokens nearest ``tokens``."""
+    times = cal.one_gpu.get(op.name, {}).get(regime, {})
     if not times:
-        raise ValueError(f"no measured one-GPU {regime} op time of {op.timed_as} on the {DEVICE} in the calibration "
+        raise ValueError(f"no measured one-GPU {regime} op time of {op.name} on the {DEVICE} in the calibration "
                          f"data (measured: {', '.join(sorted(k for k, v in cal.one_gpu.items() if regime in v))}): "
-                         f"bench_op.py --op {op.timed_as} --modes {regime} rows would give it (docs/scaling.md, "
+                         f"bench_op.py --op {op.name} --modes {regime} rows would give it (docs/scaling.md, "
                          f"'Adding a measured point')")
     measured = {(t, h): ms for (t, h, d), ms in times.items() if d == head_dim}
     if not measured:
-        raise ValueError(f"no measured one-GPU op time of {op.timed_as} with head dim {head_dim} (measured: "
+        raise ValueError(f"no measured one-GPU op time of {op.name} with head dim {head_dim} (measured: "
                          f"{sorted({d for *_, d in times})}); choose --head-dim among them")
     t0, h0 = min(measured)
     op_ms = measured[t0, h0] * tokens / t0 * heads / h0
-    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op)
+    return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op,
+                    piece_share=piece_share(cal, op, tokens, head_dim)[0])
+
+
+def piece_share(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[float, Optional[int]]:
+    """(share, tokens it was measured at): what a ZeCO piece of ``op`` adds to its one-GPU op, measured at
+    the tokens nearest ``tokens`` with this head dim; (0.0, None) where not measured."""
+    shares = {t: share for (t, _, d), share in cal.piece_share.get(op.name, {}).items() if d == head_dim}
+    if not shares:
+        return 0.0, None
+    nearest = min(shares, key=lambda t: (abs(math.log(t / tokens)), t))
+    return shares[nearest], nearest
 
 
 def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "steady", shapes=SHAPES,
@@ -167,21 +178,22 @@ def main(argv=None) -> None:
               f"{cluster.intra.bandwidth / 1e9:g} GB/s, between nodes {cluster.inter.latency * 1e6:g} us "
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
-            print(_scan_source(w))
+            print(_scan_source(w, piece_share(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               LayerShape(args.heads, args.head_dim, op), args.transport):
                 print(_format(ch, layout))
 
 
-def _scan_source(w: Workload) -> str:
+def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
     """The header's second line for an operator whose maps no measured scan ran: its sizes and products,
-    and what its scan costs rest on."""
+    what its scan costs rest on, and its piece's own work (measured at ``piece_tokens``, or not)."""
+    piece = (f"the ZeCO piece {1 + w.piece_share:.3f}x the one-GPU op (measured, GPU time at {piece_tokens} tokens)"
+             if piece_tokens else "the ZeCO piece's own work not measured (not counted)")
     return (f"# {w.op.name}: dense K x K maps: {w.state_bytes / 2 ** 20:g} MiB per state hop, "
             f"{w.map_bytes / 2 ** 20:g} MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and "
             f"{w.compose_time() * 1e6:.2f} us per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs "
-            f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); the "
-            f"piece's correction kernels not timed (not counted)")
+            f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); {piece}")
 
 
 def _title(op: Operator) -> str:
@@ -191,7 +203,4 @@ def _title(op: Operator) -> str:
 
 def _op_time_source(op: Operator) -> str:
     """What the one-GPU time of ``op`` rests on, for the header (for GLA, as :func:`_title`: the default)."""
-    if op.timed_as == op.name:
-        return "" if op is GLA else f", measured on the {DEVICE}"
-    return (f", projected: {OPERATORS[op.timed_as].name}'s measured time, {op.name}'s own not measured: a floor, "
-            f"its efficiency a lower bound")
+    return "" if op is GLA else f", measured on the {DEVICE}"
