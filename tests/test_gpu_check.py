@@ -47,3 +47,20 @@ def test_the_summary_shows_the_slowest_tests_and_the_compile_time(tmp_path):
     text = "\n".join(gpu_check.summary_lines(report))
     assert "90.5 s call" in text and "tests/a.py::slow" in text
     assert "2 compiles in   2 processes,    42.0 s; slowest: k1 40 s (1), k2 2 s (1)" in text
+
+
+def test_every_test_that_needs_a_gpu_is_in_a_file_the_check_runs():
+    """A test that skips without CUDA runs only where the GPU check runs it: every test module with such a
+    skip is among the check's files (a GPU test written elsewhere would never run), and each of those exists."""
+    import glob
+    import re
+
+    needs_gpu = re.compile(r"skipif\(\s*not\s*\(?[^)]*torch\.cuda\.is_available\(\)|torch\.cuda\.device_count\(\)\s*<")
+    found = set()
+    for path in glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True):
+        with open(path) as f:
+            if needs_gpu.search(f.read()):
+                found.add(os.path.relpath(path, ROOT))
+    assert found, "no GPU test found: the pattern no longer matches how GPU tests skip"
+    assert found <= set(gpu_check.TEST_FILES), sorted(found - set(gpu_check.TEST_FILES))
+    assert all(os.path.exists(os.path.join(ROOT, name)) for name in gpu_check.TEST_FILES)
