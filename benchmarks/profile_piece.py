@@ -19,7 +19,8 @@ k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward
   ``kda/fla_piece.py``) with the exchange between ranks stubbed: forward = the constructor (the summary
   ``(E, M)``) + ``output(S_in)``; backward = ``entering_grad(do)`` + ``grads(D)``. First: ``S_in = 0``,
   ``D`` random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece:
-  a zero tensor, not None).
+  a zero tensor, not None). ``piece middle, one stream``: the middle piece with its maps after fla's
+  state pass on the current stream rather than beside it on a second one (what the side stream buys).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
   operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
@@ -138,14 +139,17 @@ def fla_case(ops, x, backward, varlen=False):
     return run
 
 
-def piece_case(ops, x, where, backward):
-    """One ZeCO piece (``where``: first, middle or last) with the scans' results given."""
+def piece_case(ops, x, where, backward, side_stream=True):
+    """One ZeCO piece (``where``: first, middle or last) with the scans' results given; ``side_stream``: its
+    maps beside fla's state pass on a second stream (as built) or after it on one."""
     S_in = torch.zeros_like(x["S"]) if where == "first" else x["S"]
     D = torch.zeros_like(x["D"]) if where == "last" else x["D"]
     inputs = [x[n] for n in NAMES]
 
+    make = ops.piece if side_stream else type("OneStream", (ops.piece,), {"side_stream": False})
+
     def run(mark=_unmarked):
-        piece = ops.piece(*inputs, x["scale"])
+        piece = make(*inputs, x["scale"])
         mark("summary (E, M)")
         o = piece.output(S_in)
         mark("output(S_in)")
@@ -229,6 +233,8 @@ def cases_for(args, ops, T, device):
         out.append(("H", "fla varlen", direction, lambda b=bwd: fla_case(ops, x(), b, varlen=True)))
         for where in ("first", "middle", "last"):
             out.append(("H", f"piece {where}", direction, lambda b=bwd, w=where: piece_case(ops, x(), w, b)))
+        out.append(("H", "piece middle, one stream", direction,
+                    lambda b=bwd: piece_case(ops, x(), "middle", b, side_stream=False)))
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"
