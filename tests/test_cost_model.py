@@ -638,11 +638,16 @@ def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_
     for op, name in (("gdn", "piece-gdn-h200x1-2026-11-28b.json"), ("kda", "piece-kda-h200x1-2026-11-28.json")):
         rows = [r for r in json.loads((RESULTS / name).read_text(encoding="utf-8"))["rows"]
                 if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]
-        pieces = [r["gpu_ms"] for r in rows if r["case"].startswith("piece")]
+        pieces = [r["gpu_ms"] for r in rows if r["case"] in ("piece first", "piece middle", "piece last")]
         (fla,) = [r["gpu_ms"] for r in rows if r["case"] == "fla"]
         assert len(pieces) == 3
         assert cal.piece_share[op][16384, 16, 128] == pytest.approx(sum(pieces) / 3 / fla - 1, rel=1e-12)
         assert 0 < cal.piece_share[op][16384, 16, 128] < 0.5
+    # profile_piece.py's other piece cases (the one-stream variant) are not the piece as built
+    data = json.loads((RESULTS / "piece-gdn-h200x1-2026-11-28b.json").read_text(encoding="utf-8"))
+    variant = [dict(r, case="piece middle, one stream", gpu_ms=10 * r["gpu_ms"]) for r in data["rows"]
+               if r["case"] == "piece middle"]
+    assert cm.piece_rows("x", dict(data, rows=data["rows"] + variant)) == cm.piece_rows("x", data)
     assert "gla" not in cal.piece_share
     assert cm.piece_share(cal, cm.GDN, 20000, 128) == (cal.piece_share["gdn"][16384, 16, 128], 16384)
     assert cm.piece_share(cal, cm.GDN, 10 ** 6, 128)[1] == max(t for t, *_ in cal.piece_share["gdn"])

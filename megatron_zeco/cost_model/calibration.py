@@ -33,6 +33,7 @@ BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer
 PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
 ONE_GPU = "one_gpu"  # the part of another operator's one-GPU op time, as file_rows gives it
 PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op, as file_rows gives it
+PIECE_CASES = ("piece first", "piece middle", "piece last")  # profile_piece.py's cases of the piece as built
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
@@ -139,7 +140,7 @@ def piece_rows(name: str, data: dict) -> list[dict]:
     out = []
     for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
         fla = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"], r["case"]) == (op, tokens, "fla")]
-        pieces = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"]) == (op, tokens) and r["case"].startswith("piece")]
+        pieces = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"]) == (op, tokens) and r["case"] in PIECE_CASES]
         if fla and pieces:
             share = (sum(pieces) / len(pieces)) / (sum(fla) / len(fla)) - 1
             out.append(dict(part=PIECE, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],
