@@ -23,7 +23,7 @@ from tests.helpers.reference import delta_problem, kda_problem, reference, rel_e
 NAMES = ("q", "k", "v", "g", "beta")
 FORMS = ("head", "channel")  # the gate: one log decay per head (the gated delta rule) or per key channel (KDA)
 TOL64 = 1e-12  # float64 decomposition against the float64 loop
-TOL64_M = 1e-10  # float64 transition against the float64 state pass
+TOL64_M = 1e-10  # float64 transition against the token loop: the floor above 4x the state pass's own error
 TOL32 = 1e-5  # float32 kernels against the float64 reference of the same inputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels' device (the reference runs on the CPU)
 
@@ -98,6 +98,22 @@ def test_choose_sub_pieces_fills_the_device():
 # ------------------------------------------------------------------------------------------ float64 decomposition
 
 
+def _loop_transition(x, plan):
+    """M of every segment as the float64 token loop forms it: the product of the tokens' transitions
+    ``(I - beta_t k_t k_t^T) diag(exp g_t)``, latest on the left."""
+    k, g, beta = x["k"][0], x["g"][0], x["beta"][0]
+    H, K = k.shape[1:]
+    eye = torch.eye(K, dtype=k.dtype)
+    out = []
+    for a, e in plan.segments:
+        M = eye.repeat(H, 1, 1)
+        for t in range(a, e):
+            decay = (g[t] if g.dim() == 3 else g[t, :, None].expand(H, K)).exp()
+            M = (eye - beta[t, :, None, None] * k[t, :, :, None] * k[t, :, None, :]) @ (decay[:, :, None] * M)
+        out.append(M)
+    return torch.stack(out)
+
+
 def _state_pass(x, form, chunk, plan):
     """M of every segment from the operator's own chunked state pass (its WY solve), float64."""
     fn = chunk_gated_delta_rule_state if form == "head" else chunk_kda_state
@@ -124,7 +140,8 @@ def test_decomposition_matches_loop(seed, form, gate, lengths, chunk, sub_pieces
     scale = K ** -0.5
     o0, o, E, S_out, dS = _truth(x, plan, S_in, D, scale)
     w, _ = ref.wy_representation(x["k"], x["v"], x["g"], x["beta"], plan)
-    M_state = _state_pass(x, form, chunk, plan)
+    M_loop = _loop_transition(x, plan)
+    state_err = rel_err(_state_pass(x, form, chunk, plan), M_loop)
     for log2 in (True, False):
         G = ref.chunk_local_cumsum(x["g"], plan, log2=log2)
         given = [None] if form == "head" else [None, ref.attention(x["q"], x["k"], G, scale, plan, g_log2=log2)]
@@ -136,10 +153,11 @@ def test_decomposition_matches_loop(seed, form, gate, lengths, chunk, sub_pieces
                 "dS_in": rel_err(ref.entering_grad(R, P, x["do"], plan) + M.transpose(-1, -2) @ D, dS),
             }
             assert max(errors.values()) < TOL64, (log2, aqk is None, errors)
-        # M from the sub-pieces' maps against M from the WY state pass: two float64 products of the chunks'
-        # transitions, each through its own triangular solve, whose rounding the solves amplify (up to a
-        # few 1e-12 over 64-token chunks); a wrong factor is off by far more
-        assert rel_err(M, M_state) < TOL64_M, (log2, rel_err(M, M_state))
+        # M from the sub-pieces' maps and M from the operator's WY state pass, both against the token loop's
+        # product: each goes through triangular solves whose rounding grows with the gates' spread (KDA's
+        # mixed per-channel gates reach ~1e-9 in both, not always in the same cases), so ours is bounded by
+        # the state pass's own error plus a floor; a wrong factor is off by far more
+        assert rel_err(M, M_loop) < 4 * state_err + TOL64_M, (log2, rel_err(M, M_loop), state_err)
 
 
 @pytest.mark.parametrize("form", FORMS)
