@@ -1,13 +1,24 @@
-"""Model-level throughput: GLA-1B with Megatron-LM's pretrain_gpt.py on one node.
+"""Model-level throughput: GLA-1B with Megatron-LM's pretrain_gpt.py, or a Gated DeltaNet hybrid with its
+pretrain_hybrid.py, on one node.
 
     MEGATRON_LM=third_party/megatron-lm python benchmarks/throughput.py --gpus 2 --out results/throughput.json
+    MEGATRON_LM=third_party/megatron-lm python benchmarks/throughput.py --model gdn-1b --gpus 4 --cp 2 4 \
+        --strategies zeco lasp2 a2a megatron --transports send_recv peer_memory --cuda-graphs off on \
+        --out results/throughput-gdn.json
 
-For each tokens-per-GPU T, trains the paper's GLA-1B shape (examples/pretrain_gpt_gla.sh MODEL=gla-1b,
-bf16, mock data) for a few iterations on all GPUs of the node:
+For each tokens-per-GPU T, trains the model for a few iterations on all GPUs of the node (bf16, mock data):
+``gla-1b`` the paper's GLA-1B shape (examples/pretrain_gpt_gla.sh MODEL=gla-1b); ``gdn-1b`` a HybridModel
+shaped like Qwen3-Next, three Gated DeltaNet layers to one softmax layer, about 1B parameters
+(examples/pretrain_hybrid_gla.sh MODEL=gdn-1b). Runs:
 
 * ``cp1``: CP = 1 (data parallel over the GPUs), sequence T, one sequence per GPU;
 * ``cp<N>`` with each strategy, for each N in ``--cp`` (default: all GPUs): CP = N, data parallel
-  over the other GPUs/N, sequence N*T, one sequence per CP group.
+  over the other GPUs/N, sequence N*T, one sequence per CP group. ``zeco`` once per ``--transports``
+  entry (``auto``: the layer's own choice); ``megatron`` (``gdn-1b`` only) is Megatron-Core's own Gated
+  DeltaNet with its own context parallelism (head all-to-all) in the same model
+  (benchmarks/reference_specs.py);
+* each of those eager and, with ``--cuda-graphs on``, under Megatron-Core's CUDA graphs of layers
+  (``--cuda-graph-impl local``).
 
 So every run processes T tokens per GPU per iteration and all-reduces the same gradients. Per
 run: median time per iteration over the logged intervals after the first ``--skip``, tokens/s per
@@ -36,20 +47,40 @@ import sys
 import time
 
 from compare_losses import curve
+from megatron_zeco.comm.transport import TRANSPORT_ENV
 from megatron_zeco.cost_model import BUILD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SPECS = {"zeco": "gla_local_spec", "lasp1": "gla_local_lasp1_spec", "lasp2": "gla_local_lasp2_spec",
-         "a2a": "gla_local_a2a_spec"}
+# model -> (launcher, spec per strategy, layers, description)
+MODELS = {
+    "gla-1b": ("pretrain_gpt_gla.sh",
+               {"zeco": "gla_local_spec", "lasp1": "gla_local_lasp1_spec", "lasp2": "gla_local_lasp2_spec",
+                "a2a": "gla_local_a2a_spec"},
+               20, "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data"),
+    "gdn-1b": ("pretrain_hybrid_gla.sh",
+               {"zeco": "gdn_hybrid_stack_local_spec", "lasp2": "gdn_hybrid_stack_local_lasp2_spec",
+                "a2a": "gdn_hybrid_stack_local_a2a_spec",
+                "megatron": "benchmarks.reference_specs megatron_gdn_hybrid_stack_local_spec"},
+               16, "Gated DeltaNet hybrid: 12 Gated DeltaNet + 4 softmax layers (G-G-G-* x 4), hidden 2048, "
+                   "16 heads of 128, SwiGLU ffn 5632, bf16, mock data"),
+}
+CUDA_GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]
 MEMORY = re.compile(r"max allocated: ([0-9.]+)")
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="gla-1b")
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (divisors of --gpus; default: --gpus)")
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768], help="tokens per GPU")
-    p.add_argument("--strategies", nargs="+", default=["zeco", "lasp2", "a2a", "lasp1"])
+    p.add_argument("--strategies", nargs="+", default=None,
+                   help="default: every strategy the model's specs offer (gla-1b: zeco lasp2 a2a lasp1; gdn-1b: "
+                        "zeco lasp2 a2a megatron)")
+    p.add_argument("--transports", nargs="+", default=["auto"],
+                   help="zeco's All-Scan transports, a run each (auto, send_recv, peer_memory, nvshmem)")
+    p.add_argument("--cuda-graphs", nargs="+", choices=["off", "on"], default=["off"],
+                   help="eager runs (off) and runs under Megatron-Core's CUDA graphs of layers (on)")
     p.add_argument("--strategies-at-largest", nargs="+", default=None,
                    help="strategies run at the largest T (default: all)")
     p.add_argument("--iters", type=int, default=12)
@@ -61,14 +92,20 @@ def parse_args():
     return p.parse_args()
 
 
-def run(args, cp, T, strategy, logdir):
-    """One pretrain_gpt.py run at T tokens per GPU; returns its row."""
-    name, seq = f"cp{cp}-{strategy}-T{T}", cp * T
+def run(args, cp, T, strategy, logdir, transport="auto", graphs="off"):
+    """One training run at T tokens per GPU; returns its row."""
+    launcher, specs, layers, _ = MODELS[args.model]
+    variant = ("" if transport == "auto" else f"-{transport}") + ("-graphs" if graphs == "on" else "")
+    name, seq = f"cp{cp}-{strategy}{variant}-T{T}", cp * T
     iters = args.iters + (args.profile_steps + 3 if args.profile_steps else 0)
-    env = dict(os.environ, GPUS=str(args.gpus), CP=str(cp), SEQ=str(seq), MODEL="gla-1b", ITERS=str(iters),
-               SPEC=SPECS["zeco" if strategy == "none" else strategy])
+    env = dict(os.environ, GPUS=str(args.gpus), CP=str(cp), SEQ=str(seq), MODEL=args.model, ITERS=str(iters),
+               SPEC=specs["zeco" if strategy == "none" else strategy])
+    env.pop(TRANSPORT_ENV, None)
+    if transport != "auto":
+        env[TRANSPORT_ENV] = transport
     # one sequence per data-parallel rank
-    flags = ["--global-batch-size", str(args.gpus // cp), "--log-interval", "2", *args.extra]
+    flags = ["--global-batch-size", str(args.gpus // cp), "--log-interval", "2",
+             *(CUDA_GRAPH_FLAGS if graphs == "on" else []), *args.extra]
     trace_dir = os.path.join(logdir, f"{name}-profile")
     if args.profile_steps:  # Megatron writes the trace to <tensorboard-dir>/../torch_profile/rank-0.json.gz
         flags += ["--profile", "--use-pytorch-profiler", "--profile-ranks", "0",
@@ -77,7 +114,7 @@ def run(args, cp, T, strategy, logdir):
     log_path = os.path.join(logdir, f"{name}.log")
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(["bash", os.path.join(HERE, "..", "examples", "pretrain_gpt_gla.sh"), *flags],
+        proc = subprocess.Popen(["bash", os.path.join(HERE, "..", "examples", launcher), *flags],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             code = proc.wait(timeout=args.limit)
@@ -89,8 +126,10 @@ def run(args, cp, T, strategy, logdir):
     times = [ms for _, (_, ms) in sorted(points.items())][args.skip:]
     memory = [float(m) for m in MEMORY.findall(open(log_path, errors="replace").read())]
     ms = statistics.median(times) if times else None
-    row = {"part": "model", "run": name, "gpus": args.gpus, "cp": cp, "strategy": strategy, "layout": "zigzag",  # the specs' layout
-           "layers": 20, "heads": 16, "dim": 128, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
+    row = {"part": "model", "model": args.model, "run": name, "gpus": args.gpus, "cp": cp, "strategy": strategy,
+           "transport": transport if strategy == "zeco" else None, "cuda_graphs": graphs == "on",
+           "layout": "zigzag",  # the specs' layout
+           "layers": layers, "heads": 16, "dim": 128, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
            "wall_s": round(time.time() - start, 1),
            "ms_per_iter": ms, "tokens_per_s_per_gpu": None if ms is None else T / ms * 1000,
            "max_allocated_gib": max(memory) / 1024 if memory else None,
@@ -102,7 +141,7 @@ def run(args, cp, T, strategy, logdir):
     speed = "-" if ms is None else f"{ms:9.1f} ms/iter {row['tokens_per_s_per_gpu']:9.0f} tok/s/GPU"
     share = "" if "cp_comm_ms" not in row else \
         f"  CP comm {row['cp_comm_ms']:.1f} ms ({100 * row['cp_comm_share']:.1f}%), grad comm {row['grad_comm_ms']:.1f} ms"
-    print(f"{name:14s} exit {code!s:7s} {speed}  mem {row['max_allocated_gib'] or 0:.1f} GiB{share}  "
+    print(f"{name:28s} exit {code!s:7s} {speed}  mem {row['max_allocated_gib'] or 0:.1f} GiB{share}  "
           f"({row['wall_s']} s)", flush=True)
     return row
 
@@ -124,22 +163,30 @@ def main():
     cps = args.cp or [args.gpus]
     if any(cp < 2 or args.gpus % cp for cp in cps):
         sys.exit(f"throughput.py: --cp {' '.join(map(str, cps))}: each must be >= 2 and divide --gpus {args.gpus}")
+    specs = MODELS[args.model][1]
+    args.strategies = args.strategies or list(specs)
+    unknown = [s for s in args.strategies + (args.strategies_at_largest or []) if s not in specs]
+    if unknown:
+        sys.exit(f"throughput.py: --model {args.model} has no strategy {', '.join(unknown)} (its strategies: "
+                 f"{', '.join(specs)})")
     logdir = os.path.dirname(os.path.abspath(args.out))
     os.makedirs(logdir, exist_ok=True)
     rows = []
     for T in args.tokens:
         strategies = args.strategies if T != max(args.tokens) or args.strategies_at_largest is None \
             else args.strategies_at_largest
-        base = run(args, 1, T, "none", logdir)
-        rows.append(base)
-        _write(args, rows)
-        for cp, s in ((cp, s) for cp in cps for s in strategies):
-            row = run(args, cp, T, s, logdir)
-            if row["ms_per_iter"] and base["ms_per_iter"]:
-                row["efficiency"] = base["ms_per_iter"] / row["ms_per_iter"]
-                print(f"{'':14s} efficiency vs cp1: {row['efficiency']:.3f}", flush=True)
-            rows.append(row)
+        for graphs in args.cuda_graphs:
+            base = run(args, 1, T, "none", logdir, graphs=graphs)
+            rows.append(base)
             _write(args, rows)
+            for cp, s in ((cp, s) for cp in cps for s in strategies):
+                for transport in (args.transports if s == "zeco" else ["auto"]):
+                    row = run(args, cp, T, s, logdir, transport, graphs)
+                    if row["ms_per_iter"] and base["ms_per_iter"]:  # against CP = 1 run the same way
+                        row["efficiency"] = base["ms_per_iter"] / row["ms_per_iter"]
+                        print(f"{'':28s} efficiency vs cp1: {row['efficiency']:.3f}", flush=True)
+                    rows.append(row)
+                    _write(args, rows)
 
 
 def _write(args, rows):
@@ -148,7 +195,7 @@ def _write(args, rows):
             "device": f"{torch.cuda.get_device_name()} x{args.gpus}" if torch.cuda.is_available() else "cpu",
             "date": datetime.date.today().isoformat(), "torch": torch.__version__,
             "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "1 (launcher default)"),
-            "model": "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data", "build": BUILD}
+            "model": MODELS[args.model][3], "build": BUILD}
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

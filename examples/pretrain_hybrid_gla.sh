@@ -10,7 +10,9 @@
 # hybrid_stack_local_{lasp1,lasp2,a2a}_spec, or hybrid_stack_te_spec with TransformerEngine; G = KDA with
 # kda_hybrid_stack_local_spec, G = Gated DeltaNet with gdn_hybrid_stack_local_spec and the flags
 # docs/gated-deltanet.md gives, --swiglu and --linear-*), MODEL
-# (small | gla-1b), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
+# (small | gla-1b | gdn-1b: a Gated DeltaNet hybrid shaped like Qwen3-Next, three Gated DeltaNet layers
+# to one softmax layer, about 1B parameters; its SPEC defaults to gdn_hybrid_stack_local_spec and it
+# brings the --linear-* flags and --swiglu), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
 # PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
 # (--position-embedding-type: rope, for the softmax layers; GLA layers ignore it; none without them).
 # docs/hybrid-model.md maps the GPTModel specs' patterns to these.
@@ -18,7 +20,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")/.." && pwd)
 : "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (core_v0.19.0 or later: pretrain_hybrid.py)}"
 GPUS=${GPUS:-2} CP=${CP:-2} TP=${TP:-1} PP=${PP:-1}
-SPEC=${SPEC:-hybrid_stack_local_spec} MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60} POS=${POS:-rope}
+MODEL=${MODEL:-small} SEQ=${SEQ:-4096} ITERS=${ITERS:-60} POS=${POS:-rope}
 
 case "$MODEL" in
   # examples/pretrain_gpt_gla_softmax.sh's model (GPTModel GGG*, 4 layers with an MLP each) as HybridModel layers.
@@ -26,8 +28,19 @@ case "$MODEL" in
   # The ZeCO paper's GLA-1B (20 GLA layers, each with its MLP), every 4th mixer softmax attention.
   gla-1b) ARCH=(--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632)
           DEFAULT_PATTERN='G-G-G-*-G-G-G-*-G-G-G-*-G-G-G-*-G-G-G-*-' ;;
-  *) echo "MODEL must be small or gla-1b" >&2; exit 2 ;;
+  # 16 mixers (12 Gated DeltaNet, 4 softmax), each with its SwiGLU MLP; Gated DeltaNet heads of 128 as
+  # Qwen3-Next's (16 q/k heads, 16 value heads here), a convolution of 4 taps.
+  gdn-1b) ARCH=(--hidden-size 2048 --num-attention-heads 16 --ffn-hidden-size 5632 --swiglu
+                --linear-num-key-heads 16 --linear-num-value-heads 16 --linear-key-head-dim 128
+                --linear-value-head-dim 128 --linear-conv-kernel-dim 4)
+          DEFAULT_PATTERN='G-G-G-*-G-G-G-*-G-G-G-*-G-G-G-*-' DEFAULT_SPEC=gdn_hybrid_stack_local_spec ;;
+  *) echo "MODEL must be small, gla-1b or gdn-1b" >&2; exit 2 ;;
 esac
+SPEC=${SPEC:-${DEFAULT_SPEC:-hybrid_stack_local_spec}}
+# A bare spec name is one of megatron_zeco.specs; 'module name' picks another module's (e.g.
+# 'benchmarks.reference_specs megatron_gdn_hybrid_stack_local_spec', Megatron's own Gated DeltaNet).
+read -r -a SPEC_ARGS <<< "$SPEC"
+[ "${#SPEC_ARGS[@]}" -eq 1 ] && SPEC_ARGS=(megatron_zeco.specs "$SPEC")
 PATTERN=${PATTERN:-$DEFAULT_PATTERN}
 LAYERS=${PATTERN//|/}  # --num-layers is the pattern's layer count (Megatron-LM derives it so)
 case "$SPEC" in
@@ -42,7 +55,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1  # never NVLink mul
 cd "$MEGATRON_LM"
 exec torchrun --nproc-per-node "$GPUS" pretrain_hybrid.py \
   "${ARCH[@]}" \
-  --spec megatron_zeco.specs "$SPEC" \
+  --spec "${SPEC_ARGS[@]}" \
   --hybrid-layer-pattern "$PATTERN" --num-layers "${#LAYERS}" \
   --position-embedding-type "$POS" --no-rope-fusion \
   --context-parallel-size "$CP" --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \

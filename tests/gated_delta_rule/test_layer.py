@@ -253,7 +253,33 @@ def _checkpoint_layout():
     layer = _model(_case("keys", "G-", tp=2), 1).decoder.layers[0]
     layout["layer keys"] = sorted(_flat(layer.sharded_state_dict(prefix="")))
     layout["against Megatron"] = _against_megatron(theirs, ours)
+    layout["reference stack"] = _reference_stack()
     return layout
+
+
+def _reference_stack():
+    """The G mixers' classes and the state_dict shapes of a HybridModel built from ``throughput.py``'s
+    comparison stack (benchmarks/reference_specs.py: Megatron's own GatedDeltaNet) and from
+    gdn_hybrid_stack_local_spec, on the same config."""
+    from megatron.core.ssm.gated_delta_net import common
+
+    from benchmarks.reference_specs import megatron_gdn_hybrid_stack_local_spec
+    from megatron_zeco.mcore.host import host_as_cuda
+    from megatron_zeco.models import build_hybrid_model
+    from megatron_zeco.specs import gdn_hybrid_stack_local_spec
+
+    case = _case("reference", "G*G-", tp=2, linear=dict(LINEAR, linear_num_key_heads=2, linear_num_value_heads=2))
+    out = {}
+    for name, spec in (("theirs", megatron_gdn_hybrid_stack_local_spec), ("ours", gdn_hybrid_stack_local_spec)):
+        with mock.patch.object(common, "HAVE_FLA", True), host_as_cuda():
+            # deterministic: Megatron's mixer takes its PyTorch gated delta rule (fla's is None here); shapes
+            # only, so no initialisation (Megatron's forks a CUDA RNG)
+            model = build_hybrid_model(_config(case, 1, deterministic_mode=True, perform_initialization=False),
+                                       case["pattern"], VOCAB, 64, spec,
+                                       position_embedding_type="none")
+        mixers = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")})
+        out[name] = (mixers, {k: None if v is None else tuple(v.shape) for k, v in model.state_dict().items()})
+    return out
 
 
 def _against_megatron(theirs, ours):
@@ -300,7 +326,9 @@ def test_parameters_and_checkpoints_are_megatron_gated_deltanet(results):
     """The same parameters, shapes and sharded checkpoint keys (global and local shapes) as Megatron's
     GatedDeltaNet at TP = 2; each loads the other's state_dict; the local stack's G layer stores its
     input norm under the key of the TE layer's fused norm (self_attention.in_proj.layer_norm_weight);
-    on the same weights the same output and gradients as Megatron's module (its PyTorch path)."""
+    on the same weights the same output and gradients as Megatron's module (its PyTorch path); the
+    model-level benchmark's comparison stack (benchmarks/reference_specs.py) has Megatron's mixer and
+    our parameters."""
     for rank, result in enumerate(results[1]):
         layout = result["checkpoint"]
         assert isinstance(layout, dict), f"rank {rank}: {layout}"
@@ -311,6 +339,11 @@ def test_parameters_and_checkpoints_are_megatron_gated_deltanet(results):
         assert layer_keys == sharded_keys | {"self_attention.in_proj.layer_norm_weight"}, layer_keys ^ sharded_keys
         errors = layout["against Megatron"]
         assert max(errors.values()) < MEGATRON_TOL, f"rank {rank}: {errors}"
+        # the model-level benchmark's comparison stack: Megatron's mixer, the same parameters as ours
+        (theirs_mixers, theirs_shapes), (ours_mixers, ours_shapes) = (layout["reference stack"][n]
+                                                                      for n in ("theirs", "ours"))
+        assert (theirs_mixers, ours_mixers) == (["GatedDeltaNet"], ["ZecoGatedDeltaNet"]), (theirs_mixers, ours_mixers)
+        assert theirs_shapes == ours_shapes, set(theirs_shapes) ^ set(ours_shapes)
 
 
 # --- misconfigurations: errors that name what to change ----------------------------------------------
