@@ -48,7 +48,7 @@ def _id(x):
     pytest.param(3, dict(cp=3, layout="contiguous", num_blocks=2), marks=VARIANT),
     pytest.param(2, dict(cp=2, strategy="lasp2"), marks=VARIANT),
     pytest.param(2, dict(cp=2, strategy="a2a"), marks=VARIANT),
-    pytest.param(4, dict(tp=2, cp=2), marks=pytest.mark.slow),
+    pytest.param(4, dict(tp=2, cp=2), marks=[pytest.mark.slow, VARIANT]),
 ], ids=_id)
 def test_gpt_hybrid_under_cp_matches_one_process(gpt_reference, world, overrides):
     check_training_matches(run_ranks(train_steps, world, {**GPT, **overrides}), gpt_reference)
@@ -58,7 +58,7 @@ def test_gpt_hybrid_under_cp_matches_one_process(gpt_reference, world, overrides
 @pytest.mark.slow
 @pytest.mark.parametrize("world,overrides", [
     (2, dict(cp=2)),
-    (3, dict(cp=3)),
+    pytest.param(3, dict(cp=3), marks=pytest.mark.variant),
     pytest.param(2, dict(cp=2, layout="contiguous"), marks=pytest.mark.variant),
     (3, dict(cp=3, layout="contiguous")),
 ], ids=_id)
