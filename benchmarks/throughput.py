@@ -54,8 +54,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # model -> (launcher, spec per strategy, layers, description)
 MODELS = {
     "gla-1b": ("pretrain_gpt_gla.sh",
-               {"zeco": "gla_local_spec", "lasp1": "gla_local_lasp1_spec", "lasp2": "gla_local_lasp2_spec",
-                "a2a": "gla_local_a2a_spec"},
+               {"zeco": "gla_local_spec", "lasp2": "gla_local_lasp2_spec", "a2a": "gla_local_a2a_spec",
+                "lasp1": "gla_local_lasp1_spec"},
                20, "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data"),
     "gdn-1b": ("pretrain_hybrid_gla.sh",
                {"zeco": "gdn_hybrid_stack_local_spec", "lasp2": "gdn_hybrid_stack_local_lasp2_spec",
