@@ -16,15 +16,16 @@ from dataclasses import replace
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_zeco.specs import HAVE_GDN_LAYER, HAVE_HYBRID_MODEL, gdn_hybrid_stack_local_spec
+from megatron_zeco.specs import gdn_hybrid_stack_local_spec
 
 
 def megatron_gdn_stack(ours: ModuleSpec = gdn_hybrid_stack_local_spec) -> ModuleSpec:
     """``ours`` (a Gated DeltaNet ``HybridStack`` spec of this package, local modules) with Megatron's own
-    ``GatedDeltaNet`` as the ``G`` layers' mixer, at its own defaults (no ZeCO knobs)."""
-    if not (HAVE_HYBRID_MODEL and HAVE_GDN_LAYER):
-        raise ImportError("benchmarks.reference_specs: Megatron's Gated DeltaNet HybridModel needs megatron-core "
-                          ">= 0.19")
+    ``GatedDeltaNet`` as the ``G`` layers' mixer, at its own defaults (no ZeCO knobs). On a megatron-core
+    without HybridModel or GatedDeltaNet, ``ours`` is the package's stand-in that names the release to
+    install when built, and is returned as it is."""
+    if ours.submodules is None:
+        return ours
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
     g_layer = ours.submodules.gdn_layer
@@ -33,4 +34,4 @@ def megatron_gdn_stack(ours: ModuleSpec = gdn_hybrid_stack_local_spec) -> Module
     return replace(ours, submodules=replace(ours.submodules, gdn_layer=g_layer))
 
 
-megatron_gdn_hybrid_stack_local_spec = megatron_gdn_stack() if HAVE_HYBRID_MODEL and HAVE_GDN_LAYER else None
+megatron_gdn_hybrid_stack_local_spec = megatron_gdn_stack()

@@ -17,6 +17,8 @@ shaped like Qwen3-Next, three Gated DeltaNet layers to one softmax layer, about 
   entry (``auto``: the layer's own choice); ``megatron`` (``gdn-1b`` only) is Megatron-Core's own Gated
   DeltaNet with its own context parallelism (head all-to-all) in the same model
   (benchmarks/reference_specs.py);
+* with ``--gpus 1`` (no CP size): ``cp1`` and, if among the strategies, ``megatron`` at CP = 1 (Megatron-Core's
+  own layer in the same model, on one GPU);
 * each of those eager and, with ``--cuda-graphs on``, under Megatron-Core's CUDA graphs of layers
   (``--cuda-graph-impl local``).
 
@@ -160,7 +162,7 @@ def nccl_ms_per_step(path, steps):
 
 def main():
     args = parse_args()
-    cps = args.cp or [args.gpus]
+    cps = args.cp or ([args.gpus] if args.gpus > 1 else [])
     if any(cp < 2 or args.gpus % cp for cp in cps):
         sys.exit(f"throughput.py: --cp {' '.join(map(str, cps))}: each must be >= 2 and divide --gpus {args.gpus}")
     specs = MODELS[args.model][1]
@@ -179,7 +181,9 @@ def main():
             base = run(args, 1, T, "none", logdir, graphs=graphs)
             rows.append(base)
             _write(args, rows)
-            for cp, s in ((cp, s) for cp in cps for s in strategies):
+            # On one GPU (no CP size): beside cp1, Megatron-Core's own layer at CP = 1, if asked for.
+            runs = [(cp, s) for cp in cps for s in strategies] if cps else [(1, s) for s in strategies if s == "megatron"]
+            for cp, s in runs:
                 for transport in (args.transports if s == "zeco" else ["auto"]):
                     row = run(args, cp, T, s, logdir, transport, graphs)
                     if row["ms_per_iter"] and base["ms_per_iter"]:  # against CP = 1 run the same way

@@ -12,8 +12,8 @@
 # docs/gated-deltanet.md gives, --swiglu and --linear-*), MODEL
 # (small | gla-1b | gdn-1b: a Gated DeltaNet hybrid shaped like Qwen3-Next, three Gated DeltaNet layers
 # to one softmax layer, about 1B parameters; its SPEC defaults to gdn_hybrid_stack_local_spec and it
-# brings the --linear-* flags and --swiglu), PATTERN (overrides the model's; with PP > 1 put PP - 1 or more '|' in it, e.g.
-# PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
+# brings the --linear-* flags and --swiglu), PATTERN (overrides the model's; with PP > 1 put PP - 1 or
+# more '|' in it, e.g. PP=2 PATTERN='G-G-|G-*-'), SEQ, ITERS, PRECISION (default --bf16; empty for fp32), POS
 # (--position-embedding-type: rope, for the softmax layers; GLA layers ignore it; none without them).
 # docs/hybrid-model.md maps the GPTModel specs' patterns to these.
 set -euo pipefail

@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from unittest import mock
 
 import pytest
 
@@ -22,8 +23,21 @@ pytestmark = [pytest.mark.megatron,
               pytest.mark.skipif(not HAVE_TRAINING, reason="megatron.training (Megatron-LM's argument checks) ships "
                                  "with megatron-core >= 0.19 (.ci/run runs these tests in its megatron-core 0.19 pass)")]
 
-REFERENCE = "benchmarks.reference_specs megatron_gdn_hybrid_stack_local_spec"
-GRAPHS = ("--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2")  # throughput.py's CUDA_GRAPH_FLAGS
+
+
+def _throughput():
+    """benchmarks/throughput.py as a module (it imports its sibling compare_losses as a script does)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    spec = importlib.util.spec_from_file_location("throughput", os.path.join(bench, "throughput.py"))
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.object(sys, "path", [bench, *sys.path]):
+        spec.loader.exec_module(module)
+    return module
+
+
+throughput = _throughput()
+REFERENCE = throughput.MODELS["gdn-1b"][1]["megatron"]  # Megatron's own Gated DeltaNet, the benchmark's row
+GRAPHS = tuple(throughput.CUDA_GRAPH_FLAGS)  # the benchmark's CUDA-graph runs
 # (launcher, environment, extra flags, the G/GLA mixer class the spec must build and its CP strategy)
 RUNS = {
     "gpt gla-1b cp2": ("pretrain_gpt_gla.sh", dict(MODEL="gla-1b", CP="2", GPUS="2", SEQ="8192"), (),
