@@ -224,10 +224,11 @@ def call_operator(op: Operator, knobs: dict, args: Arguments, group, validate: b
     plan of the first, and with it its cross-rank check: only a call unlike every one before it (on this
     rank) runs the collective."""
     name = name or op.name
+    refuse_packed_capture(name, args.cu_seqlens is not None)
     key = _call_key(op, knobs, args, group, name)
     plan, checked = _PLANS.get(key, (None, False)) if key is not None else (None, False)
     if plan is None or (validate and not checked):
-        _refuse_capture(name, "its first call with these shapes and knobs checks the inputs across ranks and makes "
+        refuse_capture(name, "its first call with these shapes and knobs checks the inputs across ranks and makes "
                               "its plan (collectives, host reads): make one call before capturing")
         try:
             config, problems = CPConfig(operator=op.key, **knobs), []
@@ -249,19 +250,27 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _refuse_capture(name: str, why: str) -> None:
+def refuse_capture(name: str, why: str) -> None:
     """RuntimeError naming ``why`` if the current CUDA stream is being captured into a graph: a path that
     cannot be captured fails at once, by name, rather than hang or fail inside the capture."""
     if _capturing():
         raise RuntimeError(f"{name}: cannot be captured in a CUDA graph: {why}")
 
 
+def refuse_packed_capture(name: str, packed: bool) -> None:
+    """RuntimeError if a packed call (``packed``) is being captured in a CUDA graph (:func:`refuse_capture`)."""
+    if packed:
+        refuse_capture(name, "packed documents (cu_seqlens) are read on the host at every call (where each "
+                              "rank's documents start and end; fla's varlen kernels read them too): capture "
+                              "dense batches, and run packed ones eagerly")
+
+
 def _check_capture(plan: CPPlan) -> None:
-    """The paths of a planned call that a CUDA graph cannot hold (see :func:`_refuse_capture`)."""
+    """The paths of a planned call that a CUDA graph cannot hold (see :func:`refuse_capture`)."""
     if not _capturing():
         return
     if plan.world > 1 and plan.strategy.all_scan and not plan.transport.device:
-        _refuse_capture(plan.name, f"its All-Scan goes over {plan.transport.value} (host-issued messages); the "
+        refuse_capture(plan.name, f"its All-Scan goes over {plan.transport.value} (host-issued messages); the "
                                    "device transports are capturable: cp_transport / transport='peer_memory' (one "
                                    "node) or 'nvshmem'")
 
@@ -272,6 +281,7 @@ def run_planned(op: Operator, plan: CPPlan, args: Arguments, checked: bool = Fal
     inputs passed :func:`check_inputs` (else the cheap local checks of the call's shape run here)."""
     q = args.tensors[0]
     packed = args.cu_seqlens is not None
+    refuse_packed_capture(plan.name, packed)
     piece_split = plan.piece_split(q.shape[1], packed)
     if not checked:
         problems = local_call_problems(plan, args, piece_split)

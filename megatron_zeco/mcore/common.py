@@ -15,7 +15,7 @@ from ..comm.transport import claim_transport
 from ..comm.watch import ScanTimeoutError, check_scans
 from ..cp.checks import check_inputs
 from ..cp.config import PACKED_SPLITS, CPConfig
-from ..cp.operator import Arguments
+from ..cp.operator import Arguments, refuse_capture, refuse_packed_capture
 from ..cp.plan import CPPlan, make_plan
 from ..cp.strategies import BY_NAME
 
@@ -239,13 +239,17 @@ class LayerCP:
         (:func:`check_document_boundaries`)."""
         if self.plan is None:
             check_document_boundaries(packed_seq_params, self.who)
-        return packed_arguments(packed_seq_params, self.config.packed_split, self.who)
+        packed = packed_arguments(packed_seq_params, self.config.packed_split, self.who)
+        refuse_packed_capture(self.who, bool(packed))
+        return packed
 
     def planned(self, args: Arguments, megatron_config) -> CPPlan:
         """The plan, made at the first call after the operator's cross-rank input checks (an error
         names the Megatron flags behind it); the gradient finalisation of Megatron's training loop
         then checks the scans (:func:`check_scans_when_gradients_finish`)."""
         if self.plan is None:
+            refuse_capture(self.who, "its first call checks the inputs across ranks and makes its plan (collectives, "
+                                     "host reads): run one step before capturing")
             group = self.group if self.group.size() > 1 else None
             try:
                 check_inputs(self.op, self.config, [], args, group, self.who)

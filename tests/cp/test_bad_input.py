@@ -143,17 +143,21 @@ def test_a_bad_call_after_a_good_one_is_still_refused_on_every_rank(pool):
 
 def _under_capture(group):
     """What a CUDA-graph capture meets (the capture itself mocked: no GPU here): the first call of a shape,
-    then, warm, an All-Scan over host-issued messages; each refused by name, on every rank."""
+    then, warm, an All-Scan over host-issued messages, then packed documents called alike before; each
+    refused by name, on every rank."""
     import megatron_zeco.cp.operator as operator
 
     messages = []
+    packed = dict(cu_seqlens=torch.tensor([0, 10, 32]))
     zeco_gla(*_inputs(T=16), group=group, name="warm")  # the plan of T = 16, made before the capture
+    zeco_gla(*_inputs(T=16), group=group, name="warm", **packed)
     real = operator._capturing
     operator._capturing = lambda: True
     try:
-        for T in (20, 16):  # a shape never called, then the warm one (over send/recv, gloo's messages)
+        # a shape never called, then the warm one (over send/recv, gloo's messages), then the packed one
+        for T, kw in ((20, {}), (16, {}), (16, packed)):
             try:
-                zeco_gla(*_inputs(T=T), group=group, name="warm")
+                zeco_gla(*_inputs(T=T), group=group, name="warm", **kw)
                 messages.append(None)
             except RuntimeError as e:
                 messages.append(str(e))
@@ -163,6 +167,7 @@ def _under_capture(group):
 
 
 def test_a_capture_that_cannot_work_is_refused_by_name(pool):
-    for first, warm in pool.run(_under_capture, 2):
+    for first, warm, packed in pool.run(_under_capture, 2):
         assert first is not None and "cannot be captured in a CUDA graph: its first call" in first, first
         assert warm is not None and "All-Scan goes over send_recv" in warm and "'peer_memory'" in warm, warm
+        assert packed is not None and "cannot be captured in a CUDA graph: packed documents" in packed, packed

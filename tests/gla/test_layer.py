@@ -2,6 +2,7 @@
 the spec names, the keywords TransformerLayer passes, misconfigurations named at start-up, and the
 mixer under tensor, sequence and context parallelism."""
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -135,6 +136,35 @@ def _mixed_device_transports():
     _build({"cp_transport": "nvshmem"})
 
 
+@contextlib.contextmanager
+def _capturing():
+    """The layer's calls see a CUDA-graph capture in progress (mocked: no GPU here)."""
+    import megatron_zeco.cp.operator as operator
+
+    real, operator._capturing = operator._capturing, lambda: True
+    try:
+        yield
+    finally:
+        operator._capturing = real
+
+
+def _captured_before_its_first_step():
+    layer = _build(context_parallel_size=2)
+    with _capturing():
+        layer(torch.randn(8, 1, 32))
+
+
+def _packed_step_captured():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    layer = _build(context_parallel_size=2)
+    layer(torch.randn(8, 1, 32))  # a dense step first: the plan is made
+    cu = torch.tensor([0, 6, 16], dtype=torch.int32)
+    with _capturing():
+        layer(torch.randn(8, 1, 32), packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                                       cu_seqlens_kv=cu))
+
+
 # name: (TP, CP, what the user does, the error and what its message must name)
 MISUSE = {
     "a2a with too few heads": (1, 2, lambda: _build({"cp_strategy": "a2a"}, num_attention_heads=3, hidden_size=30,
@@ -163,6 +193,12 @@ MISUSE = {
     "sequence not divisible over CP": (1, 2, _first_forward_with_odd_local_length, ValueError,
                                        ["T = 11", "--seq-length", "2 x --context-parallel-size"]),
     "main job: sequence not divisible over CP": (1, 2, _main_job_with_bad_seq_len, ValueError, ["--seq-len 50", "--cp 2"]),
+    "captured in a CUDA graph before its first step": (1, 2, _captured_before_its_first_step, RuntimeError,
+                                                        ["GatedLinearAttention (layer 1): cannot be captured in a CUDA "
+                                                         "graph", "run one step before capturing"]),
+    "a packed batch captured in a CUDA graph": (1, 2, _packed_step_captured, RuntimeError,
+                                                ["cannot be captured in a CUDA graph: packed documents",
+                                                 "run packed ones eagerly"]),
 }
 
 
