@@ -42,8 +42,8 @@ def _faulty(rank, world, strategy, fault, phase):
     bad = 0 if phase == "forward" else world - 1
 
     def misbehave():
-        if fault == "stall":
-            time.sleep(3 * PG_TIMEOUT)
+        if fault == "stall":  # past the others' timeout (they fail after PG_TIMEOUT)
+            time.sleep(2 * PG_TIMEOUT)
         return None  # "die": return at once; the process group is torn down under the peers
 
     kw = dict(group=group, strategy=strategy, layout="contiguous", validate=False, name=LAYER)
@@ -92,7 +92,7 @@ def _relay(rank, world, timeouts, transition):
     all_scan(gamma, delta, None, route)
     dist.barrier(group=group)
     if rank == 0:  # stalls past rank 1's timeout; rank 2 must not wait out its own (longer) one
-        time.sleep(timeouts[1] + 8)
+        time.sleep(timeouts[1] + 3)
         return None
     os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
     start = time.monotonic()

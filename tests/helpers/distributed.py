@@ -9,6 +9,11 @@ A hang becomes a failure after ``timeout`` seconds: no test can stall CI.
 on them (property-based tests), without paying a spawn per call; ``tests/conftest.py``'s
 ``pool`` fixture gives each test module one.
 
+``Batched(request, test, fn, case_args)`` runs the selected cases of a parametrised test that call the same
+``fn`` on the same number of processes in one launch per world size: starting the processes and
+importing torch and megatron-core costs a launch of two ranks about 11 s on two cores, four ranks
+about 21 s, more than a small training case's own work.
+
 ``fn`` must be importable by name in a fresh interpreter (a module-level function of a test
 module or of ``tests.helpers``): the processes are spawned, and find it through the
 parent's ``sys.path``.
@@ -199,3 +204,50 @@ class RankPool:
         _stop(self._procs)
         self._tmp.cleanup()
         self._procs = None
+
+
+def _each(rank, world, fn, cases):
+    """``fn(rank, world, *args)`` for each ``args`` of ``cases`` in turn; the first failure raises, naming its case."""
+    out = []
+    for i, args in enumerate(cases):
+        try:
+            out.append(fn(rank, world, *args))
+        except BaseException as e:
+            raise RuntimeError(f"case {i} of this launch failed: {fn.__name__}{tuple(args)!r}") from e
+    return out
+
+
+def run_cases(fn, world, cases, timeout=TIMEOUT):
+    """``[run_ranks(fn, world, *args) for args in cases]``, all in one launch (one set of processes runs the
+    cases in turn). A failing case fails the launch, with its tracebacks and its arguments."""
+    cases = [tuple(args) for args in cases]
+    per_rank = run_ranks(_each, world, fn, cases, timeout=timeout)
+    return [[per_rank[rank][i] for rank in range(world)] for i in range(len(cases))]
+
+
+class Batched:
+    """The selected cases of the parametrised test ``test`` of the requesting module, run by world size:
+    ``batched(world, *args)`` returns ``run_ranks(fn, world, *args)``, running at its first call every
+    selected case of that world (``params["world"]``; ``case_args(params)`` gives a case's ``args``) in one
+    launch (:func:`run_cases`). Use from a module-scoped fixture. A case that fails fails every case of its
+    launch, each naming the failed one."""
+
+    def __init__(self, request, test, fn, case_args, timeout=2 * TIMEOUT):
+        self.fn, self.timeout = fn, timeout
+        self.cases, self.results = {}, {}
+        for item in request.session.items:
+            if item.module is request.module and getattr(item, "originalname", None) == test:
+                params = item.callspec.params
+                self.cases.setdefault(params["world"], []).append(tuple(case_args(params)))
+
+    def __call__(self, world, *args):
+        if args not in self.cases.get(world, []):  # not among the selected cases: a launch of its own
+            return run_ranks(self.fn, world, *args)
+        if world not in self.results:
+            try:
+                self.results[world] = run_cases(self.fn, world, self.cases[world], timeout=self.timeout)
+            except AssertionError as e:
+                self.results[world] = e
+        if isinstance(self.results[world], AssertionError):
+            raise self.results[world]
+        return self.results[world][self.cases[world].index(args)]

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import Batched, run_ranks
 from tests.helpers.megatron import check_training_matches, train_steps
 
 pytestmark = pytest.mark.megatron  # run under each megatron-core release (.ci/run)
@@ -36,6 +36,20 @@ def hybrid_reference():
     return run_ranks(train_steps, 1, HYBRID)[0] if HAVE_HYBRID_MODEL else None
 
 
+@pytest.fixture(scope="module")
+def gpt_launches(request):
+    """The selected GPTModel cases below, one launch per world size."""
+    return Batched(request, "test_gpt_hybrid_under_cp_matches_one_process", train_steps,
+                   lambda p: ({**GPT, **p["overrides"]},))
+
+
+@pytest.fixture(scope="module")
+def hybrid_launches(request):
+    """The selected HybridModel cases below, one launch per world size."""
+    return Batched(request, "test_hybrid_model_under_cp_matches_one_process", train_steps,
+                   lambda p: ({**HYBRID, **p["overrides"]},))
+
+
 def _id(x):
     return str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items())
 
@@ -50,8 +64,8 @@ def _id(x):
     pytest.param(2, dict(cp=2, strategy="a2a"), marks=VARIANT),
     pytest.param(4, dict(tp=2, cp=2), marks=[pytest.mark.slow, VARIANT]),
 ], ids=_id)
-def test_gpt_hybrid_under_cp_matches_one_process(gpt_reference, world, overrides):
-    check_training_matches(run_ranks(train_steps, world, {**GPT, **overrides}), gpt_reference)
+def test_gpt_hybrid_under_cp_matches_one_process(gpt_reference, gpt_launches, world, overrides):
+    check_training_matches(gpt_launches(world, {**GPT, **overrides}), gpt_reference)
 
 
 @needs_hybrid_model
@@ -62,8 +76,8 @@ def test_gpt_hybrid_under_cp_matches_one_process(gpt_reference, world, overrides
     pytest.param(2, dict(cp=2, layout="contiguous"), marks=pytest.mark.variant),
     (3, dict(cp=3, layout="contiguous")),
 ], ids=_id)
-def test_hybrid_model_under_cp_matches_one_process(hybrid_reference, world, overrides):
-    check_training_matches(run_ranks(train_steps, world, {**HYBRID, **overrides}), hybrid_reference)
+def test_hybrid_model_under_cp_matches_one_process(hybrid_reference, hybrid_launches, world, overrides):
+    check_training_matches(hybrid_launches(world, {**HYBRID, **overrides}), hybrid_reference)
 
 
 # --- save at CP = 2, resume at CP = 4 -------------------------------------------------------------

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.distributed import run_ranks
+from tests.helpers.distributed import Batched, run_ranks
 from tests.helpers.megatron import BASE, check_training_matches, host_as_cuda, rel, train_steps, transformer_config
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # megatron: run under each megatron-core release (.ci/run)
@@ -19,6 +19,12 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]  # megatron: run under eac
 @pytest.fixture(scope="module")
 def reference():
     return run_ranks(train_steps, 1, {})[0]
+
+
+@pytest.fixture(scope="module")
+def launches(request):
+    """The selected cases below, one launch per world size."""
+    return Batched(request, "test_training_steps_match_single_process", train_steps, lambda p: (p["overrides"],))
 
 
 @pytest.mark.parametrize("world,overrides", [
@@ -34,8 +40,8 @@ def reference():
     (4, dict(tp=2, cp=2)),
     pytest.param(4, dict(dp=2, cp=2), marks=pytest.mark.variant),
 ], ids=lambda x: str(x) if isinstance(x, int) else ",".join(f"{k}={v}" for k, v in x.items()))
-def test_training_steps_match_single_process(reference, world, overrides):
-    check_training_matches(run_ranks(train_steps, world, overrides), reference)
+def test_training_steps_match_single_process(reference, launches, world, overrides):
+    check_training_matches(launches(world, overrides), reference)
 
 
 def test_megatron_zigzag_split_is_our_layout():
