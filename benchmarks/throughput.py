@@ -53,18 +53,18 @@ from megatron_zeco.comm.transport import TRANSPORT_ENV
 from megatron_zeco.cost_model import BUILD
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# model -> (launcher, spec per strategy, layers, description)
+# model -> (launcher, spec per strategy, layers, description, its G layers' operator: the rows' "op")
 MODELS = {
     "gla-1b": ("pretrain_gpt_gla.sh",
                {"zeco": "gla_local_spec", "lasp2": "gla_local_lasp2_spec", "a2a": "gla_local_a2a_spec",
                 "lasp1": "gla_local_lasp1_spec"},
-               20, "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data"),
+               20, "GLA-1B: 20 layers, hidden 2048, 16 heads of 128, ffn 5632, bf16, mock data", "gla"),
     "gdn-1b": ("pretrain_hybrid_gla.sh",
                {"zeco": "gdn_hybrid_stack_local_spec", "lasp2": "gdn_hybrid_stack_local_lasp2_spec",
                 "a2a": "gdn_hybrid_stack_local_a2a_spec",
                 "megatron": "benchmarks.reference_specs megatron_gdn_hybrid_stack_local_spec"},
                16, "Gated DeltaNet hybrid: 12 Gated DeltaNet + 4 softmax layers (G-G-G-* x 4), hidden 2048, "
-                   "16 heads of 128, SwiGLU ffn 5632, bf16, mock data"),
+                   "16 heads of 128, SwiGLU ffn 5632, bf16, mock data", "gdn"),
 }
 CUDA_GRAPH_FLAGS = ["--cuda-graph-impl", "local", "--cuda-graph-warmup-steps", "2"]
 MEMORY = re.compile(r"max allocated: ([0-9.]+)")
@@ -96,7 +96,7 @@ def parse_args():
 
 def run(args, cp, T, strategy, logdir, transport="auto", graphs="off"):
     """One training run at T tokens per GPU; returns its row."""
-    launcher, specs, layers, _ = MODELS[args.model]
+    launcher, specs, layers, _, op = MODELS[args.model]
     variant = ("" if transport == "auto" else f"-{transport}") + ("-graphs" if graphs == "on" else "")
     name, seq = f"cp{cp}-{strategy}{variant}-T{T}", cp * T
     iters = args.iters + (args.profile_steps + 3 if args.profile_steps else 0)
@@ -128,7 +128,7 @@ def run(args, cp, T, strategy, logdir, transport="auto", graphs="off"):
     times = [ms for _, (_, ms) in sorted(points.items())][args.skip:]
     memory = [float(m) for m in MEMORY.findall(open(log_path, errors="replace").read())]
     ms = statistics.median(times) if times else None
-    row = {"part": "model", "model": args.model, "run": name, "gpus": args.gpus, "cp": cp, "strategy": strategy,
+    row = {"part": "model", "op": op, "model": args.model, "run": name, "gpus": args.gpus, "cp": cp, "strategy": strategy,
            "transport": transport if strategy == "zeco" else None, "cuda_graphs": graphs == "on",
            "layout": "zigzag",  # the specs' layout
            "layers": layers, "heads": 16, "dim": 128, "seq_length": seq, "tokens_per_gpu": T, "exit": code,
