@@ -25,6 +25,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from profile_piece import kernel_times  # noqa: E402  (benchmarks/, beside this script)
 
 
 def parse_args():
@@ -111,24 +112,14 @@ GROUPS = (("compiled (triton_)", lambda k: k.startswith("triton_")),
 
 
 def kernels(run, iters=3):
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            run()
-        torch.cuda.synchronize()
-    us, calls = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name] += e.device_time_total / iters
-            calls[e.name] += 1 / iters
+    """Per kernel name its GPU time (µs) and launches per call (profile_piece.kernel_times), and the total per
+    group of :data:`GROUPS`."""
+    per_kernel, _ = kernel_times(run, iters)
     groups = collections.Counter()
-    for name, t in us.items():
-        group = next(g for g, match in GROUPS if match(name))
-        groups[group] += t
-    return ({k: {"us": round(t, 1), "calls": round(calls[k], 2)} for k, t in us.most_common()},
-            {g: round(t, 1) for g, t in groups.most_common()})
+    for name, v in per_kernel.items():
+        groups[next(g for g, match in GROUPS if match(name))] += v["us"]
+    ordered = dict(sorted(per_kernel.items(), key=lambda kv: -kv[1]["us"]))
+    return ordered, {g: round(t, 1) for g, t in groups.most_common()}
 
 
 def main():

@@ -28,8 +28,13 @@ def _share_cores():
 
 _share_cores()
 
-from tests.helpers.distributed import RankPool  # noqa: E402
+from tests.helpers.distributed import SELECTED, RankPool  # noqa: E402
 from tests.helpers.reference import draw_seed  # noqa: E402
+
+
+@pytest.hookimpl(trylast=True)  # after the -m / -k deselection
+def pytest_collection_modifyitems(config, items):
+    config.stash[SELECTED] = list(items)
 
 
 def pytest_report_header(config):

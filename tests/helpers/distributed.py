@@ -28,6 +28,7 @@ import queue
 import tempfile
 import traceback
 
+import pytest
 import torch
 
 TIMEOUT = float(os.environ.get("ZECO_TEST_TIMEOUT", 300))
@@ -206,6 +207,10 @@ class RankPool:
         self._procs = None
 
 
+# The test items left after -m / -k deselection, in run order (tests/conftest.py puts them there).
+SELECTED = pytest.StashKey[list]()
+
+
 def _each(rank, world, fn, cases):
     """``fn(rank, world, *args)`` for each ``args`` of ``cases`` in turn; the first failure raises, naming its case."""
     out = []
@@ -235,7 +240,7 @@ class Batched:
     def __init__(self, request, test, fn, case_args, timeout=2 * TIMEOUT):
         self.fn, self.timeout = fn, timeout
         self.cases, self.results = {}, {}
-        for item in request.session.items:
+        for item in request.config.stash.get(SELECTED, []):
             if item.module is request.module and getattr(item, "originalname", None) == test:
                 params = item.callspec.params
                 self.cases.setdefault(params["world"], []).append(tuple(case_args(params)))
