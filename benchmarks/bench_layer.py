@@ -106,9 +106,9 @@ def steady_ms(run, iters):
 
 
 GROUPS = (("compiled (triton_)", lambda k: k.startswith("triton_")),
-          ("GEMM", lambda k: "gemm" in k.lower() or "cutlass" in k.lower() or k.startswith("sm90_")),
-          ("Triton (fla, this package)", lambda k: k.endswith("_kernel") or "_kernel_" in k or k.startswith("_")),
-          ("other (torch elementwise, reductions, copies)", lambda k: True))
+          ("GEMM", lambda k: any(s in k.lower() for s in ("gemm", "cutlass", "nvjet", "sm90_xmma"))),
+          ("torch (elementwise, norms, reductions, copies)", lambda k: "at::native" in k or k.startswith(("void ", "Memset", "Memcpy"))),
+          ("Triton (fla, this package)", lambda k: True))
 
 
 def kernels(run, iters=3):

@@ -70,7 +70,8 @@ def _fla_conv1d(x, weight, bias, activation, initial_state, cu_seqlens):
     """fla's kernel; its initial state is ``[N, C, W]`` with the W - 1 inputs in the last slots."""
     if initial_state is not None:
         initial_state = F.pad(initial_state, (0, 0, 1, 0)).transpose(1, 2).contiguous().to(x.dtype)
-    y, _ = _fla_causal_conv1d()(x=x.contiguous(), weight=weight, bias=bias, activation=activation,
+    # fla's kernels take any token and channel strides (x is often a slice of a projection's output)
+    y, _ = _fla_causal_conv1d()(x=x, weight=weight, bias=bias, activation=activation,
                                 initial_state=initial_state, output_final_state=False, cu_seqlens=cu_seqlens)
     return y
 

@@ -54,13 +54,17 @@ def planned_causal_conv1d(plan: CPPlan, x: Tensor, weight: Tensor, bias: Optiona
             ranges = [_pieces(packing.bounds, plan.layout, plan.world, r, per_document) for r in range(plan.world)]
             cached[width] = halo_plan(ranges, packing.bounds[:-1], plan.rank, width)
         halos = cached[width]
-    halo = halo_exchange(x, halos, plan.group, f"{plan.name}: short convolution")
     n = halos.num_segments
+    # nothing crosses ranks and no segment starts after tokens of its own document (one rank, or a packed
+    # piece that starts every document it holds): every halo is zeros, which is the convolution's own start
+    starts_alone = not (halos.sends or halos.recvs or halos.local[0])
+    halo = None if starts_alone else halo_exchange(x, halos, plan.group, f"{plan.name}: short convolution")
     if cu_seqlens is None:  # equal segments: the rank's pieces of every row, as a batch
-        y = causal_conv1d(x.reshape(B * n, T // n, C), weight, bias, activation, halo.reshape(B * n, width, C))
+        y = causal_conv1d(x.reshape(B * n, T // n, C), weight, bias, activation,
+                          None if halo is None else halo.reshape(B * n, width, C))
         return y.reshape(B, T, C)
     segments = torch.tensor(halos.segments, dtype=torch.long, device=x.device)
-    return causal_conv1d(x, weight, bias, activation, halo[0], cu_seqlens=segments)
+    return causal_conv1d(x, weight, bias, activation, None if halo is None else halo[0], cu_seqlens=segments)
 
 
 @functools.lru_cache(maxsize=64)

@@ -39,6 +39,7 @@ from megatron.core.ssm.gated_delta_net import common as _megatron_gdn
 from megatron.core.utils import deprecate_inference_params
 
 from ..common.conv import l2norm
+from ..common.norm import gated_rms_norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
@@ -108,6 +109,8 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
                           ((config.linear_key_head_dim, "--linear-key-head-dim"),
                            (config.linear_value_head_dim, "--linear-value-head-dim")),
                           f"{WHO} (layer {self.layer_number})", "gdn_hybrid_stack_local_spec")
+        # the output norm as one fused kernel (common.norm) where it is a plain RMSNorm; else Megatron's module
+        self.fused_out_norm = _plain_rms_norm(self.out_norm, config, self.value_head_dim)
 
     def _setup_variant_attrs(self, *args, **kwargs):
         """Megatron's variant hook: its GDN's sizes, the per-rank widths of the full head count (Megatron's
@@ -189,8 +192,12 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
     def _gated_norm(self, core_attn_out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Megatron's gated output norm ``out_norm(x) * silu(gate)`` (the gate in float32 at least; a float64
         model, the tests' reference, keeps float64), back to ``[s, b, heads x V]`` (no all-to-all: the heads
-        never left)."""
+        never left). A plain RMSNorm ``out_norm`` runs as one fused kernel (``common.norm.gated_rms_norm``:
+        the normalised value stays in float32 up to the gate, as in Megatron's compiled form)."""
         b, s = core_attn_out.shape[:2]
+        if self.fused_out_norm:
+            y = gated_rms_norm(core_attn_out, gate, self.out_norm.weight, self.config.layernorm_epsilon)
+            return y.reshape(b, s, -1).transpose(0, 1).contiguous()
         y = self.out_norm(core_attn_out.reshape(-1, core_attn_out.shape[-1]))
         gate = gate.reshape(-1, gate.shape[-1])
         y = (y * self.act_fn(gate.to(torch.promote_types(gate.dtype, torch.float32)))).to(core_attn_out.dtype)
@@ -198,13 +205,13 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
 
     def _heads(self, qkv: torch.Tensor, batch: int, seq_len: int) -> Tuple[torch.Tensor, ...]:
         """Megatron's split of the convolved ``[q k v]`` into heads, the L2 norm of q and k and their
-        repetition for grouped heads, with this rank's full head count (Megatron's divides it by CP)."""
-        query_key, value = torch.split(qkv, [2 * self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
-        query_key = query_key.reshape(batch, seq_len, -1, self.key_head_dim)
+        repetition for grouped heads, with this rank's full head count (Megatron's divides it by CP).
+        q and k are normalised apart: each comes out of the norm in the layout the recurrence takes."""
+        query, key, value = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], dim=-1)
+        query, key = (x.reshape(batch, seq_len, -1, self.key_head_dim) for x in (query, key))
         value = value.reshape(batch, seq_len, -1, self.value_head_dim)
         if self.use_qk_l2norm:
-            query_key = l2norm(query_key)
-        query, key = torch.split(query_key, [self.num_k_heads_local_tp] * 2, dim=2)
+            query, key = l2norm(query), l2norm(key)
         if self.num_value_heads // self.num_key_heads > 1:
             repeat = self.num_value_heads // self.num_key_heads
             query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
@@ -223,6 +230,16 @@ def _g_and_beta(A_log: torch.Tensor, dt_bias: torch.Tensor, alpha: torch.Tensor,
     in float32 at least (Megatron's: exactly float32; a float64 model, the tests' reference, keeps float64)."""
     g = -A_log.exp() * F.softplus(alpha.to(torch.promote_types(alpha.dtype, torch.float32)) + dt_bias)
     return g, beta.sigmoid()
+
+
+def _plain_rms_norm(norm: nn.Module, config, width: int) -> bool:
+    """Whether Megatron's ``out_norm`` is ``x / rms(x) * weight`` over ``width`` channels with eps
+    ``config.layernorm_epsilon`` (what ``gated_rms_norm`` computes): ``--normalization RMSNorm``, without
+    ``--apply-layernorm-1p`` (zero-centred gamma), a ``weight`` of ``[width]`` and no bias."""
+    weight = getattr(norm, "weight", None)
+    return (config.normalization == "RMSNorm" and not config.layernorm_zero_centered_gamma
+            and isinstance(weight, torch.Tensor) and tuple(weight.shape) == (width,)
+            and getattr(norm, "bias", None) is None)
 
 
 def _megatron_arguments(args: tuple, kwargs: dict) -> dict:

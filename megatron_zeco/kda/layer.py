@@ -42,6 +42,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from ..common.conv import l2norm
+from ..common.norm import gated_rms_norm
 from ..cp.config import CPConfig, config_of, split_keywords
 from ..cp.conv import planned_causal_conv1d
 from ..cp.operator import Arguments, run_planned
@@ -201,8 +202,7 @@ class KimiDeltaAttention(MegatronModule):
         out_gate = self._low_rank(self.out_gate_down, self.out_gate_up, hidden_states).view(b, s, H, D)
         weight = tensor_parallel.copy_to_tensor_model_parallel_region(self.out_norm_weight, group=self.tp_group) \
             if self.tp_group.size() > 1 else self.out_norm_weight
-        o = F.rms_norm(o.to(fp), (D,), weight.to(fp), self.config.layernorm_epsilon)
-        o = (o * out_gate.to(fp).sigmoid()).to(proj.dtype)
+        o = gated_rms_norm(o, out_gate, weight, self.config.layernorm_epsilon, "sigmoid")
         return self.out_proj(o.reshape(b, s, H * D).transpose(0, 1))
 
     def _low_rank(self, down: torch.Tensor, up, hidden_states: torch.Tensor) -> torch.Tensor:

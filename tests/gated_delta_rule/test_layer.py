@@ -174,6 +174,8 @@ def _worker(rank, world, seed):
                     out["checkpoint"] = _checkpoint_layout()
                 except Exception:  # noqa: BLE001  (reported by its own test, not by every test of the launch)
                     out["checkpoint"] = traceback.format_exc()
+            if (tp, cp) == (1, 1):
+                out["out norm"] = _out_norm_forms()
             out["misuse"].update(_misuse(tp, cp))
         finally:
             ps.destroy_model_parallel()
@@ -344,6 +346,48 @@ def test_parameters_and_checkpoints_are_megatron_gated_deltanet(results):
                                                                       for n in ("theirs", "ours"))
         assert (theirs_mixers, ours_mixers) == (["GatedDeltaNet"], ["ZecoGatedDeltaNet"]), (theirs_mixers, ours_mixers)
         assert theirs_shapes == ours_shapes, set(theirs_shapes) ^ set(ours_shapes)
+
+
+# --- the gated output norm: one fused form where Megatron's out_norm is a plain RMSNorm -------------
+
+def _out_norm_forms():
+    """Whether the layer fuses its output norm under RMSNorm, LayerNorm and zero-centred gamma, and the fused
+    form's output and gradients (the attention output's, the gate's, the norm weight's) against Megatron's
+    module form in float64, on rows from 1e-4 (where eps dominates) to 1e2."""
+    from types import SimpleNamespace
+
+    from megatron_zeco.gated_delta_rule.layer import _plain_rms_norm
+
+    layer = _build()
+    out = {"RMSNorm": layer.fused_out_norm, "LayerNorm": _build(normalization="LayerNorm").fused_out_norm,
+           "zero-centred gamma": _plain_rms_norm(layer.out_norm, SimpleNamespace(
+               normalization="RMSNorm", layernorm_zero_centered_gamma=True), layer.value_head_dim)}
+    gen = torch.Generator().manual_seed(3)
+    b, s, h, v = 2, 5, LINEAR["linear_num_value_heads"], LINEAR["linear_value_head_dim"]
+    scale = torch.logspace(-4, 2, s, dtype=torch.float64).view(1, s, 1, 1)
+    x, gate = torch.randn(b, s, h, v, generator=gen, dtype=torch.float64) * scale, \
+        2 * torch.randn(b, s, h, v, generator=gen, dtype=torch.float64)
+    dy = torch.randn(s, b, h * v, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        layer.out_norm.weight.copy_(1 + 0.5 * torch.randn(v, generator=gen, dtype=torch.float64))
+    forms = []
+    for fused in (True, False):
+        layer.fused_out_norm = fused
+        leaves = [x.clone().requires_grad_(), gate.clone().requires_grad_()]
+        y = layer._gated_norm(*leaves)
+        forms.append([y, *torch.autograd.grad((y * dy).sum(), [*leaves, layer.out_norm.weight])])
+    out["errors"] = {n: rel_err(a, b) for n, a, b in zip(("output", "x", "gate", "weight"), *forms)}
+    return out
+
+
+@needs_gdn
+def test_output_norm_fuses_only_a_plain_rms_norm_and_equals_megatrons(results):
+    """Under --normalization RMSNorm the layer's gated output norm is common.norm.gated_rms_norm (fla's fused
+    kernel on GPUs), equal in float64 to Megatron's ``out_norm(x) * silu(gate)``; LayerNorm and zero-centred
+    gamma keep Megatron's module."""
+    forms = results[1][0]["out norm"]
+    assert (forms["RMSNorm"], forms["LayerNorm"], forms["zero-centred gamma"]) == (True, False, False), forms
+    assert max(forms["errors"].values()) < TOL, forms["errors"]
 
 
 # --- misconfigurations: errors that name what to change ----------------------------------------------
