@@ -12,7 +12,8 @@ back after the recurrence (O(L x d) activations per layer; heads divisible by TP
     g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)            Megatron's (g in float32 at least)
     o = the gated delta rule (q, k, v, g, beta)         over the CP group: ZeCO's All-Scan passes one
                                                         K x V state per piece and head (op.py)
-    y = out_proj(out_norm(o) * silu(z))                 Megatron's (the gate in float32 at least)
+    y = out_proj(out_norm(o) * silu(z))                 Megatron's (the gate in float32 at least; a plain
+                                                        RMSNorm out_norm and the gate as one fused kernel)
 
 Its parameters, their names, shapes, initialisation and ``sharded_state_dict`` are Megatron's (it
 subclasses ``GatedDeltaNet``), so checkpoints load into either. Every CP rank keeps all of its TP
