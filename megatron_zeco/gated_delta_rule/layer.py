@@ -194,14 +194,14 @@ class ZecoGatedDeltaNet(GatedDeltaNet):
         """Megatron's gated output norm ``out_norm(x) * silu(gate)`` (the gate in float32 at least; a float64
         model, the tests' reference, keeps float64), back to ``[s, b, heads x V]`` (no all-to-all: the heads
         never left). A plain RMSNorm ``out_norm`` runs as one fused kernel (``common.norm.gated_rms_norm``:
-        the normalised value stays in float32 up to the gate, as in Megatron's compiled form)."""
+        the normalised value stays in float32 up to the gate)."""
         b, s = core_attn_out.shape[:2]
         if self.fused_out_norm:
             y = gated_rms_norm(core_attn_out, gate, self.out_norm.weight, self.config.layernorm_epsilon)
-            return y.reshape(b, s, -1).transpose(0, 1).contiguous()
-        y = self.out_norm(core_attn_out.reshape(-1, core_attn_out.shape[-1]))
-        gate = gate.reshape(-1, gate.shape[-1])
-        y = (y * self.act_fn(gate.to(torch.promote_types(gate.dtype, torch.float32)))).to(core_attn_out.dtype)
+        else:
+            y = self.out_norm(core_attn_out.reshape(-1, core_attn_out.shape[-1]))
+            gate = gate.reshape(-1, gate.shape[-1])
+            y = (y * self.act_fn(gate.to(torch.promote_types(gate.dtype, torch.float32)))).to(core_attn_out.dtype)
         return y.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _heads(self, qkv: torch.Tensor, batch: int, seq_len: int) -> Tuple[torch.Tensor, ...]:

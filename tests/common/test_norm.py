@@ -2,6 +2,7 @@
 its PyTorch form on the CPU, fla's fused kernel on a GPU; inputs from ~0 to large, rows where eps dominates."""
 
 import importlib.util
+
 import pytest
 import torch
 
