@@ -238,8 +238,9 @@ def all_scan(
             the peer-memory kernel writes in place), or None.
         while_waiting: as :func:`chain_scan`: local work issued before this rank first waits
             for another rank (after what it sends at once), else after the scan.
-        aside: the device transports only: a CUDA stream on which what this rank sends at once runs
-            while ``while_waiting()`` runs on the current stream (which then waits for it), or None.
+        aside: the device transports only: a CUDA stream on which this rank's hop kernels run, on
+            few SMs, while ``while_waiting()`` runs on the current stream (which then waits for
+            them), or None.
 
     Returns:
         As :func:`chain_scan`: ``S_in`` per local slot, and the state leaving the
@@ -248,14 +249,14 @@ def all_scan(
     kind = transition_of(gamma[0], delta[0])
     if scan_shape(route, delta[0]) == "hierarchical":
         if aside is not None:
-            raise ValueError("all_scan: aside (a side stream for the sends) applies to the peer-memory chain only")
+            raise ValueError("all_scan: aside (a side stream for the hops) applies to the peer-memory chain only")
         return hierarchical_scan(gamma, delta, init, route, nodes=_nodes(route), reverse=reverse, out=out,
                                  while_waiting=while_waiting)
     if route.transport.device:
         return peer_all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=while_waiting,
                              aside=aside)
     if aside is not None:
-        raise ValueError("all_scan: aside (a side stream for the sends) applies to the device transports ("
+        raise ValueError("all_scan: aside (a side stream for the hops) applies to the device transports ("
                          + ", ".join(repr(t.value) for t in Transport if t.device) + ") only")
 
     def combine(slot: int, block: slice, x: Tensor) -> Tensor:

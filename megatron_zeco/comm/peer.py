@@ -25,8 +25,9 @@ from .watch import watch
 Tensor = torch.Tensor
 _ALIGN = 16
 _TILE_ROWS = 32
-# Programs of a send beside the local work (``aside``): a program per tile would fill every SM
-# until the whole state has gone, and the local work would run after it instead of beside it.
+# Programs of a launch beside the local work (``aside``): a program per tile would fill every SM
+# (a hop waiting for its peer would hold them all while it spins) and the local work would run after
+# the scan instead of beside it.
 _ASIDE_PROGRAMS = 16
 _FLAG_BYTES = 8  # flags, acknowledgements and call counters: 64-bit words (NVSHMEM's signal width)
 
@@ -166,9 +167,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                   reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
                   while_waiting: Optional[Callable[[], None]] = None,
                   aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """:func:`all_scan` over a device transport (same arguments and result). ``aside``: a CUDA stream for the
-    launches before the rank's first wait for a peer (sends that need nothing), which then run while
-    ``while_waiting()`` runs on the current stream; the current stream waits for them after.
+    """:func:`all_scan` over a device transport (same arguments and result). ``aside``: a CUDA stream for
+    every launch of the rank's part of the scan, each on at most ``_ASIDE_PROGRAMS`` programs, issued before
+    ``while_waiting()`` runs on the current stream: the hops that wait for peers spin beside the local work
+    instead of after it, and the current stream waits for them after. Without ``aside``,
+    ``while_waiting()`` is issued where the rank first waits for a peer.
     ``route.what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. Over
     ``nvshmem``, the same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or
     another) instead of stores into the peers' mapped memory."""
@@ -181,7 +184,10 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     operands = _operands(gamma, delta, inputs, dense)
     launcher = _Launcher(scan_hop, ch, operands, like, init, route, reverse)
     plan = ch.plan(reverse)
-    wait_at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
+    # Without a side stream the local work goes where the rank first waits for a peer; with one, every
+    # launch goes there first and the local work runs beside all of them.
+    wait_at = len(plan) if aside is not None else next((i for i, launch in enumerate(plan) if launch.waits),
+                                                       len(plan))
     main = torch.cuda.current_stream() if aside is not None else None
     if main is not None:
         aside.wait_stream(main)
@@ -189,7 +195,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     for i, launch in enumerate(plan):
         if i == wait_at:
             _local_work(while_waiting, main, aside)
-        y = launcher.issue(i, launch, y_a, aside if main is not None and i < wait_at else None)
+        y = launcher.issue(i, launch, y_a, aside)
         if launch.kind not in ("map", "close"):
             y_a = y
         last = y if launch.links[-1].last else last
@@ -251,8 +257,8 @@ def _operands(gamma: Sequence[Tensor], delta: Sequence[Tensor], inputs: List[Ten
 
 
 def _local_work(while_waiting: Optional[Callable[[], None]], main, aside) -> None:
-    """At the rank's first wait for a peer: ``while_waiting()`` on the current stream, which then waits for
-    the sends that ran beside it on ``aside`` (``main``: the current stream; None without ``aside``)."""
+    """``while_waiting()`` on the current stream, which then waits for the launches that ran beside it on
+    ``aside`` (``main``: the current stream; None without ``aside``)."""
     if while_waiting is not None:
         while_waiting()
     if main is not None:
@@ -312,7 +318,7 @@ class _Launcher:
                                        has_src=launch.waits, programs=programs, **remote)
         elif launch.kind == "close":
             self.scan_hop.all_scan_close(y_a, s_ins[final.slot], gammas[final.slot], deltas[final.slot], y, regions,
-                                         *strides, ch.decays, *sizes, **remote)
+                                         *strides, ch.decays, *sizes, programs=programs, **remote)
         else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
             slots = [link.slot for link in launch.links]
             hop = self.scan_hop.all_scan_dense_hop if ch.dense else self.scan_hop.all_scan_hop

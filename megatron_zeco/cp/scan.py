@@ -147,10 +147,10 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     """The scan, with ``between()`` (local work that needs no scan result) issued where the rank
     would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan after.
 
-    With ``plan.overlap`` on CUDA a side stream runs alongside ``between()``: over peer memory, the
-    rank's sends that wait for nobody (what it issues before its first wait); otherwise the whole
-    scan. The current stream then waits for the side stream (no host synchronisation); what the
-    side stream allocated is marked as used on the current one.
+    With ``plan.overlap`` on CUDA the whole scan runs on a side stream alongside ``between()``: over
+    the device transports every hop kernel, on a few SMs, the ones that wait for a peer spinning
+    beside the local work; over NCCL the messages. The current stream then waits for the side stream
+    (no host synchronisation); what the side stream allocated is marked as used on the current one.
     """
     use_all_scan = plan.strategy.all_scan
     route = plan.route(f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} "

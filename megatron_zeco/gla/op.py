@@ -59,12 +59,12 @@ def zeco_gla(
         scale: output scale, default ``K ** -0.5``.
         num_blocks: ``zeco`` only: blocks of key rows the state is cut into and
             pipelined in (a divisor of K).
-        overlap: ``zeco`` and ``lasp2`` on CUDA: a side stream runs beside the local work
-            that does not need the scan's result (forward and backward): over peer memory
-            the rank's sends that wait for nobody (on a few SMs), otherwise the whole scan.
-            None (default): on for ``zeco`` over peer memory or NVSHMEM, where it hides part of the
-            per-document packed split's sends (one state per document), off otherwise. Either
-            way that local work is issued where the rank would first wait for a peer.
+        overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local
+            work that does not need its result (forward and backward): over peer memory or NVSHMEM
+            every hop kernel, on a few SMs (the hops that wait for a peer spin there while the
+            in-chunk work runs), otherwise the messages. None (default): on for ``zeco`` over peer
+            memory or NVSHMEM, off otherwise; off, that local work is issued where the rank would
+            first wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's
             point-to-point messages (NCCL, gloo). ``peer_memory``: one-sided stores into the
             peers' memory with flags on the device (torch symmetric memory over NVLink; all

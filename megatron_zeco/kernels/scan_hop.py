@@ -538,10 +538,11 @@ def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data
 
 
 def all_scan_close(y_a, s_in, gamma_b, delta_b, y_out, regions, g_stride, s_stride, g_off, tiles, data_bytes,
-                   flag_bytes, *, watch, pes=(-1, -1), nvshmem=False):
+                   flag_bytes, *, watch, pes=(-1, -1), nvshmem=False, programs=None):
     """Launch :func:`all_scan_close_kernel`: piece b's incoming state from the next rank's map applied to
-    ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``."""
-    grid, shape = _shape(delta_b, tiles)
+    ``y_a``, and ``y_out`` (the walk's last state) unless it is None. ``regions``: ``(here, src)``. Other
+    arguments as :func:`all_scan_hop`."""
+    grid, shape = _shape(delta_b, tiles, programs)
     _kernel(all_scan_close_kernel, nvshmem)[grid](
         y_a, s_in, gamma_b, delta_b, s_in if y_out is None else y_out, *regions, pes[0], g_stride, s_stride, g_off,
         DATA=data_bytes, FLAGS=flag_bytes, LAST=y_out is not None, **_watched(watch, delta_b), NVSHMEM=nvshmem,

@@ -228,3 +228,81 @@ def _dense_scans(group, seed):
 @pytest.mark.parametrize("world", slow_except([3, 4], 3))
 def test_dense_scans_match_sequential_fold(pool, seed, world):
     assert_no_failures(pool.run(_dense_scans, world, seed))
+
+
+def _aside_worker(group, seed):
+    """``all_scan`` over peer memory with a side stream (``aside``), as ScanOp calls it with the overlap
+    on: CUDA's streams are stood in for by recorders, so that the order in which the launches, the local
+    work and the stream waits are issued is seen on the CPU (the interpreted kernels run as issued).
+    Every hop kernel, the ones that wait for peers too, is issued on the side stream on at most
+    ``_ASIDE_PROGRAMS`` programs, before ``while_waiting()`` on the current stream, which then waits for
+    the side stream; the results are the sequential fold's. Diagonal and dense transitions, both layouts,
+    both directions."""
+    from megatron_zeco.comm import peer
+    from megatron_zeco.kernels import scan_hop
+
+    log = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    main, side = Recorder("main"), Recorder("aside")
+    current = [main]
+
+    @contextlib.contextmanager
+    def stream(s):
+        current.append(s)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    def recorded(kernel):
+        def launch(*args, programs=None, **kwargs):
+            log.append(("launch", kernel.__name__, current[-1].name, programs))
+            return kernel(*args, programs=programs, **kwargs)
+        return launch
+
+    P, me = group.size(), group.rank()
+    failures = []
+    kernels = ("all_scan_hop", "all_scan_dense_hop", "all_scan_map", "all_scan_close")
+    saved = {name: getattr(scan_hop, name) for name in kernels}
+    saved_cuda = torch.cuda.current_stream, torch.cuda.stream
+    try:
+        for name in kernels:
+            setattr(scan_hop, name, recorded(saved[name]))
+        torch.cuda.current_stream, torch.cuda.stream = (lambda device=None: current[-1]), stream
+        for n, (layout, dense, reverse) in enumerate(itertools.product(Layout, (False, True), (False, True))):
+            gen = torch.Generator().manual_seed(seed + n)
+            pieces, mine = layout.num_pieces(P), layout.pieces(me, P)
+            shape = (2, 4, 4) if dense else (2, 4)
+            gammas = [torch.rand(*shape, generator=gen, dtype=torch.float64) / 2 for _ in range(pieces)]
+            deltas = [torch.randn(2, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+            log.clear()
+            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
+                                   Route(layout, group, transport="peer_memory"), reverse=reverse, aside=side,
+                                   while_waiting=lambda: log.append(("local", current[-1].name)))
+            what = f"{layout.value} dense={dense} reverse={reverse}"
+            order = range(pieces - 1, -1, -1) if reverse else range(pieces)
+            want, _ = fold(gammas, deltas, None, order)
+            if not all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine)):
+                failures.append(f"{what}: wrong states")
+            launches = [e for e in log if e[0] == "launch"]
+            expected = ([("wait", "aside", "main")] + launches + [("local", "main"), ("wait", "main", "aside")])
+            if not launches or log != expected:
+                failures.append(f"{what}: issued {log}")
+            if any(stream != "aside" or programs != peer._ASIDE_PROGRAMS for _, _, stream, programs in launches):
+                failures.append(f"{what}: launches {launches}")
+    finally:
+        for name in kernels:
+            setattr(scan_hop, name, saved[name])
+        torch.cuda.current_stream, torch.cuda.stream = saved_cuda
+    return failures
+
+
+def test_peer_memory_aside_runs_every_hop_beside_the_local_work(pool, seed):
+    assert_no_failures(pool.run(_aside_worker, 3, seed))
