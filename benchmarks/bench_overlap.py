@@ -1,0 +1,256 @@
+"""What the scan's overlap buys on one GPU: a piece's in-chunk work beside the hop that waits for its peer.
+
+    python benchmarks/bench_overlap.py --op gla gdn --tokens 16384 32768 --out results/overlap.json
+
+At CP >= 2 a rank's hop kernel waits until its predecessor's state arrives (its successor's gradient in
+backward). With the overlap (``cp_overlap_scan``, on by default over peer memory and NVSHMEM) the rank's
+hops are issued on a side stream on a few programs (``comm/peer.py: _ASIDE_PROGRAMS``) before the
+in-chunk work that needs no entering state (``Piece.before_output``, ``Piece.before_grads``), and spin
+beside it; without, that work is issued first and the hop after it, on the current stream.
+
+One process plays both ends of one link. The predecessor's hop (the real ``all_scan_hop``, or
+``all_scan_dense_hop`` for the gated delta rule, storing into this rank's receive buffer and raising its
+flags, in device memory) runs on a stream of its own behind a GPU sleep of ``--arrival`` microseconds,
+counted from the end of the piece's summary (forward) or of ``entering_grad`` (backward): when the state
+reaches this rank. This rank's piece (``gla/fla_piece.py``, ``gated_delta_rule/fla_piece.py``; B = 1, H heads
+of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in each direction the one hop
+that waits:
+
+* ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
+* ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs, the in-chunk work on the
+  current stream beside it (as built).
+
+Per op, tokens, arrival and mode: the GPU time of the forward (summary to output) and of the backward
+(``entering_grad`` to ``grads``), and of the in-chunk work inside them (median of ``--iters``; each
+iteration queued behind a GPU sleep, so no host gap counts). Where the arrival is later than the in-chunk
+work ends, ``overlap`` saves that work's time; ``in-chunk ms`` under ``overlap`` against ``serial`` is what
+the spinning programs take from it. The received states are checked against the link's formula first.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--op", nargs="+", default=["gla", "gdn"], choices=["gla", "gdn"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--arrival", type=float, nargs="+", default=[0, 250, 500, 1000],
+                   help="microseconds from the end of the summary (entering_grad) to the predecessor's send")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default="results/overlap.json")
+    return p.parse_args(argv)
+
+
+class Link:
+    """Two regions of a channel in one buffer: the predecessor's and this rank's (``comm/peer.py``'s
+    layout: receive buffer, arrival flags, acknowledgements, call counters), and the two hops of one link
+    over them."""
+
+    def __init__(self, like, dense, device):
+        from megatron_zeco.comm import peer
+        from megatron_zeco.comm.watch import watch
+        from megatron_zeco.kernels import scan_hop
+
+        K, V = like.shape[-2:]
+        self.N, self.K, self.V, self.dense, self.scan_hop = like.numel() // (K * V), K, V, dense, scan_hop
+        self.tiles = (V if dense else K) // peer._TILE_ROWS if (V if dense else K) % peer._TILE_ROWS == 0 else 1
+        self.data = peer._aligned(self.N * K * (V + 1) * 4)  # states of up to 32 bits (either direction's)
+        self.flags = peer._aligned(self.N * self.tiles * peer._FLAG_BYTES)
+        size = self.data + 3 * self.flags
+        self.buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
+        self.up, self.me = self.buffer.data_ptr(), self.buffer.data_ptr() + size
+        w = watch(device)
+        self.watcher = w
+        self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
+                        for who in ("send", "wait")}
+        self.aside_programs = peer._ASIDE_PROGRAMS
+
+    def _hop(self, x_init, gamma, delta, s_in, regions, who, programs=None, **flags):
+        g_stride = self.K * (self.K if self.dense else 1)
+        hop = self.scan_hop.all_scan_dense_hop if self.dense else self.scan_hop.all_scan_hop
+        hop(x_init, [gamma], [delta], [s_in], None, regions, g_stride, self.K * self.V, self.tiles, self.data,
+            self.flags, watch=self.bounded[who], programs=programs, **flags)
+
+    def send(self, x, gamma, delta, s_in):
+        """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer."""
+        self._hop(x.data_ptr(), gamma, delta, s_in, (self.up, self.up, 0, self.me), "send",
+                  has_src=False, has_init=True, has_dst=True)
+
+    def receive(self, gamma, delta, s_in, programs=None):
+        """This rank's hop: waits for the predecessor's state, writes it into ``s_in``."""
+        self._hop(0, gamma, delta, s_in, (self.me, self.me, self.up, 0), "wait", programs=programs,
+                  has_src=True, has_init=False, has_dst=False)
+
+
+def make_piece(op, T, H, D, device, seed):
+    import profile_piece  # this folder's
+
+    x = profile_piece.make_inputs(T, H, D, seed, device, op="kda" if op == "gla" else "gdn")
+    if op == "gla":
+        from megatron_zeco.gla.fla_piece import FlaPiece
+
+        inputs = [x[n] for n in ("q", "k", "v", "g")]
+    else:
+        from megatron_zeco.gated_delta_rule.fla_piece import FlaPiece
+
+        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    return (lambda: FlaPiece(*inputs, x["scale"])), x
+
+
+def run_case(op, T, args, cycles_per_ms, device):
+    """Rows of one op and length: every arrival, both modes."""
+    make, x = make_piece(op, T, args.heads, args.dim, device, seed=T)
+    piece = make()
+    E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
+    dense = op == "gdn"
+    link = Link(E, dense, device)
+    trans = piece.transition.reshape(E.shape[0], args.dim, *((args.dim,) if dense else ())).contiguous()
+    # the predecessor's own summary and entering state (random: only its arrival time matters here)
+    gen = torch.Generator(device=device).manual_seed(T + 1)
+    x_up, E_up = (torch.randn(E.shape, device=device, generator=gen) for _ in range(2))
+    T_up = (torch.randn(trans.shape, device=device, generator=gen) / args.dim if dense
+            else torch.rand(trans.shape, device=device, generator=gen)).to(trans.dtype)
+    up = {}  # per state dtype: the predecessor's entering state, summary and its own S_in
+
+    def upstream(dtype):
+        if dtype not in up:
+            up[dtype] = x_up.to(dtype), E_up.to(dtype), torch.empty(E.shape, dtype=dtype, device=device)
+        return up[dtype]
+
+    x64, T64 = x_up.to(E.dtype).double(), T_up.double()
+    want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
+    side, feeder = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    S_in = torch.empty_like(E)
+
+    def scan(mode, arrival_us, transition, delta, out, local, events):
+        """One direction's scan around ``local`` (the in-chunk work); ``events``: (start, end) of it."""
+        feeder.wait_stream(main)
+        with torch.cuda.stream(feeder):
+            torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
+            link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+        if mode == "overlap":
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                link.receive(transition, delta, out, programs=link.aside_programs)
+            events[0].record()
+            local()
+            events[1].record()
+            main.wait_stream(side)
+        else:
+            events[0].record()
+            local()
+            events[1].record()
+            link.receive(transition, delta, out)
+        main.wait_stream(feeder)
+
+    def iteration(mode, arrival_us, ev):
+        ev["fwd"][0].record()
+        p = make()
+        e = p.E.reshape(E.shape)
+        t = p.transition.reshape(trans.shape).contiguous()
+        scan(mode, arrival_us, t, e, S_in, p.before_output, ev["fwd local"])
+        o = p.output(S_in.reshape(p.E.shape))
+        ev["fwd"][1].record()
+        ev["bwd"][0].record()
+        A = p.entering_grad(x["do"])
+        A = A.reshape(-1, *A.shape[-2:])
+        D = torch.empty_like(A)
+        t_t = t.transpose(-1, -2).contiguous() if dense else t
+        scan(mode, arrival_us, t_t, A, D, p.before_grads, ev["bwd local"])
+        grads = p.grads(D.reshape(p.E.shape))
+        ev["bwd"][1].record()
+        return o, grads
+
+    # the link delivers: what arrived is the predecessor's map applied to its entering state
+    for mode in ("serial", "overlap"):
+        S_in.fill_(float("nan"))
+        scan(mode, 0, trans, E, S_in, lambda: None, [torch.cuda.Event(), torch.cuda.Event()])
+        torch.cuda.synchronize()
+        link.watcher.check()
+        err = ((S_in.double() - want).norm() / want.norm()).item()
+        if not err < (1e-5 if E.dtype == torch.float32 else 1e-2):
+            raise AssertionError(f"{op} T={T} {mode}: the state received differs from the link's ({err:.2e})")
+    rows = []
+    for arrival in args.arrival:
+        for mode in ("serial", "overlap"):
+            ev = {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                  for k in ("fwd", "fwd local", "bwd", "bwd local")}
+            for _ in range(args.warmup):
+                iteration(mode, arrival, ev)
+            times = {k: [] for k in ev}
+            for _ in range(args.iters):
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(20 * cycles_per_ms))  # the host queues the whole iteration meanwhile
+                iteration(mode, arrival, ev)
+                torch.cuda.synchronize()
+                for k, (a, b) in ev.items():
+                    times[k].append(a.elapsed_time(b))
+            link.watcher.check()
+            row = dict(op=op, tokens=T, arrival_us=arrival, mode=mode,
+                       **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
+            rows.append(row)
+            print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "
+                  f"(in-chunk {row['fwd_local_ms']:6.3f})  bwd {row['bwd_ms']:7.3f} ms "
+                  f"(in-chunk {row['bwd_local_ms']:6.3f})", flush=True)
+    return rows
+
+
+def meta():
+    def commit():
+        try:
+            return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                           stderr=subprocess.DEVNULL).strip()
+        except (OSError, subprocess.CalledProcessError):
+            return None
+
+    import triton
+
+    versions = {"torch": torch.__version__, "triton": triton.__version__}
+    try:
+        import fla
+
+        versions["fla"] = fla.__version__
+    except ImportError:
+        pass
+    return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit(),
+            "versions": versions, "command": " ".join(sys.argv)}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_overlap.py needs a CUDA GPU (fla's kernels)")
+    import profile_piece  # this folder's
+    from megatron_zeco.common.tuning import ENV, configure
+
+    os.environ.setdefault(ENV, "auto")
+    configure()
+    device = torch.device("cuda")
+    cycles = profile_piece.sleep_cycles_per_ms()
+    rows = []
+    for op in args.op:
+        for T in args.tokens:
+            rows += run_case(op, T, args, cycles, device)
+            torch.cuda.empty_cache()
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump({"meta": meta(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
