@@ -113,6 +113,7 @@ def make_piece(op, T, H, D, device, seed):
 
 def run_case(op, T, args, cycles_per_ms, device):
     """Rows of one op and length: every arrival, both modes."""
+    print(f"{op} T={T}: building the piece (the first call compiles fla's kernels)", flush=True)
     make, x = make_piece(op, T, args.heads, args.dim, device, seed=T)
     piece = make()
     E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
@@ -185,6 +186,7 @@ def run_case(op, T, args, cycles_per_ms, device):
         err = ((S_in.double() - want).norm() / want.norm()).item()
         if not err < (1e-5 if E.dtype == torch.float32 else 1e-2):
             raise AssertionError(f"{op} T={T} {mode}: the state received differs from the link's ({err:.2e})")
+    print(f"{op} T={T}: the link delivers; timing", flush=True)
     rows = []
     for arrival in args.arrival:
         for mode in ("serial", "overlap"):
