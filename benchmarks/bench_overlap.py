@@ -20,11 +20,14 @@ that waits:
 * ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs, the in-chunk work on the
   current stream beside it (as built).
 
-Per op, tokens, arrival and mode: the GPU time of the forward (summary to output) and of the backward
-(``entering_grad`` to ``grads``), and of the in-chunk work inside them (median of ``--iters``; each
-iteration queued behind a GPU sleep, so no host gap counts). Where the arrival is later than the in-chunk
-work ends, ``overlap`` saves that work's time; ``in-chunk ms`` under ``overlap`` against ``serial`` is what
-the spinning programs take from it. The received states are checked against the link's formula first.
+This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
+arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
+to ``grads``), of the in-chunk work inside them, and from the scan's start until the successor holds this
+rank's state (``departure``: what a chain's critical path sees at every rank that waits, the in-chunk
+work's time under ``serial`` wherever the state arrives before that work ends); medians of ``--iters``,
+each iteration queued behind a GPU sleep so that no host gap counts. ``in-chunk`` under ``overlap`` against
+``serial`` is what the spinning programs take from that work. The received states are checked against the
+link's formula first.
 """
 
 import argparse
@@ -56,9 +59,9 @@ def parse_args(argv=None):
 
 
 class Link:
-    """Two regions of a channel in one buffer: the predecessor's and this rank's (``comm/peer.py``'s
-    layout: receive buffer, arrival flags, acknowledgements, call counters), and the two hops of one link
-    over them."""
+    """Three regions of a channel in one buffer: the predecessor's, this rank's and the successor's
+    (``comm/peer.py``'s layout: receive buffer, arrival flags, acknowledgements, call counters), and the
+    hops of the two links between them."""
 
     def __init__(self, like, dense, device):
         from megatron_zeco.comm import peer
@@ -71,12 +74,12 @@ class Link:
         self.data = peer._aligned(self.N * K * (V + 1) * 4)  # states of up to 32 bits (either direction's)
         self.flags = peer._aligned(self.N * self.tiles * peer._FLAG_BYTES)
         size = self.data + 3 * self.flags
-        self.buffer = torch.zeros(2 * size, dtype=torch.uint8, device=device)
-        self.up, self.me = self.buffer.data_ptr(), self.buffer.data_ptr() + size
+        self.buffer = torch.zeros(3 * size, dtype=torch.uint8, device=device)
+        self.up, self.me, self.down = (self.buffer.data_ptr() + i * size for i in range(3))
         w = watch(device)
         self.watcher = w
         self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
-                        for who in ("send", "wait")}
+                        for who in ("send", "hop", "receive")}
         self.aside_programs = peer._ASIDE_PROGRAMS
 
     def _hop(self, x_init, gamma, delta, s_in, regions, who, programs=None, **flags):
@@ -90,9 +93,15 @@ class Link:
         self._hop(x.data_ptr(), gamma, delta, s_in, (self.up, self.up, 0, self.me), "send",
                   has_src=False, has_init=True, has_dst=True)
 
+    def hop(self, gamma, delta, s_in, programs=None):
+        """This rank's hop: waits for the predecessor's state, writes it into ``s_in`` and sends
+        ``gamma s_in + delta`` on to the successor."""
+        self._hop(0, gamma, delta, s_in, (self.me, self.me, self.up, self.down), "hop", programs=programs,
+                  has_src=True, has_init=False, has_dst=True)
+
     def receive(self, gamma, delta, s_in, programs=None):
-        """This rank's hop: waits for the predecessor's state, writes it into ``s_in``."""
-        self._hop(0, gamma, delta, s_in, (self.me, self.me, self.up, 0), "wait", programs=programs,
+        """The successor's hop: waits for this rank's state, writes it into ``s_in``."""
+        self._hop(0, gamma, delta, s_in, (self.down, self.down, self.me, 0), "receive", programs=programs,
                   has_src=True, has_init=False, has_dst=False)
 
 
@@ -134,20 +143,29 @@ def run_case(op, T, args, cycles_per_ms, device):
 
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
-    side, feeder = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    side, feeder, successor = (torch.cuda.Stream(device) for _ in range(3))
+    succ_in = {}
     main = torch.cuda.current_stream(device)
     S_in = torch.empty_like(E)
 
-    def scan(mode, arrival_us, transition, delta, out, local, events):
-        """One direction's scan around ``local`` (the in-chunk work); ``events``: (start, end) of it."""
+    def scan(mode, arrival_us, transition, delta, out, local, events, left):
+        """One direction's scan around ``local`` (the in-chunk work); ``events``: (start, end) of it;
+        ``left``: (start, end) from the scan's start to the successor holding this rank's state."""
+        left[0].record()
         feeder.wait_stream(main)
+        successor.wait_stream(main)
         with torch.cuda.stream(feeder):
             torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
             link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+        with torch.cuda.stream(successor):  # the successor spins on few programs, as with the overlap
+            if delta.dtype not in succ_in:
+                succ_in[delta.dtype] = torch.empty(E.shape, dtype=delta.dtype, device=device)
+            link.receive(T_up, upstream(delta.dtype)[1], succ_in[delta.dtype], programs=link.aside_programs)
+            left[1].record()
         if mode == "overlap":
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                link.receive(transition, delta, out, programs=link.aside_programs)
+                link.hop(transition, delta, out, programs=link.aside_programs)
             events[0].record()
             local()
             events[1].record()
@@ -156,15 +174,16 @@ def run_case(op, T, args, cycles_per_ms, device):
             events[0].record()
             local()
             events[1].record()
-            link.receive(transition, delta, out)
+            link.hop(transition, delta, out)
         main.wait_stream(feeder)
+        main.wait_stream(successor)
 
     def iteration(mode, arrival_us, ev):
         ev["fwd"][0].record()
         p = make()
         e = p.E.reshape(E.shape)
         t = p.transition.reshape(trans.shape).contiguous()
-        scan(mode, arrival_us, t, e, S_in, p.before_output, ev["fwd local"])
+        scan(mode, arrival_us, t, e, S_in, p.before_output, ev["fwd local"], ev["fwd departure"])
         o = p.output(S_in.reshape(p.E.shape))
         ev["fwd"][1].record()
         ev["bwd"][0].record()
@@ -172,7 +191,7 @@ def run_case(op, T, args, cycles_per_ms, device):
         A = A.reshape(-1, *A.shape[-2:])
         D = torch.empty_like(A)
         t_t = t.transpose(-1, -2).contiguous() if dense else t
-        scan(mode, arrival_us, t_t, A, D, p.before_grads, ev["bwd local"])
+        scan(mode, arrival_us, t_t, A, D, p.before_grads, ev["bwd local"], ev["bwd departure"])
         grads = p.grads(D.reshape(p.E.shape))
         ev["bwd"][1].record()
         return o, grads
@@ -180,7 +199,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     # the link delivers: what arrived is the predecessor's map applied to its entering state
     for mode in ("serial", "overlap"):
         S_in.fill_(float("nan"))
-        scan(mode, 0, trans, E, S_in, lambda: None, [torch.cuda.Event(), torch.cuda.Event()])
+        scan(mode, 0, trans, E, S_in, lambda: None, *([torch.cuda.Event(), torch.cuda.Event()] for _ in range(2)))
         torch.cuda.synchronize()
         link.watcher.check()
         err = ((S_in.double() - want).norm() / want.norm()).item()
@@ -191,7 +210,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     for arrival in args.arrival:
         for mode in ("serial", "overlap"):
             ev = {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                  for k in ("fwd", "fwd local", "bwd", "bwd local")}
+                  for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")}
             for _ in range(args.warmup):
                 iteration(mode, arrival, ev)
             times = {k: [] for k in ev}
@@ -207,8 +226,9 @@ def run_case(op, T, args, cycles_per_ms, device):
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "
-                  f"(in-chunk {row['fwd_local_ms']:6.3f})  bwd {row['bwd_ms']:7.3f} ms "
-                  f"(in-chunk {row['bwd_local_ms']:6.3f})", flush=True)
+                  f"(in-chunk {row['fwd_local_ms']:6.3f}, sent on {row['fwd_departure_ms']:6.3f})  bwd "
+                  f"{row['bwd_ms']:7.3f} ms (in-chunk {row['bwd_local_ms']:6.3f}, sent on "
+                  f"{row['bwd_departure_ms']:6.3f})", flush=True)
     return rows
 
 
