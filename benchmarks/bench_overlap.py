@@ -89,9 +89,12 @@ class Link:
             self.flags, watch=self.bounded[who], programs=programs, **flags)
 
     def send(self, x, gamma, delta, s_in):
-        """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer."""
+        """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer. On few
+        programs, as the successor's receive: one GPU holds what three ranks' GPUs would, and a program
+        that waits must stay resident until the one it waits for has run (this rank's hop, on every
+        program without the overlap, and the two emulated peers fit on the SMs together)."""
         self._hop(x.data_ptr(), gamma, delta, s_in, (self.up, self.up, 0, self.me), "send",
-                  has_src=False, has_init=True, has_dst=True)
+                  programs=self.aside_programs, has_src=False, has_init=True, has_dst=True)
 
     def hop(self, gamma, delta, s_in, programs=None):
         """This rank's hop: waits for the predecessor's state, writes it into ``s_in`` and sends
