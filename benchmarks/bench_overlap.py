@@ -225,7 +225,7 @@ def run_case(op, T, args, cycles_per_ms, device):
                 for k, (a, b) in ev.items():
                     times[k].append(a.elapsed_time(b))
             link.watcher.check()
-            row = dict(op=op, tokens=T, arrival_us=arrival, mode=mode,
+            row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "
@@ -235,7 +235,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     return rows
 
 
-def meta():
+def meta(args):
     def commit():
         try:
             return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
@@ -253,7 +253,7 @@ def meta():
     except ImportError:
         pass
     return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit(),
-            "versions": versions, "command": " ".join(sys.argv)}
+            "versions": versions, "command": " ".join(sys.argv), "heads": args.heads, "dim": args.dim}
 
 
 def main(argv=None):
@@ -274,7 +274,7 @@ def main(argv=None):
             torch.cuda.empty_cache()
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:
-                json.dump({"meta": meta(), "rows": rows}, f, indent=1)
+                json.dump({"meta": meta(args), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

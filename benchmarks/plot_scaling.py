@@ -204,7 +204,9 @@ def breakdown(cal, cluster, P, tokens=16384, want=0.95, regime="steady"):
         scans = [cm.scan_time(best.shape, w, cluster, sw, best.K, reverse) for reverse in (False, True)]
         print(f"- **{P} GPUs, {layout}**: zeco over {best.transport} ({best.shape}, K = {best.K}): "
               f"{best.efficiency:.1%}; layer {best.seconds * 1e3:.3f} ms = one GPU {t_op * 1e3:.3f} ms + forward scan "
-              f"{scans[0] * 1e6:.0f} us + backward scan {scans[1] * 1e6:.0f} us (nothing overlapped as built)")
+              f"{scans[0] * 1e6:.0f} us + backward scan {scans[1] * 1e6:.0f} us ("
+              + ("beside the in-chunk work as built)" if cm.TRANSPORTS[best.transport].device
+                 else "nothing overlapped over send/recv as built)"))
         if best.shape == "hierarchical":
             ph = cm.hierarchical_phases(w, cluster, sw, best.K)
             print(f"  - forward scan by phase: A (prefix maps in nodes) {ph['A'] * 1e6:.0f} us, B (rounds between "

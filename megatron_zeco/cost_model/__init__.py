@@ -9,8 +9,11 @@ computes (charged at the stated ``FP32_FLOPS``; a diagonal's elementwise work is
 measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
-* ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - overlap * t_dir)``,
-  ``piece`` what a delta rule's ZeCO piece adds to its one-GPU op (measured, ``piece_rows``; 0 for GLA),
+* ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - hidden * t_dir)
+  + spin * min(scan, hidden * t_dir)``, ``piece`` what a delta rule's ZeCO piece adds to its one-GPU op
+  (measured, ``piece_rows``; 0 for GLA), ``hidden`` the share of a direction's local op its scan runs
+  beside and ``spin`` how much slower the spinning hops make it (measured, ``overlap_rows``; over the
+  device transports, where the build overlaps, else 0),
   the scan one All-Scan of a *shape* over a *transport* (both as built, ``comm/``):
 
   - ``chain`` (``all_scan``): the K blocks of the state walk every piece;
@@ -49,14 +52,15 @@ no GPU (importing it through the ``megatron_zeco`` package imports torch with th
 from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, chain_hops, critical_path,
                           hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 from ..comm.transport import Transport
-from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, ONE_GPU, PARTS, PASS_UNITS, PIECE,
-                          Calibration, Residual, calibrate, calibration_rows, default_rows, file_rows, load_rows,
-                          op_time_rows, piece_rows)
+from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP, PARTS, PASS_UNITS,
+                          PIECE, Calibration, Residual, calibrate, calibration_rows, default_rows, file_rows, load_rows,
+                          op_time_rows, overlap_rows, piece_rows)
 from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACTION, GDN, GLA, HBM_BANDWIDTH, KDA,
                     LAYOUTS, OPERATORS, REGIMES, SHAPES, STRATEGIES, Dense, Diagonal, Operator, Software, Workload,
                     best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases, hierarchical_time,
                     layer_time, scan_time)
-from .projection import Choice, LayerShape, main, piece_share, project, projection_workload, zeco_choices
+from .projection import (Choice, LayerShape, main, overlap_shares, piece_share, project, projection_workload,
+                         zeco_choices)
 
 __all__ = [
     # links, transports and the scan shapes (megatron_zeco.comm.shape)
@@ -68,9 +72,9 @@ __all__ = [
     "best_blocks", "blocks", "chain_time", "efficiency", "gather_time", "hierarchical_phases", "hierarchical_time",
     "layer_time", "scan_time",
     # the calibration
-    "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "PARTS", "PASS_UNITS", "PIECE",
+    "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP", "PARTS", "PASS_UNITS", "PIECE",
     "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows", "file_rows", "load_rows",
-    "op_time_rows", "piece_rows",
+    "op_time_rows", "overlap_rows", "piece_rows",
     # projections and the command line
-    "Choice", "LayerShape", "main", "piece_share", "project", "projection_workload", "zeco_choices",
+    "Choice", "LayerShape", "main", "overlap_shares", "piece_share", "project", "projection_workload", "zeco_choices",
 ]

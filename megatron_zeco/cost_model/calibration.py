@@ -33,6 +33,8 @@ BUILD_META = {"transport": "peer_memory", "scan_code": {"send_recv": "v2", "peer
 PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that the calibration reads
 ONE_GPU = "one_gpu"  # the part of another operator's one-GPU op time, as file_rows gives it
 PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op, as file_rows gives it
+OVERLAP = "overlap"  # the part of a piece's local work its scan can hide, as file_rows gives it (bench_overlap.py)
+MIN_HIDDEN = 0.01  # in-chunk work below this share of a direction counts as none (overlap_rows)
 PIECE_CASES = ("piece first", "piece middle", "piece last")  # profile_piece.py's cases of the piece as built
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
@@ -72,6 +74,10 @@ class Calibration:
     # operator -> (tokens, heads, dim) -> what a ZeCO piece's own work adds to the one-GPU op, as a share
     # of its GPU time, forward + backward (piece_rows; the delta rules')
     piece_share: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
+    # operator -> (tokens, heads, dim) -> ((hidden, spin) forward, (hidden, spin) backward): the share of each
+    # direction's local op that needs no scan result, and how much slower it runs beside a spinning hop
+    # (overlap_rows)
+    overlap: dict[str, dict[tuple[int, int, int], tuple]] = field(default_factory=dict)
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
         """The code as built with its All-Scan over ``transport``, in ``regime``."""
@@ -110,9 +116,12 @@ def default_rows() -> list[dict]:
 def calibration_rows(data: dict) -> list[dict]:
     """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
     written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
-    accuracy, memory or profile rows), and :func:`op_time_rows`."""
+    accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` rows of the device
+    the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`)."""
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
-    return gla + op_time_rows(data)
+    overlap = [r for r in data.get("rows", []) if r.get("part") == OVERLAP
+               and DEVICE in data.get("meta", {}).get("device", "")]
+    return gla + op_time_rows(data) + overlap
 
 
 def op_time_rows(data: dict) -> list[dict]:
@@ -148,6 +157,35 @@ def piece_rows(name: str, data: dict) -> list[dict]:
     return out
 
 
+def overlap_rows(name: str, data: dict) -> list[dict]:
+    """What the scan's overlap hides and costs, from ``bench_overlap.py``'s rows on the device the model
+    describes: per operator, tokens and direction (``fwd``, ``bwd``), ``hidden``, the GPU time of the
+    in-chunk work (what needs no scan result) over the direction's, the state arriving at once, without
+    the overlap; and ``spin``, how much slower that work runs beside a hop that spins through it (with the
+    overlap, at the latest arrival, against without) less one; neither where the in-chunk work is under
+    :data:`MIN_HIDDEN` of the direction (nothing to hide: the gated delta rule's backward, whose time
+    there is the timer's). Part :data:`OVERLAP`, ``date`` the file's."""
+    meta = data.get("meta", {})
+    if DEVICE not in meta.get("device", ""):
+        return []
+    rows = [r for r in data.get("rows", []) if r.get("part") == OVERLAP and r.get("op") in OPERATORS]
+    out = []
+    for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
+        mine = [r for r in rows if (r["op"], r["tokens"]) == (op, tokens)]
+        first, last = min(r["arrival_us"] for r in mine), max(r["arrival_us"] for r in mine)
+        at = {(r["arrival_us"], r["mode"]): r for r in mine}
+        if not all((a, m) in at for a in (first, last) for m in ("serial", "overlap")):
+            continue
+        for d in ("fwd", "bwd"):
+            local, whole = at[first, "serial"][f"{d}_local_ms"], at[first, "serial"][f"{d}_ms"]
+            spun = at[last, "overlap"][f"{d}_local_ms"] / at[last, "serial"][f"{d}_local_ms"] - 1
+            hidden = local / whole if local / whole >= MIN_HIDDEN else 0.0
+            out.append(dict(part=OVERLAP, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],
+                            direction=d, hidden=hidden, spin=max(0.0, spun) if hidden else 0.0,
+                            date=meta.get("date", ""), file=name))
+    return out
+
+
 def file_rows(name: str, data: dict) -> list[dict]:
     """The calibration rows of one result file ``{"meta": {...}, "rows": [...]}``, each with ``file``
     (``name``) and the file's defaults.
@@ -158,8 +196,9 @@ def file_rows(name: str, data: dict) -> list[dict]:
     are bf16 (what ``benchmarks/bench_op.py`` measures); op rows without ``mode`` are ``eager``
     (timed one call from an empty queue).
     """
-    times = [_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)] + piece_rows(name, data)
-    rows = [r for r in calibration_rows(data) if r.get("op", "gla") == "gla"]
+    times = ([_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)] + piece_rows(name, data)
+             + overlap_rows(name, data))
+    rows = [r for r in calibration_rows(data) if r.get("op", "gla") == "gla" and r["part"] in PARTS]
     if not rows:
         return times
     build, built = data["meta"].get("build"), _build_meta(name, data["meta"])
@@ -287,14 +326,15 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
     version of the scan code over each transport, zeco's transport.
     """
-    fit = _Fit([r for r in rows if r["part"] not in (ONE_GPU, PIECE)], cluster, build)
+    fit = _Fit([r for r in rows if r["part"] not in (ONE_GPU, PIECE, OVERLAP)], cluster, build)
     residuals = fit.kernel_residuals() + fit.scan_residuals() + fit.op_residuals()
     outside = fit.outside_ms()
     residuals += fit.model_residuals(outside)
     builds = fit.builds()
     return Calibration(builds[build], builds, fit.transports(), fit.nccl_call, fit.op_ms, _mean_per_shape(outside),
                        residuals, {GLA.name: fit.op_ms, **_one_gpu_times([r for r in rows if r["part"] == ONE_GPU])},
-                       _piece_shares([r for r in rows if r["part"] == PIECE]))
+                       _piece_shares([r for r in rows if r["part"] == PIECE]),
+                       _overlaps([r for r in rows if r["part"] == OVERLAP]))
 
 
 class _Fit:
@@ -596,6 +636,20 @@ def _piece_shares(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], floa
     for r in sorted(rows, key=lambda r: (r["date"], r["file"])):
         newest.setdefault(r["op"], {})[_shape(r)] = r
     return {op: {k: r["share"] for k, r in shapes.items()} for op, shapes in newest.items()}
+
+
+def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
+    """``Calibration.overlap``: per operator and shape, the newest file's (by date, then name): the pieces and
+    hops as built."""
+    newest: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: (r["date"], r["file"])):
+        newest[r["op"], _shape(r), r["direction"]] = r
+    out: dict[str, dict[tuple[int, int, int], tuple]] = {}
+    for (op, shape, _), r in newest.items():
+        fwd, bwd = (newest.get((op, shape, d)) for d in ("fwd", "bwd"))
+        if fwd is not None and bwd is not None:
+            out.setdefault(op, {})[shape] = ((fwd["hidden"], fwd["spin"]), (bwd["hidden"], bwd["spin"]))
+    return out
 
 
 def _mean_per_shape(outside: dict[tuple, float]) -> dict[tuple[int, int, int, int], float]:

@@ -141,6 +141,11 @@ class Workload:
     other_ms: float = 0.0  # per-layer time outside GLA (model level); 0 = the operator alone
     op: Operator = GLA
     piece_share: float = 0.0  # share of op_ms a ZeCO piece's own work adds (the delta rules' correction; measured)
+    # per direction (forward, backward): the share of its local op that needs no scan result (the in-chunk
+    # work the device transports' hops run beside, as built), and how much slower that work runs while a hop
+    # spins beside it (measured: bench_overlap.py)
+    hidden: tuple[float, float] = (0.0, 0.0)
+    spin: tuple[float, float] = (0.0, 0.0)
 
     @property
     def pieces(self) -> int:
@@ -193,7 +198,7 @@ class Software:
     a2a_copy: float  # per byte of Workload.a2a_bytes: packing and unpacking around the all-to-all
     a2a_wire: float = 1.0  # NCCL's all-to-all time over the stated links' (1: at their bandwidth)
     hop: float = 0.0  # per hop beyond the wire on the critical path: receive -> combine -> send
-    overlap: float = 0.0  # share of each direction's local op that runs while the scan is in flight
+    overlap: float = 0.0  # share of each direction's local op run beside the scan beyond what the build hides
     extra: float = 0.0  # share of t_op added by the output/gradient corrections (correction form)
     pass_unit: str = ""  # the Workload size the passes are charged per byte of ("pass_bytes", ...); "": none
     transport: str = Transport.SEND_RECV  # the All-Scan's transport (TRANSPORTS)
@@ -319,7 +324,14 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
     else:
         comm = [gather_time(w, c, sw)] * 2
     windows = (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op)
-    exposed = sum(max(0.0, scan - sw.overlap * t) + after for (scan, after), t in zip(comm, windows))
+    # as built, the device transports' hops run beside the in-chunk work (``w.hidden``), which they slow
+    # while they spin (``w.spin``); ``sw.overlap`` asks for a larger share
+    built = strategy == "zeco" and TRANSPORTS[sw.transport].device
+    exposed = 0.0
+    for (scan, after), t, hidden, spin in zip(comm, windows, w.hidden, w.spin):
+        share = max(sw.overlap, hidden if built else 0.0)
+        slowed = spin * min(scan, hidden * t) if built else 0.0
+        exposed += max(0.0, scan - share * t) + after + slowed
     return t_op * (1 + sw.extra + w.piece_share) + passes + exposed
 
 

@@ -44,8 +44,22 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
                          f"{sorted({d for *_, d in times})}); choose --head-dim among them")
     t0, h0 = min(measured)
     op_ms = measured[t0, h0] * tokens / t0 * heads / h0
+    (hidden_fwd, spin_fwd), (hidden_bwd, spin_bwd) = overlap_shares(cal, op, tokens, head_dim)[0]
     return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op,
-                    piece_share=piece_share(cal, op, tokens, head_dim)[0])
+                    piece_share=piece_share(cal, op, tokens, head_dim)[0], hidden=(hidden_fwd, hidden_bwd),
+                    spin=(spin_fwd, spin_bwd))
+
+
+def overlap_shares(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[tuple, Optional[int]]:
+    """(((hidden, spin) forward, (hidden, spin) backward), tokens they were measured at): what the scan's
+    overlap hides of ``op``'s local op and what its spinning hops cost it (``Calibration.overlap``), at the
+    tokens nearest ``tokens`` with this head dim; nothing hidden, (((0, 0), (0, 0)), None), where not
+    measured."""
+    shares = {t: v for (t, _, d), v in cal.overlap.get(op.name, {}).items() if d == head_dim}
+    if not shares:
+        return ((0.0, 0.0), (0.0, 0.0)), None
+    nearest = min(shares, key=lambda t: (abs(math.log(t / tokens)), t))
+    return shares[nearest], nearest
 
 
 def piece_share(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[float, Optional[int]]:
@@ -179,6 +193,7 @@ def main(argv=None) -> None:
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
             print(_scan_source(w, piece_share(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
+        print(_overlap_source(w, overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               LayerShape(args.heads, args.head_dim, op), args.transport):
@@ -194,6 +209,17 @@ def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
             f"{w.map_bytes / 2 ** 20:g} MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and "
             f"{w.compose_time() * 1e6:.2f} us per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs "
             f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); {piece}")
+
+
+def _overlap_source(w: Workload, tokens: Optional[int]) -> str:
+    """The header's line on the scan's overlap as built: what its hops hide of each direction's local op and
+    what they cost it (measured at ``tokens``), or that it is not measured."""
+    if tokens is None:
+        return f"# overlap as built ({w.op.name}): not measured, nothing of the scan hidden"
+    (hf, hb), (sf, sb) = w.hidden, w.spin
+    return (f"# overlap as built ({w.op.name}): over peer_memory and nvshmem the hops run beside {hf:.0%} / {hb:.0%} "
+            f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them (measured, one GPU at "
+            f"{tokens} tokens)")
 
 
 def _title(op: Operator) -> str:
