@@ -642,7 +642,8 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
     """``Calibration.overlap``: per operator and shape, the newest file's (by date, then name): the pieces and
     hops as built."""
     newest: dict[tuple, dict] = {}
-    for r in sorted(rows, key=lambda r: (r["date"], r["file"])):
+    by_date = sorted(rows, key=lambda r: (r["date"], r["file"]))
+    for r in by_date:
         newest[r["op"], _shape(r), r["direction"]] = r
     out: dict[str, dict[tuple[int, int, int], tuple]] = {}
     for (op, shape, _), r in newest.items():
