@@ -167,11 +167,11 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                   reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
                   while_waiting: Optional[Callable[[], None]] = None,
                   aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
-    """:func:`all_scan` over a device transport (same arguments and result). ``aside``: a CUDA stream for
-    every launch of the rank's part of the scan, each on at most ``_ASIDE_PROGRAMS`` programs, issued before
-    ``while_waiting()`` runs on the current stream: the hops that wait for peers spin beside the local work
-    instead of after it, and the current stream waits for them after. Without ``aside``,
-    ``while_waiting()`` is issued where the rank first waits for a peer.
+    """:func:`all_scan` over a device transport (same arguments and result). ``while_waiting()`` is issued
+    where the rank first waits for a peer. ``aside``: a CUDA stream for every launch of the rank's part of
+    the scan, each on at most ``_ASIDE_PROGRAMS`` programs, the first that waits for a peer issued before
+    ``while_waiting()`` (on the current stream), so that it spins beside the local work instead of after
+    it; the current stream waits for the side stream after.
     ``route.what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. Over
     ``nvshmem``, the same kernels and protocol with tiles moved by NVSHMEM puts (any PE, on this node or
     another) instead of stores into the peers' mapped memory."""
@@ -184,23 +184,28 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
     operands = _operands(gamma, delta, inputs, dense)
     launcher = _Launcher(scan_hop, ch, operands, like, init, route, reverse)
     plan = ch.plan(reverse)
-    # Without a side stream the local work goes where the rank first waits for a peer; with one, every
-    # launch goes there first and the local work runs beside all of them.
-    wait_at = len(plan) if aside is not None else next((i for i, launch in enumerate(plan) if launch.waits),
-                                                       len(plan))
-    main = torch.cuda.current_stream() if aside is not None else None
-    if main is not None:
+    # The local work goes where the rank first waits for a peer; with a side stream, just after that launch
+    # is issued there, so that the hop spins beside the local work. The launches after it go behind the local
+    # work: under CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting with CP) the streams share one hardware
+    # queue, where a launch that must wait for the one before it on its stream holds up all queued behind it.
+    at = next((i for i, launch in enumerate(plan) if launch.waits), len(plan))
+    main = None
+    if aside is not None:
+        at = min(at + 1, len(plan))
+        main = torch.cuda.current_stream()
         aside.wait_stream(main)
     last = y_a = None
     for i, launch in enumerate(plan):
-        if i == wait_at:
-            _local_work(while_waiting, main, aside)
+        if i == at and while_waiting is not None:
+            while_waiting()
         y = launcher.issue(i, launch, y_a, aside)
         if launch.kind not in ("map", "close"):
             y_a = y
         last = y if launch.links[-1].last else last
-    if wait_at == len(plan):
-        _local_work(while_waiting, main, aside)
+    if at == len(plan) and while_waiting is not None:
+        while_waiting()
+    if main is not None:
+        main.wait_stream(aside)
     if operands.s_ins is not inputs:
         for target, s_in in zip(inputs, operands.s_ins):
             target.copy_(s_in)
@@ -256,15 +261,6 @@ def _operands(gamma: Sequence[Tensor], delta: Sequence[Tensor], inputs: List[Ten
     return _Operands(gammas, deltas, s_ins, strides)
 
 
-def _local_work(while_waiting: Optional[Callable[[], None]], main, aside) -> None:
-    """``while_waiting()`` on the current stream, which then waits for the launches that ran beside it on
-    ``aside`` (``main``: the current stream; None without ``aside``)."""
-    if while_waiting is not None:
-        while_waiting()
-    if main is not None:
-        main.wait_stream(aside)
-
-
 class _Launcher:
     """Issues the launches of one scan over a channel (``scan_hop``: the hop kernels' module), each with
     its operands, its bounded waits and its peers. Checks first that no earlier wait of the process gave
@@ -284,8 +280,8 @@ class _Launcher:
         self.x_init = None if init is None else init.to(like.dtype).reshape(N, K, V).contiguous()
 
     def issue(self, i: int, launch: _Launch, y_a: Optional[Tensor], side=None) -> Optional[Tensor]:
-        """Issue launch ``i`` of the plan, on stream ``side`` if given (a send beside the local work, on
-        fewer programs). ``y_a``: the state leaving this rank's outgoing piece, which ``close`` reads.
+        """Issue launch ``i`` of the plan, on stream ``side`` if given (beside the local work, on
+        ``_ASIDE_PROGRAMS`` programs). ``y_a``: the state leaving this rank's outgoing piece, which ``close`` reads.
         Returns the state leaving the launch's pieces where one is kept (the walk's last piece, or
         ``out``'s), else None."""
         ch, like, route = self.ch, self.like, self.route

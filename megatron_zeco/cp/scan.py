@@ -148,7 +148,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan after.
 
     With ``plan.overlap`` on CUDA the whole scan runs on a side stream alongside ``between()``: over
-    the device transports every hop kernel, on a few SMs, the ones that wait for a peer spinning
+    the device transports every hop kernel, on a few SMs, the first that waits for a peer spinning
     beside the local work; over NCCL the messages. The current stream then waits for the side stream
     (no host synchronisation); what the side stream allocated is marked as used on the current one.
     """
