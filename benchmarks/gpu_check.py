@@ -10,7 +10,9 @@
    and each failure's first lines.
 2. **Short benchmark rows** at ``--tokens`` per GPU (bf16, H = 16, K = V = 128), each operator:
    one GPU: the gated delta rule's and KDA's pieces with the exchange stubbed against fla's op, GPU,
-   CUDA-graph and host time (``bench_op.py --op gdn|kda --piece``); two GPUs: fla on one GPU, fla's CP
+   CUDA-graph and host time (``bench_op.py --op gdn|kda --piece``), and what the scan's overlap hides and costs
+   (``bench_overlap.py``: GLA's and the gated delta rule's pieces beside an emulated link, with and without the
+   overlap); two GPUs: fla on one GPU, fla's CP
    (gated delta rule, KDA), zeco, lasp2 and a2a in both layouts (``torchrun --nproc-per-node 2
    bench_op.py --op OP``, eager mode).
 3. **Summary**: a table (printed last) and ``--out`` (JSON) with the device, date, commit and versions.
@@ -251,6 +253,11 @@ def run_bench(args, env, logs, gpus, clock):
                                                     "--tokens", str(args.tokens), "--iters", str(args.iters),
                                                     "--out", out], env, logs, clock)
         steps[f"piece-{op}"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
+    out = os.path.join(logs, "overlap.json")
+    status, seconds = run("bench-overlap", [sys.executable, "benchmarks/bench_overlap.py", "--op", "gla", "gdn",
+                                            "--tokens", str(args.tokens), "--iters", str(args.iters), "--out", out],
+                          env, logs, clock)
+    steps["overlap"] = {"exit": status, "seconds": round(seconds, 1), "result": bench_rows(out)}
     if gpus >= 2:
         for op in OPS:
             out = os.path.join(logs, f"op-{op}.json")
@@ -269,6 +276,14 @@ def piece_table(result):
     base = {(r["tokens"], r["direction"]): r["gpu_ms"] for r in rows if r["case"] == "fla"}
     return [(r["case"], r["direction"], r["gpu_ms"], r.get("graph_ms"), r["host_ms"],
              r["gpu_ms"] / base[r["tokens"], r["direction"]]) for r in rows if (r["tokens"], r["direction"]) in base]
+
+
+def overlap_table(result):
+    """(op, arrival us, mode, fwd ms, its in-chunk ms, its departure ms, bwd ms, its in-chunk ms, its departure
+    ms) rows of the overlap benchmark."""
+    return [(r["op"], r["arrival_us"], r["mode"], *(r.get(f"{d}_{k}ms") for d in ("fwd", "bwd")
+                                                     for k in ("", "local_", "departure_")))
+            for r in (result or {}).get("rows", [])]
 
 
 def op_table(result):
@@ -327,7 +342,13 @@ def summary_lines(report):
                       for r in tests["slowest"]]
     for step, result in (report.get("bench") or {}).items():
         lines.append(f"\n{step} ({result['seconds']:.0f} s, exit {result['exit']}):")
-        if step.startswith("piece-"):
+        if step == "overlap":
+            lines.append(f"  {'op':4s} {'arrival us':>10s} {'mode':8s} "
+                         + " ".join(f"{h:>9s}" for h in ("fwd ms", "in-chunk", "departure", "bwd ms", "in-chunk",
+                                                         "departure")))
+            lines += [f"  {o:4s} {a:10.0f} {m:8s} " + " ".join("-".rjust(9) if v is None else f"{v:9.3f}" for v in vs)
+                      for o, a, m, *vs in overlap_table(result["result"])]
+        elif step.startswith("piece-"):
             lines.append(f"  {'case':22s} {'dir':8s} {'gpu ms':>8s} {'graph ms':>8s} {'host ms':>8s} {'x fla':>6s}")
             lines += [f"  {c:22s} {d:8s} {g:8.3f} {'-' if gr is None else f'{gr:8.3f}':>8s} {h:8.3f} {x:6.2f}"
                       for c, d, g, gr, h, x in piece_table(result["result"])]

@@ -49,6 +49,18 @@ def test_the_summary_shows_the_slowest_tests_and_the_compile_time(tmp_path):
     assert "2 compiles in   2 processes,    42.0 s; slowest: k1 40 s (1), k2 2 s (1)" in text
 
 
+def test_the_summary_shows_the_overlap_rows():
+    row = dict(part="overlap", op="gla", tokens=16384, arrival_us=300.0, mode="overlap", fwd_ms=0.9, fwd_local_ms=0.38,
+               fwd_departure_ms=0.31, bwd_ms=2.7, bwd_local_ms=1.4, bwd_departure_ms=0.32)
+    old = {k: v for k, v in row.items() if "departure" not in k}  # a file written before departures were timed
+    report = {"meta": {"device": "GPU", "gpus": 1, "date": "d", "commit": "c", "torch": "t", "triton": "3",
+                       "fla-core": "f", "configs": {"tests": "untuned", "bench": "auto"}}, "seconds": 10.0,
+              "bench": {"overlap": {"exit": 0, "seconds": 9.0, "result": {"rows": [row, dict(old, mode="serial")]}}}}
+    text = "\n".join(gpu_check.summary_lines(report))
+    assert "  gla         300 overlap      0.900     0.380     0.310     2.700     1.400     0.320" in text, text
+    assert "  gla         300 serial       0.900     0.380         -     2.700     1.400         -" in text, text
+
+
 def test_every_test_that_needs_a_gpu_is_in_a_file_the_check_runs():
     """A test that skips without CUDA runs only where the GPU check runs it: every test module with such a
     skip is among the check's files (a GPU test written elsewhere would never run), and each of those exists."""
