@@ -3,7 +3,8 @@
 ``config.py``: :class:`CPConfig`, every knob, checked against its operator's rules (``RULES``);
 ``plan.py``: the config resolved over a process group (:class:`CPPlan`); ``strategies.py``: the
 strategies by name (zeco and lasp2 in ``scan.py``, lasp1 in ``ring.py``, a2a in ``a2a.py``, none);
-``operator.py``: what an operator gives them, and one call through them; ``checks.py``: input
+``operator.py``: what an operator gives them, and one call through them (its piece protocol in
+``piece.py``); ``checks.py``: input
 checks that agree across ranks; ``packed.py``: packed documents (Megatron's THD format);
 ``conv.py``: the short causal convolution across pieces (halo exchange); ``registry.py``: the
 token mixers the operator folders register (what the specs and the main job offer).

@@ -17,8 +17,7 @@ make the config from their keywords, check the inputs on every rank alike, plan,
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from abc import abstractmethod
-from typing import Callable, Optional, Protocol, Tuple, runtime_checkable
+from typing import Callable, Optional, Protocol, Tuple
 
 import torch
 
@@ -26,6 +25,7 @@ from ..comm.transport import TRANSPORT_ENV
 from .checks import check_inputs, local_call_problems
 from .config import CPConfig
 from .packed import Packing
+from .piece import PIECE_MEMBERS, Piece  # the piece protocol, declared in cp/piece.py
 from .plan import CPPlan, final_state_everywhere, make_plan
 
 Tensor = torch.Tensor
@@ -52,61 +52,6 @@ class LocalOp(Protocol):
                  output_final_state: bool = False, cu_seqlens: Optional[Tensor] = None,
                  cu_seqlens_cpu: Optional[Tensor] = None) -> Tuple[Tensor, Optional[Tensor]]:
         ...
-
-
-@runtime_checkable
-class Piece(Protocol):
-    """A piece of a sequence whose entering state comes later, from a scan (strategies ``zeco`` and
-    ``lasp2``, ``cp/scan.py``): an operator's forward and backward cut in two around the scan.
-
-    A piece maps the state entering it to the state leaving it by ``S_out = T S_in + E``. N below is the
-    batch (one entry per piece and sub-piece) or, packed, one entry per document segment; states are
-    ``[N, H, K, V]`` in the state dtype (float32; float64 for float64 inputs). The scan uses these
-    members and no others, in this order: ``E`` and ``transition`` once the piece is made;
-    ``before_output``, then ``output``; in backward ``entering_grad``, ``before_grads``, then ``grads``.
-
-    Implement it by subclassing (the two hooks default to no-ops) or structurally; an operator's
-    ``piece`` that returns an object lacking a member is refused where the piece is made
-    (:meth:`Operator.make_piece`).
-
-    Attributes:
-        E: ``[N, H, K, V]``: the state leaving the piece when it is entered by a zero state.
-        transition: the linear part ``T`` of the piece's map: decays ``[N, H, K]`` (``T = Diag(gamma)``,
-            GLA) or a dense ``[N, H, K, K]`` matrix (the delta rules' ``M``) (``comm/transition.py``).
-    """
-
-    E: Tensor
-
-    @property
-    @abstractmethod
-    def transition(self) -> Tensor:
-        """The linear part of the piece's map (see the class docstring)."""
-
-    def before_output(self) -> None:
-        """Work that needs no entering state, issued while the scan is in flight (no-op by default);
-        ``output`` must run it itself if it has not run."""
-
-    @abstractmethod
-    def output(self, S_in: Tensor) -> Tensor:
-        """``o [B, T, H, V]`` (the input dtype) of the piece entered by ``S_in [N, H, K, V]``."""
-
-    @abstractmethod
-    def entering_grad(self, do: Tensor) -> Tensor:
-        """``A [N, H, K, V]``: the gradient of ``<do, o>`` with respect to ``S_in`` (that of the whole
-        loss is ``A + T^T D``, which the reverse scan forms)."""
-
-    def before_grads(self) -> None:
-        """Work that needs no gradient of the leaving state, issued while the reverse scan is in flight
-        (no-op by default); ``grads`` must run it itself if it has not run."""
-
-    @abstractmethod
-    def grads(self, D: Tensor) -> Tuple[Tensor, ...]:
-        """The inputs' gradients (``Operator.inputs`` order, the inputs' dtypes) given ``D [N, H, K, V]``,
-        the gradient of the state leaving the piece."""
-
-
-# Piece's members, what a structural piece must have (named in the error that refuses one lacking any).
-PIECE_MEMBERS = tuple(n for n in (*Piece.__annotations__, *vars(Piece)) if not n.startswith("_"))
 
 
 @dataclass(frozen=True)

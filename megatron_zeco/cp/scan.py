@@ -27,6 +27,7 @@ import torch
 from ..comm import all_scan, gather_scan
 from ..comm.transition import transition_of
 from .local import initial_state_grad
+from .piece import local_work
 
 
 class ScanOp(torch.autograd.Function):
@@ -48,7 +49,7 @@ class ScanOp(torch.autograd.Function):
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
         _, last = _scan(_slots(gamma, n), _slots(E, n), h0, plan, reverse=False, out=_slots(S_in, n),
-                        between=piece.before_output)
+                        between=local_work(piece, "before_output"))
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.plan, ctx.call = n, pieces, piece, plan, call
@@ -64,7 +65,7 @@ class ScanOp(torch.autograd.Function):
         D = torch.empty_like(A)
         gamma_t = transition_of(gamma, A).transpose(gamma)  # dS_in = T^T dS_out + A
         Ds, dh0 = _scan(_slots(gamma_t, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
-                        between=piece.before_grads)
+                        between=local_work(piece, "before_grads"))
         grads = piece.grads(pieces.final_grads(D))
         grads = [x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads]
         return (None, None, None, initial_state_grad(ctx, dh0, Ds[0], index=3), *grads)
@@ -144,10 +145,12 @@ _SIDE_STREAMS = {}
 
 
 def _scan(gamma, delta, init, plan, reverse, out, between):
-    """The scan, with ``between()`` (local work that needs no scan result) issued where the rank
-    would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan after.
+    """The scan, with ``between()`` (local work that needs no scan result, or None: none) issued where
+    the rank would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan
+    after.
 
-    With ``plan.overlap`` on CUDA the whole scan runs on a side stream alongside ``between()``: over
+    With ``plan.overlap`` on CUDA and local work to hide, the whole scan runs on a side stream alongside
+    ``between()``: over
     the device transports every hop kernel, on a few SMs, the first that waits for a peer spinning
     beside the local work; over NCCL the messages. The current stream then waits for the side stream
     (no host synchronisation); what the side stream allocated is marked as used on the current one.
@@ -156,7 +159,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     route = plan.route(f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} "
                        f"({'backward' if reverse else 'forward'})")
     side, device = None, delta[0].device
-    if plan.overlap and delta[0].is_cuda:
+    if plan.overlap and delta[0].is_cuda and between is not None:
         if device not in _SIDE_STREAMS:
             _SIDE_STREAMS[device] = torch.cuda.Stream(device)
         side = _SIDE_STREAMS[device]
@@ -165,7 +168,8 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     scan = all_scan if use_all_scan else gather_scan
     if side is None:  # the all-gather scan
         result = scan(gamma, delta, init, route, reverse=reverse, out=out)
-        between()
+        if between is not None:
+            between()
         return result
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)

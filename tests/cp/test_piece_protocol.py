@@ -112,3 +112,35 @@ def test_subclass_missing_a_member_cannot_be_made():
 
     with pytest.raises(TypeError, match="abstract method.*output"):
         NoOutput()
+
+
+def test_a_hook_kept_as_the_protocols_no_op_is_no_local_work():
+    """``local_work``: a piece class that keeps ``before_output`` or ``before_grads`` as Piece's no-op has no such
+    work (the scan then puts nothing beside it, and keeps its hops on the current stream); one that defines it
+    has, also structurally. The CUDA pieces: GLA hides work in both directions, the delta rules in the forward
+    only (their backward is fla's whole backward from the entering state, which needs the leaving state's
+    gradient from its start)."""
+    from megatron_zeco.cp.piece import local_work
+
+    class Bare(Piece):
+        E = None
+        transition = None
+        output = entering_grad = grads = lambda self, x: x
+
+    class Forward(Bare):
+        def before_output(self):
+            self.ran = True
+
+    class Structural:
+        def before_grads(self):
+            pass
+
+    assert local_work(Bare(), "before_output") is None and local_work(Bare(), "before_grads") is None
+    work = local_work(Forward(), "before_output")
+    work()
+    assert work.__self__.ran and local_work(Forward(), "before_grads") is None
+    assert local_work(Structural(), "before_grads") is not None
+    gla, gdn, kda = _fla_pieces()
+    hides = {cls.__name__ + cls.__module__: [getattr(cls, hook) is not getattr(Piece, hook)
+                                             for hook in ("before_output", "before_grads")] for cls in (gla, gdn, kda)}
+    assert list(hides.values()) == [[True, True], [True, False], [True, False]], hides
