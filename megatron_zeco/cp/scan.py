@@ -150,10 +150,10 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     after.
 
     With ``plan.overlap`` on CUDA and local work to hide, the whole scan runs on a side stream alongside
-    ``between()``: over
-    the device transports every hop kernel, on a few SMs, the first that waits for a peer spinning
-    beside the local work; over NCCL the messages. The current stream then waits for the side stream
-    (no host synchronisation); what the side stream allocated is marked as used on the current one.
+    ``between()``: over the device transports every hop kernel, on a few SMs, the first that waits for a
+    peer spinning beside the local work; over NCCL the messages. The current stream then waits for the
+    side stream (no host synchronisation); what the side stream allocated is marked as used on the
+    current one.
     """
     use_all_scan = plan.strategy.all_scan
     route = plan.route(f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} "
