@@ -14,8 +14,8 @@ and the launch's shape: replayed and autotuned runs compute the same function, a
   its chip (``recorded_for``), autotune otherwise;
 - a path to a record: replay it;
 - ``untuned``: replay the shipped record for this GPU if there is one; every other kernel and key runs the
-  kernel's first config that launches, nothing timed (for tests, which check numerics: a cold process
-  compiles one config per kernel and key whether or not a record covers it);
+  kernel's first config that compiles and launches, nothing timed (for tests, which check numerics: a cold
+  process compiles one config per kernel and key whether or not a record covers it);
 - ``record:DIR``: replay the shipped record for this GPU if there is one and autotune the rest, every
   process of the run sharing its results through ``DIR``: the first process to meet a kernel and key
   autotunes it (each config timed over ``RECORD_BENCH_MS`` instead of Triton's 25 + 100 ms) while the
@@ -39,6 +39,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from typing import Dict, Iterator, Optional, Tuple
 
 ENV = "MEGATRON_ZECO_TUNED_CONFIGS"
@@ -199,9 +200,15 @@ def _share_autotuning(record: SharedRecord) -> None:
     Autotuner.run = shared_run
 
 
+# What Triton raises when its compiler fails on a config (an MLIR pass, e.g. software pipelining, that gives up)
+_COMPILER_FAILURE = "PassManager::run failed"
+
+
 def _take_first_config() -> None:
-    """Every autotuner of this process runs a key it has no pick for on its first config that launches
-    (a config refused for its resources, e.g. shared memory, is passed over), timing nothing."""
+    """Every autotuner of this process runs a key it has no pick for on its first config that launches,
+    timing nothing: a config refused for its resources (e.g. shared memory) is passed over, and so, with a
+    warning naming it, is one the compiler fails on (Triton's ``PassManager::run failed``); where every config
+    fails, the last failure is raised."""
     from triton.runtime.autotuner import Autotuner
     from triton.runtime.errors import OutOfResources
 
@@ -215,10 +222,15 @@ def _take_first_config() -> None:
                     self.cache[key] = config
                     try:
                         return run(self, *args, **kwargs)
-                    except OutOfResources:
+                    except (OutOfResources, RuntimeError) as e:
                         del self.cache[key]
-                        if i == len(self.configs) - 1:
+                        compiler = not isinstance(e, OutOfResources)
+                        if (compiler and _COMPILER_FAILURE not in str(e)) or i == len(self.configs) - 1:
                             raise
+                        if compiler:
+                            fn = self.base_fn
+                            warnings.warn(f"{fn.__module__}:{fn.__name__}: Triton's compiler failed on config "
+                                          f"{config} ({_COMPILER_FAILURE}); running the next one")
         return run(self, *args, **kwargs)
 
     Autotuner.run = first_run

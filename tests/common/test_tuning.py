@@ -52,6 +52,22 @@ def test_an_untuned_process_runs_each_kernels_first_config_and_times_nothing(tmp
     assert out["keys"] == [[100, "torch.float32", "torch.float32"], [200, "torch.float32", "torch.float32"]]
 
 
+def test_an_untuned_process_passes_over_a_config_the_compiler_fails_on(tmp_path):
+    """Only a failure of Triton's compiler passes a config over (with a warning); any other error, and the
+    compiler failing on every config, is raised."""
+    out = _process("untuned-compiler-fails:16", tmp_path, 64, 100, 200)
+    assert out["timed"] == [] and out["ran"] == [32, 32]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": ROOT}
+    for mode, error in (("untuned-compiler-fails:16,32,64", "PassManager::run failed"),
+                        ("untuned-error:16", "some other error")):
+        done = subprocess.run([sys.executable, "-m", "tests.helpers.tuned_kernel", mode, str(tmp_path), "64", "100"],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode != 0 and f"RuntimeError: {error}" in done.stderr, (mode, done.stderr[-2000:])
+    assert "Triton's compiler failed on config" in subprocess.run(
+        [sys.executable, "-m", "tests.helpers.tuned_kernel", "untuned-compiler-fails:16", str(tmp_path), "64", "100"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300).stderr
+
+
 def test_replay_skips_configs_the_kernel_does_not_have():
     import tests.helpers.tuned_kernel as k
 

@@ -3,7 +3,8 @@ interpreter, with the autotuner's timing replaced by a preference order (no GPU 
 
 ``python -m tests.helpers.tuned_kernel MODE DIRECTORY PREFER N...`` runs ``scale`` on inputs of each length
 ``N`` in a fresh interpreter: MODE ``record`` shares tuning through ``DIRECTORY`` (a recording run's
-process), ``replay`` replays the record at ``DIRECTORY``, ``untuned`` runs the first config (DIRECTORY unused); the configs the autotuner timed and the ones it
+process), ``replay`` replays the record at ``DIRECTORY``, ``untuned`` runs the first config (DIRECTORY unused; ``untuned-compiler-fails:16,32``:
+the compiler failing on those BLOCKs, ``untuned-error:16``: another error there); the configs the autotuner timed and the ones it
 ran are printed as JSON, the last line.
 """
 
@@ -48,8 +49,20 @@ def main(mode, directory, prefer, *lengths):
     tuner._bench = bench
     if mode == "record":
         tuning._share_autotuning(tuning.SharedRecord(directory))
-    elif mode == "untuned":
+    elif mode.startswith("untuned"):
         tuning._take_first_config()
+        if ":" in mode:  # untuned-<what>:BLOCK,...: those configs fail, the compiler (as Triton says) or otherwise
+            what, blocks = mode.split(":")
+            failing_blocks = {int(b) for b in blocks.split(",")}
+            message = "PassManager::run failed" if what == "untuned-compiler-fails" else "some other error"
+            run = tuner.fn.run
+
+            def failing(*args, **kw):
+                if kw.get("BLOCK") in failing_blocks:
+                    raise RuntimeError(message)
+                return run(*args, **kw)
+
+            tuner.fn.run = failing
     else:
         tuning.replay(tuning._load(directory))
     for n in map(int, lengths):
