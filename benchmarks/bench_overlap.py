@@ -18,7 +18,8 @@ that waits:
 
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
 * ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs, the in-chunk work on the
-  current stream beside it (as built).
+  current stream beside it (as built; a direction with no in-chunk work, the gated delta rule's backward,
+  runs as ``serial``, as built too).
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
@@ -70,10 +71,9 @@ class Link:
 
         K, V = like.shape[-2:]
         self.N, self.K, self.V, self.dense, self.scan_hop = like.numel() // (K * V), K, V, dense, scan_hop
-        self.tiles = (V if dense else K) // peer._TILE_ROWS if (V if dense else K) % peer._TILE_ROWS == 0 else 1
-        self.data = peer._aligned(self.N * K * (V + 1) * 4)  # states of up to 32 bits (either direction's)
-        self.flags = peer._aligned(self.N * self.tiles * peer._FLAG_BYTES)
-        size = self.data + 3 * self.flags
+        self.tiles = peer.tiles_per_state(K, V, dense, num_blocks=1)
+        # states of up to 32 bits (either direction's), over peer memory
+        self.data, self.flags, size = peer.region_bytes(self.N, K, V, torch.float32, self.tiles, nvshmem=False)
         self.buffer = torch.zeros(3 * size, dtype=torch.uint8, device=device)
         self.up, self.me, self.down = (self.buffer.data_ptr() + i * size for i in range(3))
         w = watch(device)
@@ -152,8 +152,9 @@ def run_case(op, T, args, cycles_per_ms, device):
     S_in = torch.empty_like(E)
 
     def scan(mode, arrival_us, transition, delta, out, local, events, left):
-        """One direction's scan around ``local`` (the in-chunk work); ``events``: (start, end) of it;
-        ``left``: (start, end) from the scan's start to the successor holding this rank's state."""
+        """One direction's scan around ``local`` (the in-chunk work, or None: the piece has none, and its scan
+        stays on the current stream as built); ``events``: (start, end) of it; ``left``: (start, end) from the
+        scan's start to the successor holding this rank's state."""
         left[0].record()
         feeder.wait_stream(main)
         successor.wait_stream(main)
@@ -165,28 +166,30 @@ def run_case(op, T, args, cycles_per_ms, device):
                 succ_in[delta.dtype] = torch.empty(E.shape, dtype=delta.dtype, device=device)
             link.receive(T_up, upstream(delta.dtype)[1], succ_in[delta.dtype], programs=link.aside_programs)
             left[1].record()
-        if mode == "overlap":
+        aside = mode == "overlap" and local is not None  # as built: with nothing to hide, nothing goes aside
+        if aside:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 link.hop(transition, delta, out, programs=link.aside_programs)
-            events[0].record()
+        events[0].record()
+        if local is not None:
             local()
-            events[1].record()
+        events[1].record()
+        if aside:
             main.wait_stream(side)
         else:
-            events[0].record()
-            local()
-            events[1].record()
             link.hop(transition, delta, out)
         main.wait_stream(feeder)
         main.wait_stream(successor)
+
+    from megatron_zeco.cp.piece import local_work
 
     def iteration(mode, arrival_us, ev):
         ev["fwd"][0].record()
         p = make()
         e = p.E.reshape(E.shape)
         t = p.transition.reshape(trans.shape).contiguous()
-        scan(mode, arrival_us, t, e, S_in, p.before_output, ev["fwd local"], ev["fwd departure"])
+        scan(mode, arrival_us, t, e, S_in, local_work(p, "before_output"), ev["fwd local"], ev["fwd departure"])
         o = p.output(S_in.reshape(p.E.shape))
         ev["fwd"][1].record()
         ev["bwd"][0].record()
@@ -194,7 +197,7 @@ def run_case(op, T, args, cycles_per_ms, device):
         A = A.reshape(-1, *A.shape[-2:])
         D = torch.empty_like(A)
         t_t = t.transpose(-1, -2).contiguous() if dense else t
-        scan(mode, arrival_us, t_t, A, D, p.before_grads, ev["bwd local"], ev["bwd departure"])
+        scan(mode, arrival_us, t_t, A, D, local_work(p, "before_grads"), ev["bwd local"], ev["bwd departure"])
         grads = p.grads(D.reshape(p.E.shape))
         ev["bwd"][1].record()
         return o, grads

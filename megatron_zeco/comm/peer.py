@@ -89,11 +89,8 @@ class _Channel:
 
     def __init__(self, key: "_ChannelKey"):
         group, layout, N, K, V, dtype, tiles, device, nvshmem, dense = key
-        self.data = _aligned(N * K * (V + 1) * dtype.itemsize)
+        self.data, self.flags, size = region_bytes(N, K, V, dtype, tiles, nvshmem)
         self.decays = N * K * V  # elements into a receive buffer: a map's decays
-        self.flags = _aligned(N * tiles * _FLAG_BYTES)
-        # NVSHMEM: an outbox (what a put sends from) and a scratch word (an acknowledgement's payload)
-        size = self.data + 3 * self.flags + (self.data + _ALIGN if nvshmem else 0)
         buffers = PeerBuffers(group, 4 * size, device, nvshmem)
         rank, world = group.rank(), group.size()
         self.nvshmem, self.dense, self.tiles = nvshmem, dense, tiles
@@ -148,6 +145,23 @@ class _Channel:
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+def region_bytes(N: int, K: int, V: int, dtype: torch.dtype, tiles: int, nvshmem: bool) -> Tuple[int, int, int]:
+    """(receive buffer, flags, region) bytes of one region of a channel for N states ``[K, V]`` of ``dtype`` (and
+    a row of decays each) in ``tiles`` tiles: the buffer, then arrival flags, acknowledgements and call
+    counters of the flags' size each; NVSHMEM adds an outbox (what a put sends from) and a scratch word (an
+    acknowledgement's payload)."""
+    data = _aligned(N * K * (V + 1) * dtype.itemsize)
+    flags = _aligned(N * tiles * _FLAG_BYTES)
+    return data, flags, data + 3 * flags + (data + _ALIGN if nvshmem else 0)
+
+
+def tiles_per_state(K: int, V: int, dense: bool, num_blocks: int) -> int:
+    """The tiles a state ``[K, V]`` moves as, each with its own flag: each of ``num_blocks`` blocks of rows
+    (columns for dense transitions: a row of M S reads every row of S) in 32-row tiles where it divides."""
+    rows = (V if dense else K) // num_blocks
+    return num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
 
 
 def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
@@ -225,8 +239,7 @@ def _channel(route, like: Tensor, dense: bool) -> _Channel:
     # and a finer pipeline through the zigzag turn-around (what a per-document packed batch's one
     # state per document needs to keep the link busy; bench_op.py's scan part times it).
     # Dense transitions: blocks and tiles of columns instead (a row of M S reads every row of S).
-    rows = (V if dense else K) // route.num_blocks
-    tiles = route.num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
+    tiles = tiles_per_state(K, V, dense, route.num_blocks)
     nvshmem = route.transport is Transport.NVSHMEM
     key = _ChannelKey(route.group, route.layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
     ch = _CHANNELS.get(key)

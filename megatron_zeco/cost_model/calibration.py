@@ -646,7 +646,7 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
     for r in by_date:
         newest[r["op"], _shape(r), r["direction"]] = r
     out: dict[str, dict[tuple[int, int, int], tuple]] = {}
-    for (op, shape, _), r in newest.items():
+    for op, shape in {(op, shape) for op, shape, _ in newest}:
         fwd, bwd = (newest.get((op, shape, d)) for d in ("fwd", "bwd"))
         if fwd is not None and bwd is not None:
             out.setdefault(op, {})[shape] = ((fwd["hidden"], fwd["spin"]), (bwd["hidden"], bwd["spin"]))
