@@ -10,16 +10,17 @@ beside it; without, that work is issued first and the hop after it, on the curre
 
 One process plays both ends of one link. The predecessor's hop (the real ``all_scan_hop``, or
 ``all_scan_dense_hop`` for the gated delta rule, storing into this rank's receive buffer and raising its
-flags, in device memory) runs on a stream of its own behind a GPU sleep of ``--arrival`` microseconds,
+flags, in device memory) runs on a stream of its own, of the highest priority (on its own GPU it would not
+queue behind this rank's work), behind a GPU sleep of ``--arrival`` microseconds,
 counted from the end of the piece's summary (forward) or of ``entering_grad`` (backward): when the state
 reaches this rank. This rank's piece (``gla/fla_piece.py``, ``gated_delta_rule/fla_piece.py``; B = 1, H heads
 of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in each direction the one hop
 that waits:
 
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
-* ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs, the in-chunk work on the
-  current stream beside it (as built; a direction with no in-chunk work, the gated delta rule's backward,
-  runs as ``serial``, as built too).
+* ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs (``--aside-programs``), the
+  in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default; a
+  direction with no in-chunk work, the gated delta rule's backward, runs as ``serial``, as built too).
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
@@ -55,6 +56,8 @@ def parse_args(argv=None):
                    help="microseconds from the end of the summary (entering_grad) to the predecessor's send")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--aside-programs", type=int, default=None,
+                   help="programs of the hops on the side stream (default: as built, comm/peer.py)")
     p.add_argument("--out", default="results/overlap.json")
     return p.parse_args(argv)
 
@@ -64,7 +67,7 @@ class Link:
     (``comm/peer.py``'s layout: receive buffer, arrival flags, acknowledgements, call counters), and the
     hops of the two links between them."""
 
-    def __init__(self, like, dense, device):
+    def __init__(self, like, dense, device, aside_programs=None):
         from megatron_zeco.comm import peer
         from megatron_zeco.comm.watch import watch
         from megatron_zeco.kernels import scan_hop
@@ -80,7 +83,7 @@ class Link:
         self.watcher = w
         self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
                         for who in ("send", "hop", "receive")}
-        self.aside_programs = peer._ASIDE_PROGRAMS
+        self.aside_programs = aside_programs or peer._ASIDE_PROGRAMS
 
     def _hop(self, x_init, gamma, delta, s_in, regions, who, programs=None, **flags):
         g_stride = self.K * (self.K if self.dense else 1)
@@ -130,7 +133,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     piece = make()
     E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
     dense = op == "gdn"
-    link = Link(E, dense, device)
+    link = Link(E, dense, device, args.aside_programs)
     trans = piece.transition.reshape(E.shape[0], args.dim, *((args.dim,) if dense else ())).contiguous()
     # the predecessor's own summary and entering state (random: only its arrival time matters here)
     gen = torch.Generator(device=device).manual_seed(T + 1)
@@ -146,15 +149,33 @@ def run_case(op, T, args, cycles_per_ms, device):
 
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
-    side, feeder, successor = (torch.cuda.Stream(device) for _ in range(3))
+    # the predecessor's send at the highest priority: on its own GPU it would not queue behind this rank's work
+    side, successor = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    feeder = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps to the range
     succ_in = {}
     main = torch.cuda.current_stream(device)
     S_in = torch.empty_like(E)
 
-    def scan(mode, arrival_us, transition, delta, out, local, events, left):
+    def scan(mode, arrival_us, transition, delta, out, local, events, left, prime=False):
         """One direction's scan around ``local`` (the in-chunk work, or None: the piece has none, and its scan
         stays on the current stream as built); ``events``: (start, end) of it; ``left``: (start, end) from the
-        scan's start to the successor holding this rank's state."""
+        scan's start to the successor holding this rank's state. ``prime``: each launch once, one after
+        another (below)."""
+        if prime:
+            with torch.cuda.stream(feeder):
+                torch.cuda._sleep(0)
+                link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+            torch.cuda.synchronize()
+            if local is not None:
+                local()
+            link.hop(transition, delta, out)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(successor):
+                if delta.dtype not in succ_in:
+                    succ_in[delta.dtype] = torch.empty(E.shape, dtype=delta.dtype, device=device)
+                link.receive(T_up, upstream(delta.dtype)[1], succ_in[delta.dtype])
+            torch.cuda.synchronize()
+            return
         left[0].record()
         feeder.wait_stream(main)
         successor.wait_stream(main)
@@ -184,12 +205,13 @@ def run_case(op, T, args, cycles_per_ms, device):
 
     from megatron_zeco.cp.piece import local_work
 
-    def iteration(mode, arrival_us, ev):
+    def iteration(mode, arrival_us, ev, prime=False):
         ev["fwd"][0].record()
         p = make()
         e = p.E.reshape(E.shape)
         t = p.transition.reshape(trans.shape).contiguous()
-        scan(mode, arrival_us, t, e, S_in, local_work(p, "before_output"), ev["fwd local"], ev["fwd departure"])
+        scan(mode, arrival_us, t, e, S_in, local_work(p, "before_output"), ev["fwd local"], ev["fwd departure"],
+             prime)
         o = p.output(S_in.reshape(p.E.shape))
         ev["fwd"][1].record()
         ev["bwd"][0].record()
@@ -197,11 +219,19 @@ def run_case(op, T, args, cycles_per_ms, device):
         A = A.reshape(-1, *A.shape[-2:])
         D = torch.empty_like(A)
         t_t = t.transpose(-1, -2).contiguous() if dense else t
-        scan(mode, arrival_us, t_t, A, D, local_work(p, "before_grads"), ev["bwd local"], ev["bwd departure"])
+        scan(mode, arrival_us, t_t, A, D, local_work(p, "before_grads"), ev["bwd local"], ev["bwd departure"],
+             prime)
         grads = p.grads(D.reshape(p.E.shape))
         ev["bwd"][1].record()
         return o, grads
 
+    # One process holds the three ranks' kernels, and the successor's spins until this rank's hop runs. A
+    # kernel's first launch may load its module under a context synchronisation (CUDA's lazy loading), which
+    # would wait for the spinning kernel, itself waiting for that launch: every kernel of an iteration (the
+    # piece's, the three hops', torch's) is launched once first, one after another.
+    iteration("serial", 0, {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                            for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")},
+              prime=True)
     # the link delivers: what arrived is the predecessor's map applied to its entering state
     for mode in ("serial", "overlap"):
         S_in.fill_(float("nan"))
@@ -229,6 +259,7 @@ def run_case(op, T, args, cycles_per_ms, device):
                     times[k].append(a.elapsed_time(b))
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
+                       aside_programs=link.aside_programs,
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "

@@ -98,8 +98,9 @@ class Watch:
         why = (f"global rank {peer} gave up first (a rank before it died or stalled)" if relayed else
                f"none came within {self._limits.get(who, float('nan')):g} s (${TIMEOUT_ENV} or the process "
                f"group's timeout): the peer died, stalled, or diverged")
+        rank = dist.get_rank() if dist.is_initialized() else 0
         raise ScanTimeoutError(
-            f"{name}: global rank {dist.get_rank()} gave up waiting for {thing} from global rank {peer} "
+            f"{name}: global rank {rank} gave up waiting for {thing} from global rank {peer} "
             f"(call {wanted}, tile {tile}, flag {seen & ~POISON_BIT}): {why}. What that scan and every later one "
             f"delivered on this rank is NaN")
 
