@@ -4,7 +4,7 @@
 
 At CP >= 2 a rank's hop kernel waits until its predecessor's state arrives (its successor's gradient in
 backward). With the overlap (``cp_overlap_scan``, on by default over peer memory and NVSHMEM) the rank's
-hops are issued on a side stream on a few programs (``comm/peer.py: _ASIDE_PROGRAMS``) before the
+hops are issued on a side stream on a few programs (``comm/peer.py: ASIDE_PROGRAMS``) before the
 in-chunk work that needs no entering state (``Piece.before_output``, ``Piece.before_grads``), and spin
 beside it; without, that work is issued first and the hop after it, on the current stream.
 
@@ -18,9 +18,10 @@ of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in eac
 that waits:
 
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
-* ``overlap``: the waiting hop on the side stream on ``_ASIDE_PROGRAMS`` programs (``--aside-programs``), the
-  in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default; a
-  direction with no in-chunk work, the gated delta rule's backward, runs as ``serial``, as built too).
+* ``overlap``: the waiting hop on the side stream on ``ASIDE_PROGRAMS`` programs (``--aside-programs``), the
+  in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default: the
+  side stream of the highest priority, ``--side-priority normal`` for the default one; a direction with no
+  in-chunk work, the gated delta rule's backward, runs as ``serial``, as built too).
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
@@ -58,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--aside-programs", type=int, default=None,
                    help="programs of the hops on the side stream (default: as built, comm/peer.py)")
+    p.add_argument("--side-priority", choices=["high", "normal"], default="high",
+                   help="the side stream's priority (high: as built, cp/scan.py: scan_stream)")
     p.add_argument("--out", default="results/overlap.json")
     return p.parse_args(argv)
 
@@ -83,7 +86,7 @@ class Link:
         self.watcher = w
         self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
                         for who in ("send", "hop", "receive")}
-        self.aside_programs = aside_programs or peer._ASIDE_PROGRAMS
+        self.aside_programs = aside_programs or peer.ASIDE_PROGRAMS
 
     def _hop(self, x_init, gamma, delta, s_in, regions, who, programs=None, **flags):
         g_stride = self.K * (self.K if self.dense else 1)
@@ -128,6 +131,8 @@ def make_piece(op, T, H, D, device, seed):
 
 def run_case(op, T, args, cycles_per_ms, device):
     """Rows of one op and length: every arrival, both modes."""
+    from megatron_zeco.cp.scan import scan_stream
+
     print(f"{op} T={T}: building the piece (the first call compiles fla's kernels)", flush=True)
     make, x = make_piece(op, T, args.heads, args.dim, device, seed=T)
     piece = make()
@@ -150,7 +155,8 @@ def run_case(op, T, args, cycles_per_ms, device):
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
     # the predecessor's send at the highest priority: on its own GPU it would not queue behind this rank's work
-    side, successor = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    side = torch.cuda.Stream(device) if args.side_priority == "normal" else scan_stream(device)
+    successor = torch.cuda.Stream(device, priority=-1)  # another GPU's, as the predecessor's
     feeder = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps to the range
     succ_in = {}
     main = torch.cuda.current_stream(device)
@@ -259,7 +265,7 @@ def run_case(op, T, args, cycles_per_ms, device):
                     times[k].append(a.elapsed_time(b))
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
-                       aside_programs=link.aside_programs,
+                       aside_programs=link.aside_programs, side_priority=args.side_priority,
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "

@@ -667,36 +667,49 @@ def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_
 
 def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_transports():
     """What the scan's overlap hides (the in-chunk work's share of each direction, without the overlap and the
-    state arriving at once) and costs (that work slowed beside a spinning hop) are bench_overlap.py's
-    measurements, read off its rows here; as built they count over the device transports only (over
-    send/recv the overlap is off by default); the gated delta rule's backward has no in-chunk work."""
-    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29.json").read_text(encoding="utf-8"))
-    at = {(r["op"], r["arrival_us"], r["mode"]): r for r in data["rows"]}
-    gla = lambda arrival, mode, key: at["gla", arrival, mode][key]  # noqa: E731
-    hidden = (gla(0, "serial", "fwd_local_ms") / gla(0, "serial", "fwd_ms"),
-              gla(0, "serial", "bwd_local_ms") / gla(0, "serial", "bwd_ms"))
-    spin = tuple(gla(1000, "overlap", f"{d}_local_ms") / gla(1000, "serial", f"{d}_local_ms") - 1 for d in ("fwd", "bwd"))
+    state arriving at once), costs (that work slowed beside a spinning hop) and how much slower a hop runs
+    beside that work (when the successor holds the state with the overlap, against the hop's time after the
+    in-chunk work without) are bench_overlap.py's measurements, read off its rows here; as built they count
+    over the device transports only (over send/recv the overlap is off by default) and for the operators whose
+    rules turn it on (GLA; the gated delta rule's forward hides too little)."""
+    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29b.json").read_text(encoding="utf-8"))
+    at = {(r["op"], r["tokens"], r["arrival_us"], r["mode"]): r for r in data["rows"]}
+    gla = lambda arrival, mode, key: at["gla", 16384, arrival, mode][key]  # noqa: E731
+    hidden = tuple(gla(0, "serial", f"{d}_local_ms") / gla(0, "serial", f"{d}_ms") for d in ("fwd", "bwd"))
+    last = max(a for op, t, a, _ in at if (op, t) == ("gla", 16384))
+    spin = tuple(max(0.0, gla(last, "overlap", f"{d}_local_ms") / gla(last, "serial", f"{d}_local_ms") - 1)
+                 for d in ("fwd", "bwd"))
+    aside = tuple(gla(0, "overlap", f"{d}_departure_ms")
+                  / (gla(0, "serial", f"{d}_departure_ms") - gla(0, "serial", f"{d}_local_ms")) for d in ("fwd", "bwd"))
     cal = _calibration()
     w = cm.projection_workload(cal, 256, 16384, op=cm.GLA)
     assert w.hidden == pytest.approx(hidden, rel=1e-12) and w.spin == pytest.approx(spin, rel=1e-12)
+    assert w.aside == pytest.approx(aside, rel=1e-12)
     assert 0.3 < hidden[0] < 0.6 and 0.3 < hidden[1] < 0.6  # GLA's in-chunk attention and gradients
+    assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
-    assert gdn.hidden[1] == 0.0 and gdn.spin[1] == 0.0 and gdn.hidden[0] > 0.0
-    assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0), (0.0, 0.0)), None)
+    assert gdn.hidden[1] == 0.0 and gdn.spin[1] == 0.0 and gdn.aside[1] == 1.0 and gdn.hidden[0] > 0.0
+    assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0)), None)
     c = cm.Cluster()
-    bare = dataclasses.replace(w, hidden=(0.0, 0.0), spin=(0.0, 0.0))
     sw = cal.sw("send_recv")
+    bare = dataclasses.replace(w, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
     assert cm.layer_time("zeco", w, c, sw, 1, "hierarchical") == cm.layer_time("zeco", bare, c, sw, 1, "hierarchical")
     sw = cal.sw("nvshmem")
     t_op = w.op_ms * 1e-3
     windows = (cm.FWD_FRACTION * t_op, (1 - cm.FWD_FRACTION) * t_op)
     scans = [cm.chain_time(w, c, sw, 32)] * 2
-    want = sum(max(0.0, s - h * t) + k * min(s, h * t) for s, h, k, t in zip(scans, hidden, spin, windows))
+    want = sum(max(0.0, s - h * t / a) + k * min(a * s, h * t)
+               for s, h, k, a, t in zip(scans, hidden, spin, aside, windows))
     got = cm.layer_time("zeco", w, c, sw, 32) - cm.layer_time("zeco", bare, c, sw, 32) + sum(scans)
     assert got == pytest.approx(want, rel=1e-9)
     assert cm.layer_time("zeco", w, c, sw, 32) < cm.layer_time("zeco", bare, c, sw, 32)
-    assert any(line.startswith("# overlap as built (gla): over peer_memory and nvshmem the hops run beside 43% / 48%")
+    # the gated delta rule's overlap is off by default: measured, not counted
+    gdn_bare = dataclasses.replace(gdn, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
+    assert cm.layer_time("zeco", gdn, c, sw, 32) == cm.layer_time("zeco", gdn_bare, c, sw, 32)
+    assert any(line.startswith("# overlap as built (gla): over peer_memory and nvshmem the hops run beside 42% / 49%")
                for line in _cli("--gpus", "16"))
+    assert any(line.startswith("# overlap as built (gdn): off by default")
+               for line in _cli("--gpus", "16", "--op", "gdn"))
 
 
 def test_command_line_prints_rows_for_each_operator():

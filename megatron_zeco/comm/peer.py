@@ -28,7 +28,7 @@ _TILE_ROWS = 32
 # Programs of a launch beside the local work (``aside``): a program per tile would fill every SM
 # (a hop waiting for its peer would hold them all while it spins) and the local work would run after
 # the scan instead of beside it.
-_ASIDE_PROGRAMS = 16
+ASIDE_PROGRAMS = 16
 _FLAG_BYTES = 8  # flags, acknowledgements and call counters: 64-bit words (NVSHMEM's signal width)
 
 
@@ -183,7 +183,7 @@ def peer_all_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Option
                   aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`all_scan` over a device transport (same arguments and result). ``while_waiting()`` is issued
     where the rank first waits for a peer. ``aside``: a CUDA stream for every launch of the rank's part of
-    the scan, each on at most ``_ASIDE_PROGRAMS`` programs, the first that waits for a peer issued before
+    the scan, each on at most ``ASIDE_PROGRAMS`` programs, the first that waits for a peer issued before
     ``while_waiting()`` (on the current stream), so that it spins beside the local work instead of after
     it; the current stream waits for the side stream after.
     ``route.what`` names the scan (layer and direction) in a :class:`ScanTimeoutError`. Over
@@ -294,7 +294,7 @@ class _Launcher:
 
     def issue(self, i: int, launch: _Launch, y_a: Optional[Tensor], side=None) -> Optional[Tensor]:
         """Issue launch ``i`` of the plan, on stream ``side`` if given (beside the local work, on
-        ``_ASIDE_PROGRAMS`` programs). ``y_a``: the state leaving this rank's outgoing piece, which ``close`` reads.
+        ``ASIDE_PROGRAMS`` programs). ``y_a``: the state leaving this rank's outgoing piece, which ``close`` reads.
         Returns the state leaving the launch's pieces where one is kept (the walk's last piece, or
         ``out``'s), else None."""
         ch, like, route = self.ch, self.like, self.route
@@ -303,7 +303,7 @@ class _Launcher:
         # (past the current stream's wait for ``aside``)
         y = like.new_empty(like.shape) if final.last or launch.kind == "out" else None
         x = self.x_init if launch.kind in ("hop", "out") and first.first else None
-        programs = _ASIDE_PROGRAMS if side is not None else None
+        programs = ASIDE_PROGRAMS if side is not None else None
         describe = lambda: _describe(route.what, self.reverse, launch, route.layout, route.group, ch.nvshmem)
         bounded = self.watcher.arguments(self.watcher.launch_id((id(ch), self.reverse, i, route.what), describe),
                                          self.timeout)

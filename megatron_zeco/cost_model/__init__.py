@@ -9,11 +9,12 @@ computes (charged at the stated ``FP32_FLOPS``; a diagonal's elementwise work is
 measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
-* ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - hidden * t_dir)
-  + spin * min(scan, hidden * t_dir)``, ``piece`` what a delta rule's ZeCO piece adds to its one-GPU op
-  (measured, ``piece_rows``; 0 for GLA), ``hidden`` the share of a direction's local op its scan runs
-  beside and ``spin`` how much slower the spinning hops make it (measured, ``overlap_rows``; over the
-  device transports, where the build overlaps, else 0),
+* ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - hidden * t_dir / aside)
+  + spin * min(aside * scan, hidden * t_dir)``, ``piece`` what a delta rule's ZeCO piece adds to its one-GPU
+  op (measured, ``piece_rows``; 0 for GLA), ``hidden`` the share of a direction's local op its scan runs
+  beside, ``spin`` how much slower the spinning hops make it and ``aside`` how many times longer a hop takes
+  beside it than alone (measured, ``overlap_rows``; over the device transports where the operator's rules
+  turn the overlap on, else no overlap),
   the scan one All-Scan of a *shape* over a *transport* (both as built, ``comm/``):
 
   - ``chain`` (``all_scan``): the K blocks of the state walk every piece;

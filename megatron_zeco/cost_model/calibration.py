@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Optional
 
+from ..comm.peer import ASIDE_PROGRAMS
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops
 from .model import (ACT_BYTES, DEVICE, FOLD_LAUNCH, GLA, OPERATORS, REGIMES, STRATEGIES, Software, Workload,
                     _a2a_wire, _hop_times, chain_time, gather_time, layer_time)
@@ -74,9 +75,9 @@ class Calibration:
     # operator -> (tokens, heads, dim) -> what a ZeCO piece's own work adds to the one-GPU op, as a share
     # of its GPU time, forward + backward (piece_rows; the delta rules')
     piece_share: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
-    # operator -> (tokens, heads, dim) -> ((hidden, spin) forward, (hidden, spin) backward): the share of each
-    # direction's local op that needs no scan result, and how much slower it runs beside a spinning hop
-    # (overlap_rows)
+    # operator -> (tokens, heads, dim) -> ((hidden, spin, aside) forward, (hidden, spin, aside) backward): the
+    # share of each direction's local op that needs no scan result, how much slower it runs beside a spinning
+    # hop, and how many times longer a hop takes beside it than alone (overlap_rows)
     overlap: dict[str, dict[tuple[int, int, int], tuple]] = field(default_factory=dict)
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
@@ -119,7 +120,7 @@ def calibration_rows(data: dict) -> list[dict]:
     accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` rows of the device
     the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`)."""
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
-    overlap = [r for r in data.get("rows", []) if r.get("part") == OVERLAP
+    overlap = [r for r in data.get("rows", []) if _overlap_as_built(r)
                and DEVICE in data.get("meta", {}).get("device", "")]
     return gla + op_time_rows(data) + overlap
 
@@ -157,6 +158,12 @@ def piece_rows(name: str, data: dict) -> list[dict]:
     return out
 
 
+def _overlap_as_built(row: dict) -> bool:
+    """Whether ``row`` is a :data:`OVERLAP` row of the hops as built: on ``comm.peer.ASIDE_PROGRAMS``
+    programs (rows without the field predate the option and ran so)."""
+    return row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
+
+
 def overlap_rows(name: str, data: dict) -> list[dict]:
     """What the scan's overlap hides and costs, from ``bench_overlap.py``'s rows on the device the model
     describes: per operator, tokens and direction (``fwd``, ``bwd``), ``hidden``, the GPU time of the
@@ -164,11 +171,14 @@ def overlap_rows(name: str, data: dict) -> list[dict]:
     the overlap; and ``spin``, how much slower that work runs beside a hop that spins through it (with the
     overlap, at the latest arrival, against without) less one; neither where the in-chunk work is under
     :data:`MIN_HIDDEN` of the direction (nothing to hide: the gated delta rule's backward, whose time
-    there is the timer's). Part :data:`OVERLAP`, ``date`` the file's."""
+    there is the timer's); and ``aside``, how many times longer the hop takes beside that work than alone,
+    the state arriving at once: from the scan's start until the successor holds the state (``departure``)
+    with the overlap, against its time after the in-chunk work without (1 where the file has no
+    departures). Part :data:`OVERLAP`, ``date`` the file's."""
     meta = data.get("meta", {})
     if DEVICE not in meta.get("device", ""):
         return []
-    rows = [r for r in data.get("rows", []) if r.get("part") == OVERLAP and r.get("op") in OPERATORS]
+    rows = [r for r in data.get("rows", []) if _overlap_as_built(r) and r.get("op") in OPERATORS]
     out = []
     for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
         mine = [r for r in rows if (r["op"], r["tokens"]) == (op, tokens)]
@@ -180,8 +190,13 @@ def overlap_rows(name: str, data: dict) -> list[dict]:
             local, whole = at[first, "serial"][f"{d}_local_ms"], at[first, "serial"][f"{d}_ms"]
             spun = at[last, "overlap"][f"{d}_local_ms"] / at[last, "serial"][f"{d}_local_ms"] - 1
             hidden = local / whole if local / whole >= MIN_HIDDEN else 0.0
+            aside = 1.0
+            if hidden and f"{d}_departure_ms" in at[first, "serial"]:
+                alone = at[first, "serial"][f"{d}_departure_ms"] - local
+                beside = at[first, "overlap"][f"{d}_departure_ms"] - first * 1e-3
+                aside = max(1.0, beside / alone)
             out.append(dict(part=OVERLAP, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],
-                            direction=d, hidden=hidden, spin=max(0.0, spun) if hidden else 0.0,
+                            direction=d, hidden=hidden, spin=max(0.0, spun) if hidden else 0.0, aside=aside,
                             date=meta.get("date", ""), file=name))
     return out
 
@@ -649,7 +664,7 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
     for op, shape in {(op, shape) for op, shape, _ in newest}:
         fwd, bwd = (newest.get((op, shape, d)) for d in ("fwd", "bwd"))
         if fwd is not None and bwd is not None:
-            out.setdefault(op, {})[shape] = ((fwd["hidden"], fwd["spin"]), (bwd["hidden"], bwd["spin"]))
+            out.setdefault(op, {})[shape] = tuple((r["hidden"], r["spin"], r.get("aside", 1.0)) for r in (fwd, bwd))
     return out
 
 

@@ -142,10 +142,11 @@ class Workload:
     op: Operator = GLA
     piece_share: float = 0.0  # share of op_ms a ZeCO piece's own work adds (the delta rules' correction; measured)
     # per direction (forward, backward): the share of its local op that needs no scan result (the in-chunk
-    # work the device transports' hops run beside, as built), and how much slower that work runs while a hop
-    # spins beside it (measured: bench_overlap.py)
+    # work the device transports' hops run beside, as built), how much slower that work runs while a hop
+    # spins beside it, and how many times longer a hop takes beside it than alone (measured: bench_overlap.py)
     hidden: tuple[float, float] = (0.0, 0.0)
     spin: tuple[float, float] = (0.0, 0.0)
+    aside: tuple[float, float] = (1.0, 1.0)
 
     @property
     def pieces(self) -> int:
@@ -324,14 +325,16 @@ def layer_time(strategy: str, w: Workload, c: Cluster, sw: Software, K: int = 1,
     else:
         comm = [gather_time(w, c, sw)] * 2
     windows = (FWD_FRACTION * t_op, (1 - FWD_FRACTION) * t_op)
-    # as built, the device transports' hops run beside the in-chunk work (``w.hidden``), which they slow
-    # while they spin (``w.spin``); ``sw.overlap`` asks for a larger share
-    built = strategy == "zeco" and TRANSPORTS[sw.transport].device
+    # as built, the device transports' hops run beside the in-chunk work (``w.hidden``) where the operator's
+    # rules turn the overlap on (``Rules.auto_overlap``), slowing it while they spin (``w.spin``);
+    # ``sw.overlap`` asks for a larger share
+    built = strategy == "zeco" and TRANSPORTS[sw.transport].device and RULES[w.op.rules].auto_overlap
     exposed = 0.0
-    for (scan, after), t, hidden, spin in zip(comm, windows, w.hidden, w.spin):
-        share = max(sw.overlap, hidden if built else 0.0)
-        slowed = spin * min(scan, hidden * t) if built else 0.0
-        exposed += max(0.0, scan - share * t) + after + slowed
+    # the scan advances 1 / aside as fast beside that work as alone
+    for (scan, after), t, hidden, spin, aside in zip(comm, windows, w.hidden, w.spin, w.aside):
+        covered = max(sw.overlap * t, hidden * t / aside if built else 0.0)
+        slowed = spin * min(scan * aside, hidden * t) if built else 0.0
+        exposed += max(0.0, scan - covered) + after + slowed
     return t_op * (1 + sw.extra + w.piece_share) + passes + exposed
 
 

@@ -8,6 +8,7 @@ from typing import NamedTuple, Optional
 
 from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
+from ..cp.config import RULES
 from .calibration import Calibration, calibrate, default_rows, load_rows
 from .model import (DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Operator, Workload, best_blocks,
                     layer_time)
@@ -44,20 +45,20 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
                          f"{sorted({d for *_, d in times})}); choose --head-dim among them")
     t0, h0 = min(measured)
     op_ms = measured[t0, h0] * tokens / t0 * heads / h0
-    (hidden_fwd, spin_fwd), (hidden_bwd, spin_bwd) = overlap_shares(cal, op, tokens, head_dim)[0]
+    fwd, bwd = overlap_shares(cal, op, tokens, head_dim)[0]
     return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op,
-                    piece_share=piece_share(cal, op, tokens, head_dim)[0], hidden=(hidden_fwd, hidden_bwd),
-                    spin=(spin_fwd, spin_bwd))
+                    piece_share=piece_share(cal, op, tokens, head_dim)[0], hidden=(fwd[0], bwd[0]),
+                    spin=(fwd[1], bwd[1]), aside=(fwd[2], bwd[2]))
 
 
 def overlap_shares(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[tuple, Optional[int]]:
-    """(((hidden, spin) forward, (hidden, spin) backward), tokens they were measured at): what the scan's
-    overlap hides of ``op``'s local op and what its spinning hops cost it (``Calibration.overlap``), at the
-    tokens nearest ``tokens`` with this head dim; nothing hidden, (((0, 0), (0, 0)), None), where not
-    measured."""
+    """(((hidden, spin, aside) forward, (hidden, spin, aside) backward), tokens they were measured at): what
+    the scan's overlap hides of ``op``'s local op, what its spinning hops cost it and how much slower a hop
+    runs beside it (``Calibration.overlap``), at the tokens nearest ``tokens`` with this head dim; nothing
+    hidden, (((0, 0, 1), (0, 0, 1)), None), where not measured."""
     shares = {t: v for (t, _, d), v in cal.overlap.get(op.name, {}).items() if d == head_dim}
     if not shares:
-        return ((0.0, 0.0), (0.0, 0.0)), None
+        return ((0.0, 0.0, 1.0), (0.0, 0.0, 1.0)), None
     nearest = min(shares, key=lambda t: (abs(math.log(t / tokens)), t))
     return shares[nearest], nearest
 
@@ -216,10 +217,14 @@ def _overlap_source(w: Workload, tokens: Optional[int]) -> str:
     what they cost it (measured at ``tokens``), or that it is not measured."""
     if tokens is None:
         return f"# overlap as built ({w.op.name}): not measured, nothing of the scan hidden"
-    (hf, hb), (sf, sb) = w.hidden, w.spin
+    (hf, hb), (sf, sb), (af, ab) = w.hidden, w.spin, w.aside
+    if not RULES[w.op.rules].auto_overlap:
+        return (f"# overlap as built ({w.op.name}): off by default (measured, one GPU at {tokens} tokens: its hops "
+                f"would run beside {hf:.0%} / {hb:.0%} of the forward / backward local op, {af:.1f}x / {ab:.1f}x as long "
+                f"as alone)")
     return (f"# overlap as built ({w.op.name}): over peer_memory and nvshmem the hops run beside {hf:.0%} / {hb:.0%} "
-            f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them (measured, one GPU at "
-            f"{tokens} tokens)")
+            f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them, each hop {af:.1f}x / {ab:.1f}x "
+            f"as long as alone (measured, one GPU at {tokens} tokens)")
 
 
 def _title(op: Operator) -> str:

@@ -47,6 +47,10 @@ class Rules:
         auto_transport: what ``transport="auto"`` means: None (by the group's hosts: peer memory between
             the GPUs of one node, else the group's messages; ``$MEGATRON_ZECO_TRANSPORT`` overrides) or a
             :class:`~megatron_zeco.comm.transport.Transport` (``comm.transport.resolve``).
+        auto_overlap: what ``overlap=None`` means over a device transport: whether the scan's hops go on a
+            side stream, on few programs, to spin beside the in-chunk work that needs no entering state
+            (worth it where that work is longer than what the hop loses on few programs; docs/scaling.md,
+            "The overlap, measured on one GPU").
         knobs: the knobs beyond :data:`SHARED_KNOBS` that apply to it.
     """
 
@@ -54,6 +58,7 @@ class Rules:
     strategies: Tuple[str, ...]
     blocks: str
     auto_transport: Optional[Transport]
+    auto_overlap: bool
     knobs: FrozenSet[str] = frozenset()
 
     def applies(self, knob: str) -> bool:
@@ -61,12 +66,15 @@ class Rules:
 
 
 RULES = {
-    "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport=None,
+    "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport=None, auto_overlap=True,
                  knobs=frozenset({"piece_split", "node_size"})),
-    # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default
+    # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default;
+    # the delta rules' in-chunk work (the forward's zero-state pass) is shorter than what their dense hop loses
+    # on few programs, and their backward has none: no side stream unless asked for
     "gated_delta_rule": Rules("the gated delta rule", ("zeco", "lasp2", "a2a"), blocks="columns",
-                              auto_transport=Transport.SEND_RECV),
-    "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport=Transport.SEND_RECV),
+                              auto_transport=Transport.SEND_RECV, auto_overlap=False),
+    "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport=Transport.SEND_RECV,
+                 auto_overlap=False),
 }
 
 
@@ -88,7 +96,8 @@ class CPConfig:
             ``contiguous``.
         num_blocks: pipeline blocks of the All-Scan (a divisor of the head dim the rules name).
         transport: ``auto``, ``send_recv``, ``peer_memory`` or ``nvshmem``.
-        overlap: a side CUDA stream for the scan; None: on for ``zeco`` over a device transport.
+        overlap: a side CUDA stream for the scan; None: on for ``zeco`` over a device transport where the
+            operator's rules say so (``Rules.auto_overlap``: GLA).
         piece_split: sub-pieces per piece, batched (GLA); None: chosen per call.
         packed_split: ``document``, ``sequence`` or ``auto`` (from Megatron-LM's arguments).
         node_size: ranks of the CP group per node (GLA's hierarchical scan); None: from the hosts.

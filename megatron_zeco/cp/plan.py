@@ -87,8 +87,8 @@ def make_plan(config, group, like: Optional[torch.Tensor] = None, name: str = ""
     """``config`` (a :class:`~megatron_zeco.cp.config.CPConfig`) over ``group`` (None or a group of one: no
     context parallelism) for states like ``like`` (its device): the strategy's object,
     ``transport="auto"`` by the operator's rules and the group's hosts, ``overlap=None`` on for zeco over a
-    device transport. Collective the first time per group (which hosts share a node). ``name`` names the
-    caller in communication errors."""
+    device transport where the operator's rules say so (``Rules.auto_overlap``). Collective the first time
+    per group (which hosts share a node). ``name`` names the caller in communication errors."""
     world = 1 if group is None else group.size()
     if world == 1:
         return CPPlan(None, _with_strategy(config, "none"), LOCAL, name=name)
@@ -101,7 +101,7 @@ def make_plan(config, group, like: Optional[torch.Tensor] = None, name: str = ""
             raise ValueError(f"{name}: {e}") from None
     overlap = config.overlap
     if overlap is None:
-        overlap = strategy.all_scan and transport.device
+        overlap = strategy.all_scan and transport.device and config.rules.auto_overlap
     return CPPlan(group, config, strategy, transport, bool(overlap), name)
 
 

@@ -144,6 +144,15 @@ def _slots(x, n):
 _SIDE_STREAMS = {}
 
 
+def scan_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The side stream of ``device``'s scans (made on first use), of the highest priority: a hop kernel on it,
+    on few programs, is dispatched ahead of the local work's pending blocks once its dependencies clear
+    (the local work would otherwise fill the SMs first and keep them)."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps
+    return _SIDE_STREAMS[device]
+
+
 def _scan(gamma, delta, init, plan, reverse, out, between):
     """The scan, with ``between()`` (local work that needs no scan result, or None: none) issued where
     the rank would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan
@@ -160,9 +169,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
                        f"({'backward' if reverse else 'forward'})")
     side, device = None, delta[0].device
     if plan.overlap and delta[0].is_cuda and between is not None:
-        if device not in _SIDE_STREAMS:
-            _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-        side = _SIDE_STREAMS[device]
+        side = scan_stream(device)
     if use_all_scan and (side is None or plan.transport.device):
         return all_scan(gamma, delta, init, route, reverse=reverse, out=out, while_waiting=between, aside=side)
     scan = all_scan if use_all_scan else gather_scan

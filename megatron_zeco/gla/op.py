@@ -59,10 +59,10 @@ def zeco_gla(
         scale: output scale, default ``K ** -0.5``.
         num_blocks: ``zeco`` only: blocks of key rows the state is cut into and
             pipelined in (a divisor of K).
-        overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local
-            work that does not need its result (forward and backward): over peer memory or NVSHMEM
-            every hop kernel, on a few SMs (the first hop that waits for a peer spins there while
-            the in-chunk work runs), otherwise the messages. None (default): on for ``zeco`` over peer
+        overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream (of the highest
+            priority) beside the local work that does not need its result (forward and backward):
+            over peer memory or NVSHMEM every hop kernel, on a few SMs (the first hop that waits for
+            a peer spins there while the in-chunk work runs), otherwise the messages. None (default): on for ``zeco`` over peer
             memory or NVSHMEM, off otherwise; off, that local work is issued where the rank would
             first wait for a peer.
         transport: ``zeco`` only: how All-Scan moves its blocks. ``send_recv``: the group's

@@ -181,6 +181,31 @@ def test_unknown_transport_is_refused():
     assert all(run_ranks(_bad_transport_worker, 2))
 
 
+def _default_overlap_worker(rank, world):
+    from megatron_zeco.cp import CPConfig
+    from megatron_zeco.cp.plan import make_plan
+
+    like = torch.rand(2, 3)
+    got = {}
+    for operator in ("gla", "gated_delta_rule", "kda"):
+        for transport in ("peer_memory", "send_recv"):
+            for overlap in (None, True, False):
+                plan = make_plan(CPConfig(operator=operator, transport=transport, overlap=overlap), dist.group.WORLD,
+                                 like=like, name="test")
+                got[operator, transport, overlap] = plan.overlap
+    return got
+
+
+def test_the_overlap_is_on_by_default_where_the_operators_rules_say_so():
+    """``overlap=None`` resolves once, in the plan: the side stream over a device transport for GLA (its in-chunk
+    attention and gradients hide the scan), not for the delta rules (their rules' ``auto_overlap``), never over
+    send/recv; set, it is what was asked for."""
+    for got in run_ranks(_default_overlap_worker, 2):
+        for (operator, transport, overlap), on in got.items():
+            want = overlap if overlap is not None else (operator == "gla" and transport == "peer_memory")
+            assert on is want, (operator, transport, overlap, on)
+
+
 def _dense_scans(group, seed):
     """all_scan (the chain in blocks of columns over messages and over peer memory, and the
     hierarchical shape over nodes of two ranks) and gather_scan with dense transitions, against a
@@ -234,7 +259,7 @@ def _aside_worker(group, seed):
     """``all_scan`` over peer memory with a side stream (``aside``), as ScanOp calls it with the overlap
     on: CUDA's streams are stood in for by recorders, so that the order in which the launches, the local
     work and the stream waits are issued is seen on the CPU (the interpreted kernels run as issued).
-    Every hop kernel is issued on the side stream on at most ``_ASIDE_PROGRAMS`` programs; the first that
+    Every hop kernel is issued on the side stream on at most ``ASIDE_PROGRAMS`` programs; the first that
     waits for a peer just before ``while_waiting()`` on the current stream (so that it spins beside the
     local work), those after it behind the local work (so that, on one hardware queue, no launch waiting
     for another on the side stream holds up the local work); the current stream then waits for the side
@@ -299,7 +324,7 @@ def _aside_worker(group, seed):
                         + [("wait", "main", "aside")])
             if not launches or log != expected:
                 failures.append(f"{what}: issued {log}")
-            if any(stream != "aside" or programs != peer._ASIDE_PROGRAMS for _, _, stream, programs, _ in launches):
+            if any(stream != "aside" or programs != peer.ASIDE_PROGRAMS for _, _, stream, programs, _ in launches):
                 failures.append(f"{what}: launches {launches}")
     finally:
         for name in kernels:
