@@ -689,7 +689,8 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
     assert gdn.hidden[1] == 0.0 and gdn.spin[1] == 0.0 and gdn.aside[1] == 1.0 and gdn.hidden[0] > 0.0
-    assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0)), None)
+    assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None)
+    assert cm.overlap_shares(cal, cm.GLA, 16384, 128)[0][2] == "normal"  # the shipped rows' side stream
     c = cm.Cluster()
     sw = cal.sw("send_recv")
     bare = dataclasses.replace(w, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
@@ -710,6 +711,22 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
                for line in _cli("--gpus", "16"))
     assert any(line.startswith("# overlap as built (gdn): off by default")
                for line in _cli("--gpus", "16", "--op", "gdn"))
+
+
+def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
+    """A file that times the side stream at both priorities (``bench_overlap.py --side-priority``) gives the
+    rows of the highest (as built); one with the default priority's alone, those; rows of another program count
+    (``--aside-programs``) are not the hops as built."""
+    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29b.json").read_text(encoding="utf-8"))
+    normal = cm.overlap_rows("x.json", data)
+    assert normal and {r["priority"] for r in normal} == {"normal"}
+    high = [dict(r, side_priority="high", fwd_departure_ms=r["fwd_departure_ms"] / 2) for r in data["rows"]]
+    both = cm.overlap_rows("x.json", dict(data, rows=[dict(r, side_priority="normal") for r in data["rows"]] + high))
+    assert {r["priority"] for r in both} == {"high"}
+    forward = lambda rows: [r["aside"] for r in rows if r["direction"] == "fwd" and r["hidden"]]  # noqa: E731
+    assert all(h < n for h, n in zip(forward(both), forward(normal)))
+    other = [dict(r, aside_programs=64) for r in data["rows"]]
+    assert cm.overlap_rows("x.json", dict(data, rows=other)) == []
 
 
 def test_command_line_prints_rows_for_each_operator():

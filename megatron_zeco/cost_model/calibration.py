@@ -75,9 +75,10 @@ class Calibration:
     # operator -> (tokens, heads, dim) -> what a ZeCO piece's own work adds to the one-GPU op, as a share
     # of its GPU time, forward + backward (piece_rows; the delta rules')
     piece_share: dict[str, dict[tuple[int, int, int], float]] = field(default_factory=dict)
-    # operator -> (tokens, heads, dim) -> ((hidden, spin, aside) forward, (hidden, spin, aside) backward): the
-    # share of each direction's local op that needs no scan result, how much slower it runs beside a spinning
-    # hop, and how many times longer a hop takes beside it than alone (overlap_rows)
+    # operator -> (tokens, heads, dim) -> ((hidden, spin, aside) forward, (hidden, spin, aside) backward,
+    # priority): the share of each direction's local op that needs no scan result, how much slower it runs
+    # beside a spinning hop, how many times longer a hop takes beside it than alone, and the side stream's
+    # priority they were measured with (overlap_rows)
     overlap: dict[str, dict[tuple[int, int, int], tuple]] = field(default_factory=dict)
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
@@ -174,11 +175,15 @@ def overlap_rows(name: str, data: dict) -> list[dict]:
     there is the timer's); and ``aside``, how many times longer the hop takes beside that work than alone,
     the state arriving at once: from the scan's start until the successor holds the state (``departure``)
     with the overlap, against its time after the in-chunk work without (1 where the file has no
-    departures). Part :data:`OVERLAP`, ``date`` the file's."""
+    departures). The rows with the side stream of the highest priority (as built), where the file has
+    them, else those of the default priority (rows without ``side_priority`` ran so), which ``priority``
+    names. Part :data:`OVERLAP`, ``date`` the file's."""
     meta = data.get("meta", {})
     if DEVICE not in meta.get("device", ""):
         return []
     rows = [r for r in data.get("rows", []) if _overlap_as_built(r) and r.get("op") in OPERATORS]
+    priority = "high" if any(r.get("side_priority") == "high" for r in rows) else "normal"
+    rows = [r for r in rows if r.get("side_priority", "normal") == priority]
     out = []
     for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
         mine = [r for r in rows if (r["op"], r["tokens"]) == (op, tokens)]
@@ -197,7 +202,7 @@ def overlap_rows(name: str, data: dict) -> list[dict]:
                 aside = max(1.0, beside / alone)
             out.append(dict(part=OVERLAP, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],
                             direction=d, hidden=hidden, spin=max(0.0, spun) if hidden else 0.0, aside=aside,
-                            date=meta.get("date", ""), file=name))
+                            priority=priority, date=meta.get("date", ""), file=name))
     return out
 
 
@@ -664,7 +669,8 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
     for op, shape in {(op, shape) for op, shape, _ in newest}:
         fwd, bwd = (newest.get((op, shape, d)) for d in ("fwd", "bwd"))
         if fwd is not None and bwd is not None:
-            out.setdefault(op, {})[shape] = tuple((r["hidden"], r["spin"], r.get("aside", 1.0)) for r in (fwd, bwd))
+            out.setdefault(op, {})[shape] = (*((r["hidden"], r["spin"], r.get("aside", 1.0)) for r in (fwd, bwd)),
+                                             fwd.get("priority", "normal"))
     return out
 
 

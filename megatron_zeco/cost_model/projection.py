@@ -45,20 +45,20 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
                          f"{sorted({d for *_, d in times})}); choose --head-dim among them")
     t0, h0 = min(measured)
     op_ms = measured[t0, h0] * tokens / t0 * heads / h0
-    fwd, bwd = overlap_shares(cal, op, tokens, head_dim)[0]
+    fwd, bwd, _ = overlap_shares(cal, op, tokens, head_dim)[0]
     return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op,
                     piece_share=piece_share(cal, op, tokens, head_dim)[0], hidden=(fwd[0], bwd[0]),
                     spin=(fwd[1], bwd[1]), aside=(fwd[2], bwd[2]))
 
 
 def overlap_shares(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[tuple, Optional[int]]:
-    """(((hidden, spin, aside) forward, (hidden, spin, aside) backward), tokens they were measured at): what
-    the scan's overlap hides of ``op``'s local op, what its spinning hops cost it and how much slower a hop
-    runs beside it (``Calibration.overlap``), at the tokens nearest ``tokens`` with this head dim; nothing
-    hidden, (((0, 0, 1), (0, 0, 1)), None), where not measured."""
+    """(((hidden, spin, aside) forward, (hidden, spin, aside) backward, priority), tokens they were measured
+    at): what the scan's overlap hides of ``op``'s local op, what its spinning hops cost it, how much slower a
+    hop runs beside it and the side stream's priority then (``Calibration.overlap``), at the tokens nearest
+    ``tokens`` with this head dim; nothing hidden, (((0, 0, 1), (0, 0, 1), None), None), where not measured."""
     shares = {t: v for (t, _, d), v in cal.overlap.get(op.name, {}).items() if d == head_dim}
     if not shares:
-        return ((0.0, 0.0, 1.0), (0.0, 0.0, 1.0)), None
+        return ((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None
     nearest = min(shares, key=lambda t: (abs(math.log(t / tokens)), t))
     return shares[nearest], nearest
 
@@ -194,7 +194,7 @@ def main(argv=None) -> None:
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
             print(_scan_source(w, piece_share(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
-        print(_overlap_source(w, overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
+        print(_overlap_source(w, *overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)[::-1]))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               LayerShape(args.heads, args.head_dim, op), args.transport):
@@ -212,19 +212,21 @@ def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
             f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); {piece}")
 
 
-def _overlap_source(w: Workload, tokens: Optional[int]) -> str:
+def _overlap_source(w: Workload, tokens: Optional[int], shares: tuple) -> str:
     """The header's line on the scan's overlap as built: what its hops hide of each direction's local op and
-    what they cost it (measured at ``tokens``), or that it is not measured."""
+    what they cost it (measured at ``tokens``, ``shares`` as :func:`overlap_shares` gives them), or that it is
+    not measured."""
     if tokens is None:
         return f"# overlap as built ({w.op.name}): not measured, nothing of the scan hidden"
     (hf, hb), (sf, sb), (af, ab) = w.hidden, w.spin, w.aside
+    measured = (f"measured, one GPU at {tokens} tokens, the side stream of "
+                f"{'the highest' if shares[2] == 'high' else 'default'} priority")
     if not RULES[w.op.rules].auto_overlap:
-        return (f"# overlap as built ({w.op.name}): off by default (measured, one GPU at {tokens} tokens: its hops "
-                f"would run beside {hf:.0%} / {hb:.0%} of the forward / backward local op, {af:.1f}x / {ab:.1f}x as long "
-                f"as alone)")
+        return (f"# overlap as built ({w.op.name}): off by default ({measured}: its hops would run beside "
+                f"{hf:.0%} / {hb:.0%} of the forward / backward local op, {af:.1f}x / {ab:.1f}x as long as alone)")
     return (f"# overlap as built ({w.op.name}): over peer_memory and nvshmem the hops run beside {hf:.0%} / {hb:.0%} "
             f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them, each hop {af:.1f}x / {ab:.1f}x "
-            f"as long as alone (measured, one GPU at {tokens} tokens)")
+            f"as long as alone ({measured})")
 
 
 def _title(op: Operator) -> str:
