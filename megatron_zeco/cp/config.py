@@ -50,7 +50,7 @@ class Rules:
         auto_overlap: what ``overlap=None`` means over a device transport: whether the scan's hops go on a
             side stream, on few programs, to spin beside the in-chunk work that needs no entering state
             (worth it where that work is longer than what the hop loses on few programs; docs/scaling.md,
-            "The overlap, measured on one GPU").
+            "The overlap, measured on one GPU"). Off unless an operator's measurements say so.
         knobs: the knobs beyond :data:`SHARED_KNOBS` that apply to it.
     """
 
@@ -58,7 +58,7 @@ class Rules:
     strategies: Tuple[str, ...]
     blocks: str
     auto_transport: Optional[Transport]
-    auto_overlap: bool
+    auto_overlap: bool = False
     knobs: FrozenSet[str] = frozenset()
 
     def applies(self, knob: str) -> bool:
