@@ -154,11 +154,16 @@ def run_case(op, T, args, cycles_per_ms, device):
 
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
-    # the predecessor's send at the highest priority: on its own GPU it would not queue behind this rank's work
     side = torch.cuda.Stream(device) if args.side_priority == "normal" else scan_stream(device)
-    successor = torch.cuda.Stream(device, priority=-1)  # another GPU's, as the predecessor's
-    feeder = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps to the range
-    succ_in = {}
+    # the emulated peers' streams at the highest priority (lower is higher; torch clamps to the range): on
+    # their own GPUs they would not queue behind this rank's work
+    feeder, successor = (torch.cuda.Stream(device, priority=-1) for _ in range(2))
+    succ_in = {}  # per state dtype: where the successor's hop writes this rank's state
+
+    def downstream(dtype):
+        if dtype not in succ_in:
+            succ_in[dtype] = torch.empty(E.shape, dtype=dtype, device=device)
+        return succ_in[dtype]
     main = torch.cuda.current_stream(device)
     S_in = torch.empty_like(E)
 
@@ -177,9 +182,7 @@ def run_case(op, T, args, cycles_per_ms, device):
             link.hop(transition, delta, out)
             torch.cuda.synchronize()
             with torch.cuda.stream(successor):
-                if delta.dtype not in succ_in:
-                    succ_in[delta.dtype] = torch.empty(E.shape, dtype=delta.dtype, device=device)
-                link.receive(T_up, upstream(delta.dtype)[1], succ_in[delta.dtype])
+                link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype))
             torch.cuda.synchronize()
             return
         left[0].record()
@@ -189,9 +192,7 @@ def run_case(op, T, args, cycles_per_ms, device):
             torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
             link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
         with torch.cuda.stream(successor):  # the successor spins on few programs, as with the overlap
-            if delta.dtype not in succ_in:
-                succ_in[delta.dtype] = torch.empty(E.shape, dtype=delta.dtype, device=device)
-            link.receive(T_up, upstream(delta.dtype)[1], succ_in[delta.dtype], programs=link.aside_programs)
+            link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=link.aside_programs)
             left[1].record()
         aside = mode == "overlap" and local is not None  # as built: with nothing to hide, nothing goes aside
         if aside:

@@ -669,8 +669,8 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
     for op, shape in {(op, shape) for op, shape, _ in newest}:
         fwd, bwd = (newest.get((op, shape, d)) for d in ("fwd", "bwd"))
         if fwd is not None and bwd is not None:
-            out.setdefault(op, {})[shape] = (*((r["hidden"], r["spin"], r.get("aside", 1.0)) for r in (fwd, bwd)),
-                                             fwd.get("priority", "normal"))
+            out.setdefault(op, {})[shape] = (*((r["hidden"], r["spin"], r["aside"]) for r in (fwd, bwd)),
+                                             fwd["priority"])
     return out
 
 

@@ -194,7 +194,8 @@ def main(argv=None) -> None:
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
             print(_scan_source(w, piece_share(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
-        print(_overlap_source(w, *overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)[::-1]))
+        shares, measured_at = overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)
+        print(_overlap_source(w, measured_at, shares))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               LayerShape(args.heads, args.head_dim, op), args.transport):
