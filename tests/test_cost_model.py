@@ -672,8 +672,8 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     in-chunk work without) are bench_overlap.py's measurements, read off its rows here; as built they count
     over the device transports only (over send/recv the overlap is off by default) and for the operators whose
     rules turn it on (GLA; the gated delta rule's forward hides too little)."""
-    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29b.json").read_text(encoding="utf-8"))
-    at = {(r["op"], r["tokens"], r["arrival_us"], r["mode"]): r for r in data["rows"]}
+    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29c.json").read_text(encoding="utf-8"))
+    at = {(r["op"], r["tokens"], r["arrival_us"], r["mode"]): r for r in data["rows"] if r["side_priority"] == "high"}
     gla = lambda arrival, mode, key: at["gla", 16384, arrival, mode][key]  # noqa: E731
     hidden = tuple(gla(0, "serial", f"{d}_local_ms") / gla(0, "serial", f"{d}_ms") for d in ("fwd", "bwd"))
     last = max(a for op, t, a, _ in at if (op, t) == ("gla", 16384))
@@ -690,7 +690,7 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
     assert gdn.hidden[1] == 0.0 and gdn.spin[1] == 0.0 and gdn.aside[1] == 1.0 and gdn.hidden[0] > 0.0
     assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None)
-    assert cm.overlap_shares(cal, cm.GLA, 16384, 128)[0][2] == "normal"  # the shipped rows' side stream
+    assert cm.overlap_shares(cal, cm.GLA, 16384, 128)[0][2] == "high"  # the side stream as built
     c = cm.Cluster()
     sw = cal.sw("send_recv")
     bare = dataclasses.replace(w, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
@@ -717,7 +717,7 @@ def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
     """A file that times the side stream at both priorities (``bench_overlap.py --side-priority``) gives the
     rows of the highest (as built); one with the default priority's alone, those; rows of another program count
     (``--aside-programs``) are not the hops as built."""
-    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29b.json").read_text(encoding="utf-8"))
+    data = json.loads((RESULTS / "overlap-h200x1-2026-11-29b.json").read_text(encoding="utf-8"))  # default priority
     normal = cm.overlap_rows("x.json", data)
     assert normal and {r["priority"] for r in normal} == {"normal"}
     high = [dict(r, side_priority="high", fwd_departure_ms=r["fwd_departure_ms"] / 2) for r in data["rows"]]
@@ -727,6 +727,11 @@ def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
     assert all(h < n for h, n in zip(forward(both), forward(normal)))
     other = [dict(r, aside_programs=64) for r in data["rows"]]
     assert cm.overlap_rows("x.json", dict(data, rows=other)) == []
+    # the shipped file with both: the high priority's, whose forward hop keeps a better pace
+    shipped = cm.overlap_rows("x.json", json.loads((RESULTS / "overlap-h200x1-2026-11-29c.json").read_text(encoding="utf-8")))
+    assert {r["priority"] for r in shipped} == {"high"}
+    gla = lambda rows: forward([r for r in rows if r["op"] == "gla"])  # noqa: E731
+    assert len(gla(shipped)) == 2 and all(h < n for h, n in zip(gla(shipped), gla(normal)))
 
 
 def test_command_line_prints_rows_for_each_operator():
