@@ -42,6 +42,7 @@ from .hierarchical import Walk, hierarchical_scan
 from .layout import ChainLink, Layout
 from .nodes import group_nodes
 from .peer import peer_all_scan
+from .peer_hierarchical import peer_hierarchical_scan
 from .shape import scan_choice
 from .transition import transition_of
 from .transport import TRANSPORTS, Transport
@@ -248,8 +249,12 @@ def all_scan(
     """
     kind = transition_of(gamma[0], delta[0])
     if scan_shape(route, delta[0]) == "hierarchical":
+        if route.transport.device:
+            return peer_hierarchical_scan(gamma, delta, init, route, _nodes(route), reverse=reverse, out=out,
+                                          while_waiting=while_waiting, aside=aside)
         if aside is not None:
-            raise ValueError("all_scan: aside (a side stream for the hops) applies to the peer-memory chain only")
+            raise ValueError("all_scan: aside (a side stream for the hops) applies to the device transports ("
+                             + ", ".join(repr(t.value) for t in Transport if t.device) + ") only")
         return hierarchical_scan(gamma, delta, init, route, nodes=_nodes(route), reverse=reverse, out=out,
                                  while_waiting=while_waiting)
     if route.transport.device:

@@ -164,7 +164,7 @@ def tiles_per_state(K: int, V: int, dense: bool, num_blocks: int) -> int:
     return num_blocks * (rows // _TILE_ROWS if rows % _TILE_ROWS == 0 else 1)
 
 
-def _dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
+def dim0_stride(ts: Sequence[Tensor], tail: int) -> Optional[int]:
     """The one stride of dim 0 (elements) by which the hop kernel can address every tensor of ``ts``
     (``tail`` trailing dims per state: each entry of dim 0 contiguous, as a local slot's view of a
     batch of pieces is), 0 where dim 0 has one entry or is not a batch dim; None if there is none."""
@@ -252,7 +252,7 @@ def _channel(route, like: Tensor, dense: bool) -> _Channel:
 class _Operands(NamedTuple):
     """What a scan's kernels read and write, per local slot: the transitions, the deltas and the entering
     states; and the stride of dim 0 that addresses the transitions, and the one for the deltas and the
-    states (:func:`_dim0_stride`)."""
+    states (:func:`dim0_stride`)."""
 
     gammas: List[Tensor]
     deltas: List[Tensor]
@@ -266,11 +266,11 @@ def _operands(gamma: Sequence[Tensor], delta: Sequence[Tensor], inputs: List[Ten
     then new tensors, to copy into ``inputs`` after the scan)."""
     gammas, deltas, s_ins = list(gamma), list(delta), inputs
     tail = 2 if dense else 1  # trailing dims of a transition: [K, K] or [K]
-    strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
+    strides = dim0_stride(gammas, tail), dim0_stride([*deltas, *s_ins], 2)
     if None in strides:
         gammas, deltas = [x.contiguous() for x in gammas], [x.contiguous() for x in deltas]
         s_ins = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
-        strides = _dim0_stride(gammas, tail), _dim0_stride([*deltas, *s_ins], 2)
+        strides = dim0_stride(gammas, tail), dim0_stride([*deltas, *s_ins], 2)
     return _Operands(gammas, deltas, s_ins, strides)
 
 

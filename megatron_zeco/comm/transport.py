@@ -105,10 +105,11 @@ class Transport(str, Enum):
 
 TRAITS = {
     Transport.SEND_RECV: Traits(device=False, shapes=("chain", "hierarchical"), hop_cost=21e-6),
-    # the device kernels run the chain (and two legs under zigzag); the hierarchical shape is built over
-    # messages only
-    Transport.PEER_MEMORY: Traits(device=True, one_node=True, block_messages=False, two_legs=True, hop_cost=6e-6),
-    Transport.NVSHMEM: Traits(device=True, block_messages=False, two_legs=True, hop_cost=6e-6),
+    # the device kernels run the chain (two legs under zigzag) and the hierarchical shape (peer_hierarchical.py)
+    Transport.PEER_MEMORY: Traits(device=True, one_node=True, block_messages=False, two_legs=True,
+                                  shapes=("chain", "hierarchical"), hop_cost=6e-6),
+    Transport.NVSHMEM: Traits(device=True, block_messages=False, two_legs=True, shapes=("chain", "hierarchical"),
+                              hop_cost=6e-6),
 }
 TRANSPORTS = {t.value: t for t in Transport}
 CHOICES = (AUTO, *TRANSPORTS)  # what a user may ask for

@@ -235,6 +235,7 @@ def all_scan_hop_kernel(
     TWO: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits (_wait_at_least): addresses, limit, launch id
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+    PASS: tl.constexpr = False,  # pass the incoming state on as it is (no gamma, no delta)
 ):
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = delta.dtype.element_ty
@@ -259,8 +260,11 @@ def all_scan_hop_kernel(
             else:
                 x = tl.zeros([BR, BV], dtype)
             x = _poison(x, failed)
-            decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
-            y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
+            if PASS:
+                y = x
+            else:
+                decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
+                y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
             tl.store(s_in + s_offs, x, mask=mask)
             if TWO:
                 tl.store(s_in2 + s_offs, y, mask=mask)
@@ -390,6 +394,7 @@ def all_scan_dense_hop_kernel(
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
     watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+    PASS: tl.constexpr = False,  # pass the incoming state on as it is (no M, no delta)
 ):
     """:func:`all_scan_hop_kernel` for dense transitions (the gated delta rule): ``S_out = M S_in +
     delta``. A row of ``M S`` reads every row of ``S``, a column only its own, so tile ``(n, b)`` is
@@ -424,7 +429,12 @@ def all_scan_dense_hop_kernel(
             _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
         x = _poison(x, _given_up(watch))
         tl.store(s_in + s_offs, x, mask=in_tile)
-        if TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
+        if PASS:
+            if HAS_DST:
+                tl.store(out + tile_base + kk[:, None] * COLS + cc[None, :], x, mask=in_tile)
+            if KEEP_Y:
+                tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], x, mask=in_tile)
+        elif TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
             for r in range(0, K, BR):
                 rows, y = _dense_product(M, m_base, x, r, K, BR, BK, DOT)
                 mask = (rows[:, None] < K) & (cc[None, :] < COLS)
@@ -435,14 +445,15 @@ def all_scan_dense_hop_kernel(
             M_last, delta_last = M2, delta2
         else:
             M_last, delta_last = M, delta
-        for r in range(0, K, BR):
-            rows, y = _dense_product(M_last, m_base, x, r, K, BR, BK, DOT)
-            mask = (rows[:, None] < K) & (cc[None, :] < COLS)
-            y += tl.load(delta_last + s_base + rows[:, None] * V + cc[None, :], mask=mask, other=0.0)
-            if HAS_DST:
-                tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
-            if KEEP_Y:
-                tl.store(y_out + i_n * K * V + i_b * COLS + rows[:, None] * V + cc[None, :], y, mask=mask)
+        if not PASS:
+            for r in range(0, K, BR):
+                rows, y = _dense_product(M_last, m_base, x, r, K, BR, BK, DOT)
+                mask = (rows[:, None] < K) & (cc[None, :] < COLS)
+                y += tl.load(delta_last + s_base + rows[:, None] * V + cc[None, :], mask=mask, other=0.0)
+                if HAS_DST:
+                    tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
+                if KEEP_Y:
+                    tl.store(y_out + i_n * K * V + i_b * COLS + rows[:, None] * V + cc[None, :], y, mask=mask)
         if HAS_DST:
             _send(dst, sent, tile, tile_base * ELEM, K * COLS * ELEM, seq, dst_pe, watch, DATA, FLAGS, NVSHMEM)
         if HAS_SRC:
@@ -481,7 +492,8 @@ def _kernel(kernel, nvshmem: bool):
 
 
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
-                 flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None):
+                 flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
+                 pass_through=False):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
@@ -494,22 +506,30 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     ``y_out``: where the outgoing state goes too, or None. ``programs``: at most this many programs
     (None: one per tile), to leave SMs to other streams. ``watch``: what bounds the waits
     (:func:`_watched`). ``nvshmem``: move tiles by NVSHMEM puts; ``src`` and ``dst`` are then this
-    rank's addresses of the peers' (symmetric) regions and ``pes`` the peers' PEs.
+    rank's addresses of the peers' (symmetric) regions and ``pes`` the peers' PEs. ``pass_through``: the
+    hop passes the incoming state on unchanged (one piece; ``gammas`` and ``deltas`` are not read: any
+    tensors of the state's dtype, ``deltas[-1]`` of the state's shape).
     """
+    if pass_through and len(gammas) != 1:
+        raise ValueError("all_scan_hop: a pass-through hop walks one piece")
     grid, shape = _shape(deltas[-1], tiles, programs)
     _kernel(all_scan_hop_kernel, nvshmem)[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, *pes, g_stride, s_stride,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
-        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), NVSHMEM=nvshmem, **shape,
+        KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), NVSHMEM=nvshmem,
+        PASS=pass_through, **shape,
     )
 
 
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
-                       flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None):
+                       flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
+                       pass_through=False):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
     states; ``tiles`` column tiles per state (a divisor of V). Other arguments as :func:`all_scan_hop`."""
+    if pass_through and len(Ms) != 1:
+        raise ValueError("all_scan_dense_hop: a pass-through hop walks one piece")
     delta = deltas[-1]
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
@@ -522,7 +542,7 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
         *regions, *pes, m_stride, s_stride, INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
         COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=N * tiles, TILES=tiles,
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
-        **_watched(watch, delta), NVSHMEM=nvshmem, num_warps=4)
+        **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
 
 
 def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,

@@ -119,6 +119,51 @@ def test_peer_memory_relays_a_give_up_down_the_chain(transition):
         assert state.isnan().all(), f"{name} is not NaN where its scan gave up: {state}"
 
 
+def _relay_across_nodes(rank, world, timeouts, transition):
+    """The hierarchical scan over peer memory on two nodes of two (node_size 2): rank 0 stalls in the second
+    scan. Returns what ``check_scans`` raised and the state entering this rank's piece."""
+    import torch
+
+    from megatron_zeco.comm import Layout, Route, all_scan
+
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    shape = (1, 2, 4, 4) if transition == "dense" else (1, 2, 4)
+    gamma, delta = [torch.rand(*shape, dtype=torch.float64)], [torch.randn(1, 2, 4, 3, dtype=torch.float64)]
+    route = Route(Layout.CONTIGUOUS, group, 1, "peer_memory", 2, "hierarchical", what=LAYER)
+    all_scan(gamma, delta, None, route)
+    dist.barrier(group=group)
+    if rank == 0:
+        time.sleep(timeouts[1] + 3)
+        return None
+    os.environ["MEGATRON_ZECO_SCAN_TIMEOUT"] = str(timeouts[rank])
+    start = time.monotonic()
+    (s_in,), _ = all_scan(gamma, delta, None, route)
+    elapsed = time.monotonic() - start
+    try:
+        check_scans()
+    except ScanTimeoutError as e:
+        return str(e), elapsed, s_in
+    return "finished without an error", elapsed, s_in
+
+
+@slow
+@pytest.mark.parametrize("transition", ["diagonal", "dense"])
+def test_peer_memory_hierarchical_scan_relays_a_give_up_across_nodes(transition):
+    """Rank 1 gives up on the stalled rank 0 (phase A, inside their node) after 2 s; rank 2, the next node's
+    first rank, gives up as soon as rank 1's poisoned state arrives (phase C), and rank 3 on rank 2's (inside
+    that node), each naming the rank it waited for and that it gave up first. All deliver NaN."""
+    timeouts = [None, 2.0, 40.0, 40.0]
+    _, *results = run_ranks(_relay_across_nodes, 4, timeouts, transition, timeout=120)
+    (first, t1, s1), (second, t2, s2), (third, t3, s3) = results
+    assert "from global rank 0" in first and "none came within 2 s" in first, first
+    assert "hierarchical" in first and "piece step 1" in first, first
+    assert "from global rank 1" in second and "gave up first" in second and "entering segment 1" in second, second
+    assert "from global rank 2" in third and "gave up first" in third, third
+    assert max(t2, t3) < timeouts[2] / 2, f"ranks 2, 3 waited {t2:.1f}, {t3:.1f} s: {second}; {third}"
+    for rank, state in ((1, s1), (2, s2), (3, s3)):
+        assert state.isnan().all(), f"rank {rank}'s incoming state is not NaN where its scan gave up: {state}"
+
+
 # --- a stalled step: NaN results and an error before the optimizer step ---------------------------
 
 STALL_BOUND = 2.0  # seconds a wait may last in the stalled steps ($MEGATRON_ZECO_SCAN_TIMEOUT)

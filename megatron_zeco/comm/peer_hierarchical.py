@@ -1,0 +1,454 @@
+"""The hierarchical All-Scan over the device transports: its messages are hop kernels, not NCCL calls.
+
+The shape is ``hierarchical.py``'s (read it first): the walk cut into segments, one per node's run of
+pieces; A, a chain of prefix maps inside each segment; B, a Kogge-Stone scan of the segments' maps among
+their leaders in ceil(log2(M - 1)) rounds; C, the state leaving each segment into the next one. Over
+send/recv every step is a host-issued NCCL call, whose cost lands on the critical path at every step;
+here every message is a launch of the chain's hop kernels (``kernels/scan_hop.py``), ordered on the
+stream, its tiles moved by stores into the peer's memory or by NVSHMEM puts, with the chain's flags,
+acknowledgements, call counters and bounded waits (``peer.py``):
+
+* **A** is the chain of ``peer.py`` over each segment's pieces, of *augmented* states ``[S | T]`` (the
+  state and the transition's columns, ``Kind.pack``): a piece's hop with delta ``[d | 0]`` maps
+  ``[S | T]`` to ``[t S + d | t T]``, the piece composed after the prefix. Segment 0 starts from
+  ``[init | I]``, the others from ``[0 | I]``; each piece keeps the prefix entering it, the segment's
+  leader the map leaving it.
+* **B**: in round r the leader of segment j passes its map on, unchanged, to the leader of segment
+  j + 2^r (a pass-through hop), and composes the one from j - 2^r into its own: a hop whose piece is its
+  own map ``(T_j, E_j)``, applied to the map received, ``[E_j | 0] + T_j [E | T]``.
+* **C**: the state leaving segment j (its leader's map's state) goes to the first rank of segment j + 1,
+  which passes it to the segment's other ranks in a binomial tree (ceil(log2 n) steps for n ranks); each
+  piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+
+Every pair of ranks that meet in a step has a region of its own on both sides, per direction, phase,
+round or step and local slot (``_Channel``), so the chain's protocol holds unchanged: each region is
+written by one peer and read by one, once per call, and its call counters agree with the peer's. In each
+step a rank issues its sends before its receives (a send waits only for the acknowledgement of the previous
+call), so no send queues behind a receive that waits for it, on any rank. Exact: the compositions of
+``hierarchical.py`` (rounding aside).
+"""
+
+import contextlib
+import math
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import inject
+from .failures import naming_failures
+from .hierarchical import Walk
+from .peer import ASIDE_PROGRAMS, dim0_stride, region_bytes, tiles_per_state
+from .symmetric import PeerBuffers
+from .transition import Dense, Diagonal, Kind, transition_of
+from .transport import Transport
+from .watch import watch
+
+Tensor = torch.Tensor
+
+# The regions of one direction, per local slot: phase A's chain; per round of B, the maps received and sent;
+# C's state into the next segment, received and sent; per step of the binomial tree inside a segment, the
+# same. (Role, index) -> position: _roles.
+_SEND, _RECEIVE = "send", "receive"
+
+
+class _Hop(NamedTuple):
+    """One launch of a rank's part of the scan.
+
+    ``kind``: ``prefix`` (phase A: the pieces at walk indices ``at``, one or two in a row on this rank),
+    ``send`` (a map or a state passed on unchanged), ``compose`` (a map received and composed into the
+    map of segment ``segment``), ``receive`` (a state received for segment ``segment``). ``regions``:
+    ``(here, sent, src, dst)`` addresses (0 where unused); ``peers``: the group ranks it may wait for
+    (whose data it receives, whose acknowledgement it needs), None where none; ``label``: what it moves,
+    for errors; ``what``: ``map`` or ``state``."""
+
+    kind: str
+    segment: int
+    at: Tuple[int, ...]
+    regions: Tuple[int, int, int, int]
+    peers: Tuple[Optional[int], Optional[int]]
+    label: str
+    what: str = "map"
+
+    @property
+    def waits(self) -> bool:
+        return self.peers[0] is not None
+
+
+def fan_steps(n: int) -> int:
+    """Steps of the binomial tree passing a state from the first of ``n`` ranks to the others."""
+    return math.ceil(math.log2(n)) if n > 1 else 0
+
+
+def _roles(rounds: int, steps: int) -> List[Tuple[str, int]]:
+    return ([("A", 0)] + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
+            + [(f"C {way}", 0) for way in (_RECEIVE, _SEND)]
+            + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)])
+
+
+class _Segments:
+    """What a rank's plan reads off the walk: the ranks and slots of each segment."""
+
+    def __init__(self, walk: Walk):
+        self.walk = walk
+        self.M = len(walk.segments)
+
+    def slot(self, i: int) -> int:
+        return self.walk.owners[i][1]
+
+    def first(self, j: int) -> int:
+        return self.walk.segments[j][0]
+
+    def last(self, j: int) -> int:
+        return self.walk.segments[j][-1]
+
+    def ranks(self, j: int) -> List[int]:
+        """The distinct ranks of segment j in walk order (its first piece's rank first)."""
+        out: List[int] = []
+        for i in self.walk.segments[j]:
+            if self.walk.rank(i) not in out:
+                out.append(self.walk.rank(i))
+        return out
+
+    def slot_of(self, j: int, rank: int) -> int:
+        """The slot of ``rank``'s first piece in segment j."""
+        return self.slot(next(i for i in self.walk.segments[j] if self.walk.rank(i) == rank))
+
+
+def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], int]) -> List[_Hop]:
+    """Rank ``me``'s launches in issue order; ``region(rank, role, index, slot)``: the address of a region
+    (0 for no rank)."""
+    seg = _Segments(walk)
+    M = seg.M
+    hops: List[_Hop] = []
+    # A: the chain of prefix maps along each segment (two pieces of this rank in a row: one launch)
+    for j, indices in enumerate(walk.segments):
+        groups: List[List[int]] = []
+        for i in indices:
+            if groups and walk.rank(groups[-1][-1]) == walk.rank(i):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for g, group in enumerate(groups):
+            if walk.rank(group[0]) != me:
+                continue
+            a, b = group[0], group[-1]
+            src = walk.rank(a - 1) if g > 0 else None
+            dst = walk.rank(b + 1) if g + 1 < len(groups) else None
+            hops.append(_Hop("prefix", j, tuple(group),
+                             (region(me, "A", 0, seg.slot(a)), region(me, "A", 0, seg.slot(b)),
+                              region(src, "A", 0, seg.slot(a - 1)) if src is not None else 0,
+                              region(dst, "A", 0, seg.slot(b + 1)) if dst is not None else 0),
+                             (src, dst), f"the prefix map entering piece step {a}"))
+    # B: Kogge-Stone over the maps of the segments but the last, among their leaders (a map between two
+    # segments this rank leads stays here: ``keep``, then ``fold``)
+    led = [j for j in range(M - 1) if walk.leader(j) == me]
+    none = (0, 0, 0, 0)
+    for r in range(walk.rounds):
+        d = 1 << r
+        for j in led:
+            if j + d >= M - 1:
+                continue
+            to, label = walk.leader(j + d), f"segment {j}'s map to segment {j + d}'s leader (round {r})"
+            if to == me:
+                hops.append(_Hop("keep", j, (j + d,), none, (None, None), label))
+                continue
+            here = region(me, f"B {_SEND}", r, seg.slot(seg.last(j)))
+            into = region(to, f"B {_RECEIVE}", r, seg.slot(seg.last(j + d)))
+            hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label))
+        for j in led:
+            if j < d:
+                continue
+            frm, label = walk.leader(j - d), f"segment {j - d}'s map into segment {j}'s (round {r})"
+            if frm == me:
+                hops.append(_Hop("fold", j, (), none, (None, None), label))
+                continue
+            here = region(me, f"B {_RECEIVE}", r, seg.slot(seg.last(j)))
+            out = region(frm, f"B {_SEND}", r, seg.slot(seg.last(j - d)))
+            hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label))
+    # C: the state leaving segment j to the first rank of segment j + 1 (``leaving``), then inside that
+    # segment in a binomial tree
+    for way in (_SEND, _RECEIVE):
+        for j in range(M - 1):
+            leader, first = walk.leader(j), walk.rank(seg.first(j + 1))
+            label = f"the state entering segment {j + 1}"
+            if leader == first:
+                if way == _SEND and leader == me:
+                    hops.append(_Hop("carry", j, (), none, (None, None), label))
+                continue
+            out = region(leader, f"C {_SEND}", 0, seg.slot(seg.last(j)))
+            into = region(first, f"C {_RECEIVE}", 0, seg.slot(seg.first(j + 1)))
+            if way == _SEND and leader == me:
+                hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, "leaving"))
+            elif way == _RECEIVE and first == me:
+                hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (leader, None), label, "state"))
+    steps = max((fan_steps(len(seg.ranks(j))) for j in range(1, M)), default=0)
+    for s in range(steps):
+        for way in (_SEND, _RECEIVE):
+            for j in range(1, M):
+                ranks = seg.ranks(j)
+                for k in range(min(1 << s, len(ranks) - (1 << s))):
+                    a, b = ranks[k], ranks[k + (1 << s)]
+                    out = region(a, f"tree {_SEND}", s, seg.slot_of(j, a))
+                    into = region(b, f"tree {_RECEIVE}", s, seg.slot_of(j, b))
+                    label = f"the state entering segment {j} (inside its node, step {s})"
+                    if way == _SEND and a == me:
+                        hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering"))
+                    elif way == _RECEIVE and b == me:
+                        hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label, "state"))
+    return hops
+
+
+class _ChannelKey(NamedTuple):
+    group: object
+    layout: object
+    nodes: Tuple[int, ...]
+    N: int
+    K: int
+    V: int
+    dtype: torch.dtype
+    num_blocks: int
+    device: torch.device
+    nvshmem: bool
+    dense: bool
+
+
+class _Channel:
+    """The regions of hierarchical scans of up to N states of one shape over one group, layout and nodes, and
+    each direction's plan (built once: a call only launches kernels and the local products). Every region
+    is sized for a map (``[K, V + width]`` per state) in the most tiles a message takes."""
+
+    def __init__(self, key: _ChannelKey):
+        group, layout, nodes, N, K, V, dtype, num_blocks, device, nvshmem, dense = key
+        kind = Dense if dense else Diagonal
+        self.width = V + kind.width(K)
+        self.tiles = {w: _tiles(K, w, dense, num_blocks) for w in (V, self.width)}
+        self.data, self.flags, size = region_bytes(N, K, self.width, dtype, max(self.tiles.values()), nvshmem)
+        rank, world = group.rank(), group.size()
+        walks = {reverse: Walk(layout, world, nodes, reverse) for reverse in (False, True)}
+        rounds = max(w.rounds for w in walks.values())
+        steps = max((fan_steps(len(_Segments(w).ranks(j))) for w in walks.values() for j in range(1, len(w.segments))),
+                    default=0)
+        roles = {role: n for n, role in enumerate(_roles(rounds, steps))}
+        buffers = PeerBuffers(group, 2 * len(roles) * 2 * size, device, nvshmem)
+        self.nvshmem, self.dense = nvshmem, dense
+        self._pe = [dist.get_global_rank(group, r) for r in range(world)] if nvshmem else None
+
+        def region(reverse):
+            def address(r, role, index, slot):
+                if r is None:
+                    return 0
+                return buffers.of(r).data_ptr() + ((int(reverse) * len(roles) + roles[role, index]) * 2 + slot) * size
+            return address
+
+        self.walks = walks
+        self._plans = {reverse: _plan(walks[reverse], rank, region(reverse)) for reverse in (False, True)}
+        self._buffers = buffers  # the plans hold raw addresses into them
+
+    def plan(self, reverse: bool) -> List[_Hop]:
+        return self._plans[reverse]
+
+    def pes(self, hop: _Hop) -> Tuple[int, int]:
+        if not self.nvshmem:
+            return -1, -1
+        return tuple(-1 if r is None else self._pe[r] for r in hop.peers)
+
+
+def _tiles(K: int, width: int, dense: bool, num_blocks: int) -> int:
+    """Tiles of a message ``[K, width]``: the chain's (``tiles_per_state``), in one block where
+    ``num_blocks`` does not divide a map's columns."""
+    blocks = num_blocks if (width if dense else K) % num_blocks == 0 else 1
+    return tiles_per_state(K, width, dense, blocks)
+
+
+_CHANNELS: Dict[_ChannelKey, _Channel] = {}
+
+
+def _channel(route, nodes: Sequence[int], like: Tensor, dense: bool) -> _Channel:
+    K, V = like.shape[-2:]
+    N = like.numel() // (K * V)
+    capacity = 1 << (N - 1).bit_length()  # as peer.py's channels: a power of two of states
+    key = _ChannelKey(route.group, route.layout, tuple(nodes), capacity, K, V, like.dtype, route.num_blocks,
+                      like.device, route.transport is Transport.NVSHMEM, dense)
+    ch = _CHANNELS.get(key)
+    if ch is None:
+        with naming_failures(route.what, "setting up the hierarchical All-Scan's symmetric buffers with every "
+                                         "rank of the group"):
+            ch = _CHANNELS[key] = _Channel(key)
+    return ch
+
+
+def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route,
+                           nodes: Sequence[int], *, reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
+                           while_waiting: Optional[Callable[[], None]] = None,
+                           aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
+    """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape over a device transport (module
+    docstring): the same arguments and result as ``peer.peer_all_scan`` (``nodes``: each group rank's
+    node). ``while_waiting()`` is issued where the rank first waits for a peer; with ``aside`` every launch
+    and local product of the scan runs on that stream, on at most ``ASIDE_PROGRAMS`` programs a launch, the
+    first that waits issued before ``while_waiting()``."""
+    from ..kernels import scan_hop
+
+    like = delta[0]
+    kind = transition_of(gamma[0], like)
+    ch = _channel(route, nodes, like, kind is Dense)
+    inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
+    run = _Run(scan_hop, ch, kind, gamma, delta, init, route, reverse)
+    plan = ch.plan(reverse)
+    at = next((n for n, hop in enumerate(plan) if hop.waits), len(plan))
+    main = None
+    if aside is not None:
+        at = min(at + 1, len(plan))
+        main = torch.cuda.current_stream()
+        aside.wait_stream(main)
+    with torch.cuda.stream(aside) if aside is not None else contextlib.nullcontext():
+        for n, hop in enumerate(plan):
+            if n == at and while_waiting is not None:
+                if main is None:
+                    while_waiting()
+                else:
+                    with torch.cuda.stream(main):
+                        while_waiting()
+            run.issue(n, hop, aside is not None)
+        entering = run.finish()
+    if at == len(plan) and while_waiting is not None:
+        while_waiting()
+    if main is not None:
+        main.wait_stream(aside)
+        for x in entering.values():  # made on the side stream, read on this one next
+            x.record_stream(main)
+    last = None
+    for i, x in entering.items():
+        slot = ch.walks[reverse].owners[i][1]
+        inputs[slot].copy_(x.reshape(inputs[slot].shape))
+        if i == len(ch.walks[reverse].owners) - 1:
+            last = kind.combine(gamma[slot], delta[slot], inputs[slot])
+    return inputs, last
+
+
+class _Run:
+    """One call's tensors and launches over a channel: phase A's augmented operands, the maps of the
+    segments this rank leads, the states entering the segments it has pieces in."""
+
+    def __init__(self, scan_hop, ch: _Channel, kind: Kind, gamma, delta, init, route, reverse: bool):
+        self.scan_hop, self.ch, self.kind, self.route, self.reverse = scan_hop, ch, kind, route, reverse
+        like = delta[0]
+        self.K, self.V = like.shape[-2:]
+        self.N = like.numel() // (self.K * self.V)
+        N, K, V, W = self.N, self.K, self.V, ch.width
+        tail = (K, K) if kind is Dense else (K,)
+        self.gamma = [g.reshape(N, *tail).contiguous() for g in gamma]
+        zeros = like.new_zeros(N, K, W - V)
+        self.delta = [torch.cat([d.reshape(N, K, V), zeros], dim=-1) for d in delta]
+        self.prefix = [like.new_empty(N, K, W) for _ in delta]  # the augmented state entering each slot
+        self.init = None if init is None else init.to(like.dtype).reshape(N, K, V)
+        self.maps: Dict[int, Tensor] = {}  # segment -> its map (composed so far), on its leader
+        self.states: Dict[int, Tensor] = {}  # segment -> the state entering it
+        self.earlier: Dict[int, Tensor] = {}  # B: maps passed on between two segments this rank leads
+        self.watcher = watch(like.device)
+        self.timeout = self.watcher.timeout(route.group)
+        self.watcher.check()  # a wait of an earlier scan gave up: fail before issuing more
+
+    # -- the tensors of each kind of launch
+
+    def _start(self, j: int) -> Tensor:
+        """``[init | I]`` (segment 0) or ``[0 | I]``: the augmented state entering segment j."""
+        N, K, V = self.N, self.K, self.V
+        state = self.init if (j == 0 and self.init is not None) else self.prefix[0].new_zeros(N, K, V)
+        identity = self.kind.identity(self.gamma[0])
+        return self.kind.pack(identity, state).contiguous()
+
+    def _unpacked(self, m: Tensor) -> Tuple[Tensor, Tensor]:
+        """(transition, state) of a map, each contiguous."""
+        t, s = self.kind.unpack(m, self.V)
+        return t.contiguous(), s.contiguous()
+
+    def _compose_local(self, later: Tensor, earlier: Tensor) -> Tensor:
+        t2, e2 = self.kind.unpack(later, self.V)
+        t1, e1 = self.kind.unpack(earlier, self.V)
+        return self.kind.pack(self.kind.compose(t2, t1), self.kind.combine(t2, e2, e1)).contiguous()
+
+    def issue(self, n: int, hop: _Hop, side: bool) -> None:
+        """Launch ``hop`` (plan position ``n``), or do its local part where it has no peer."""
+        walk, ch = self.ch.walks[self.reverse], self.ch
+        if hop.kind == "prefix":
+            slots = [walk.owners[i][1] for i in hop.at]
+            first, last = hop.at[0], hop.at[-1]
+            starts = walk.segments[hop.segment][0] == first
+            ends = walk.segments[hop.segment][-1] == last
+            x = self._start(hop.segment) if starts else None
+            y = self.prefix[0].new_empty(self.prefix[0].shape) if ends else None
+            self._launch(n, hop, side, x=x, gammas=[self.gamma[s] for s in slots],
+                         deltas=[self.delta[s] for s in slots], s_ins=[self.prefix[s] for s in slots], y=y,
+                         width=ch.width)
+            if ends:
+                self.maps[hop.segment] = y
+            return
+        if hop.kind == "keep":  # B: a map for a later segment this rank leads too
+            self.earlier[hop.at[0]] = self.maps[hop.segment]
+            return
+        if hop.kind == "fold":
+            self.maps[hop.segment] = self._compose_local(self.maps[hop.segment], self.earlier.pop(hop.segment))
+            return
+        if hop.kind == "carry":  # C: the next segment starts on this rank
+            self.states[hop.segment + 1] = self._unpacked(self.maps[hop.segment])[1]
+            return
+        if hop.kind == "send":  # a map (B), the state leaving a segment (C), or entering it (C, the tree)
+            x = {"map": lambda: self.maps[hop.segment], "leaving": lambda: self._unpacked(self.maps[hop.segment])[1],
+                 "entering": lambda: self.states[hop.segment]}[hop.what]()
+            self._launch(n, hop, side, x=x, gammas=[x], deltas=[x], s_ins=[x], y=None, width=x.shape[-1],
+                         pass_through=True)
+            return
+        if hop.kind == "receive":
+            into = self.prefix[0].new_empty(self.N, self.K, self.V)
+            self._launch(n, hop, side, x=None, gammas=[into], deltas=[into], s_ins=[into], y=None, width=self.V,
+                         pass_through=True)
+            self.states[hop.segment] = into
+            return
+        # compose: the map received, the earlier segments', into this segment's
+        t, e = self._unpacked(self.maps[hop.segment])
+        delta = torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
+        scratch = self.prefix[0].new_empty(self.prefix[0].shape)
+        y = self.prefix[0].new_empty(self.prefix[0].shape)
+        self._launch(n, hop, side, x=None, gammas=[t], deltas=[delta], s_ins=[scratch], y=y, width=ch.width)
+        self.maps[hop.segment] = y
+
+    def finish(self) -> Dict[int, Tensor]:
+        """The state entering each of this rank's pieces (walk index -> ``[N, K, V]``)."""
+        walk = self.ch.walks[self.reverse]
+        me = self.route.group.rank()
+        out = {}
+        for i, (rank, slot) in enumerate(walk.owners):
+            if rank != me:
+                continue
+            j = walk.segment_of[i]
+            t, s = self.kind.unpack(self.prefix[slot], self.V)
+            out[i] = s if j == 0 else self.kind.combine(t, s, self.states[j])
+        return out
+
+    def _launch(self, n: int, hop: _Hop, side: bool, *, x, gammas, deltas, s_ins, y, width: int,
+                pass_through: bool = False) -> None:
+        ch, route, reverse = self.ch, self.route, self.reverse
+        dense = ch.dense
+        tail = 2 if dense else 1
+        strides = dim0_stride(gammas, tail) or 0, dim0_stride([*deltas, *s_ins], 2) or 0
+        describe = lambda: _describe(route, reverse, hop, ch.nvshmem)  # noqa: E731
+        bounded = self.watcher.arguments(self.watcher.launch_id((id(ch), reverse, n, route.what), describe),
+                                         self.timeout)
+        kernel = self.scan_hop.all_scan_dense_hop if dense else self.scan_hop.all_scan_hop
+        inject.delay(deltas[0].device)  # test hook: no-op unless a stress test sets delays
+        kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, *strides, ch.tiles[width],
+               ch.data, ch.flags, has_src=hop.peers[0] is not None, has_init=x is not None, has_dst=hop.regions[3] != 0,
+               watch=bounded, pes=ch.pes(hop), nvshmem=ch.nvshmem, programs=ASIDE_PROGRAMS if side else None,
+               pass_through=pass_through)
+        inject.delay(deltas[0].device)
+
+
+def _describe(route, reverse: bool, hop: _Hop, nvshmem: bool):
+    """How a launch is named when one of its waits gives up, and the global ranks it waits for."""
+    what, group = route.what, route.group
+    direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
+    over = "NVSHMEM" if nvshmem else "peer memory"
+    peers = tuple(None if r is None else dist.get_global_rank(group, r) for r in hop.peers)
+    return (f"{what} [{direction}over {over}, hierarchical, {route.layout.value} layout on {group.size()} ranks, "
+            f"{hop.label}]", peers)
