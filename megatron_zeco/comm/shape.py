@@ -87,12 +87,15 @@ def chain_hops(P: int, layout: str, nodes: Nodes, two_legs: bool = False) -> Tup
 
 
 @functools.lru_cache(maxsize=256)
-def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False) -> tuple:
+def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False, tree: bool = False) -> tuple:
     """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
     rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
     tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
     ``"map"`` (a state and its decays) or ``"state"``, phase ``"A"`` (along each node's run of
-    pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run)."""
+    pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run). ``tree``: as
+    ``comm.peer_hierarchical`` sends them over the device transports, where a run's first rank passes
+    the state on inside its run in a binomial tree (a step per doubling) instead of to every other rank
+    at once."""
     node = _node_of(nodes)
     ranks = walk_ranks(P, layout)
     if reverse:
@@ -115,8 +118,14 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False)
         steps.append(tuple((leader[j], leader[j + d], "map", "B") for j in range(M - 1 - d)
                            if leader[j] != leader[j + d]))
     steps.append(tuple((leader[j], first[j + 1], "state", "C") for j in range(M - 1) if leader[j] != first[j + 1]))
-    steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
-                       for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
+    if not tree:
+        steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
+                           for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
+        return tuple(step for step in steps if step)
+    holders = [list(dict.fromkeys(ranks[i] for i in segments[j])) for j in range(M)]  # first rank first
+    for s in range(max((math.ceil(math.log2(len(h))) for h in holders[1:] if len(h) > 1), default=0)):
+        d = 1 << s
+        steps.append(tuple((h[k], h[k + d], "state", "C") for h in holders[1:] for k in range(min(d, len(h) - d))))
     return tuple(step for step in steps if step)
 
 
@@ -153,7 +162,8 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     intra, inter, same = chain_hops(P, layout, tuple(nodes), TRANSPORTS[transport].two_legs)
     chain = 2 * (intra * (hop + cluster.intra.time(state_bytes)) + inter * (hop + cluster.inter.time(state_bytes)))
     # (a map is a state and one more column: counted as a state here)
-    tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse), P,
+    device = TRANSPORTS[transport].device
+    tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse, device), P,
                              lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
     # equal paths add the same hop times in another order: they may differ in the last bits
     return "hierarchical" if tree < chain and not math.isclose(tree, chain, rel_tol=1e-9) else "chain"

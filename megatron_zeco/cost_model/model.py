@@ -237,7 +237,7 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     (:func:`critical_path`'s inputs); over send/recv every message carries all blocks (K = 1)."""
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
-    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse)
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, TRANSPORTS[sw.transport].device)
 
     def cost(a, b, what, phase):
         nbytes, combine = (w.map_bytes, w.compose_time()) if what == "map" else (w.state_bytes, w.apply_time())

@@ -8,7 +8,9 @@ the end), both layouts, both directions, with and without an initial state, diag
 gated delta rule) transitions, decays near 0 and near 1.
 """
 
+import importlib
 import itertools
+import os
 
 import pytest
 import torch
@@ -118,3 +120,77 @@ def test_every_region_is_written_by_one_peer_and_read_by_one():
 
 def test_fan_steps():
     assert [fan_steps(n) for n in (1, 2, 3, 4, 5, 8, 9)] == [0, 1, 2, 2, 3, 3, 4]
+
+
+def _op(group, seed):
+    """zeco_gla over peer memory in the hierarchical shape (nodes of two ranks, forced by
+    $MEGATRON_ZECO_SCAN_SHAPE), forward and backward with initial and final states, against the float64
+    loop; every scan of the op takes the device path (counted)."""
+    from megatron_zeco import zeco_gla
+    from megatron_zeco.comm.all_scan import SHAPE_ENV
+    from tests.helpers.checks import above
+    from tests.helpers.reference import problem, reference
+
+    P, me = group.size(), group.rank()
+    failures, calls = [], []
+    module = importlib.import_module("megatron_zeco.comm.all_scan")
+    real = module.peer_hierarchical_scan
+    module.peer_hierarchical_scan = lambda *a, **k: calls.append(1) or real(*a, **k)
+    os.environ[SHAPE_ENV] = "hierarchical"
+    try:
+        for n, layout in enumerate(Layout):
+            x = problem(seed + n, 2, P * 16, 2, 4, 3, "normal", True)
+            ref = reference(x, output_final_state=True)
+            local = {name: layout.shard(x[name], me, P).requires_grad_() for name in "qkvg"}
+            h0 = x["h0"].clone().requires_grad_()
+            o, ht = zeco_gla(*local.values(), group=group, layout=layout, initial_state=h0, output_final_state=True,
+                             transport="peer_memory", node_size=2)
+            loss = (o * layout.shard(x["do"], me, P)).sum() + (me == 0) * (ht * x["dht"]).sum()
+            grads = dict(zip(["q", "k", "v", "g", "h0"], torch.autograd.grad(loss, [*local.values(), h0])))
+            dist.all_reduce(grads["h0"], group=group)
+            errors = {"o": rel_err(o, layout.shard(ref["o"], me, P)), "ht": rel_err(ht, ref["ht"])}
+            for name, grad in grads.items():
+                full = ref["d" + name]
+                errors["d" + name] = rel_err(grad, full if name == "h0" else layout.shard(full, me, P))
+            bad = above(errors, 1e-10)
+            if bad:
+                failures.append(f"P={P} {layout.value}: {bad}")
+    finally:
+        module.peer_hierarchical_scan = real
+        os.environ.pop(SHAPE_ENV, None)
+    if len(calls) != 2 * len(Layout):
+        failures.append(f"the device path ran {len(calls)} times, expected {2 * len(Layout)}")
+    return failures
+
+
+@pytest.mark.parametrize("P", slow_except([3, 4], 4))
+def test_zeco_gla_over_the_device_hierarchical_scan_matches_the_loop(pool, seed, P):
+    assert_no_failures(pool.run(_op, P, seed))
+
+
+def test_the_cost_model_replays_the_device_plans():
+    """``comm.shape.hierarchical_steps(..., tree=True)`` (what the cost model and the run-time choice time
+    for the device transports) holds the messages the device plans send, phase by phase: A along each
+    segment, B between leaders, C into each segment and, step by step, its binomial tree."""
+    from megatron_zeco.comm.shape import hierarchical_steps
+
+    for P, layout, node_size, reverse in itertools.product((2, 3, 5, 8, 12), Layout, (1, 2, 3, 4), (False, True)):
+        nodes = [r // node_size for r in range(P)]
+        walk = Walk(layout, P, nodes, reverse)
+        region = lambda rank, role, index, slot: 0 if rank is None else 1  # noqa: E731
+        sent = {"A": [], "B": [], "C": []}
+        for r in range(P):
+            for hop in _plan(walk, r, region):
+                if hop.peers[1] is not None:
+                    phase = {"prefix": "A", "send": "B" if hop.what == "map" else "C"}[hop.kind]
+                    sent[phase].append((r, hop.peers[1]))
+        steps = hierarchical_steps(P, layout.value, node_size, reverse, tree=True)
+        modelled = {"A": [], "B": [], "C": []}
+        for step in steps:
+            for a, b, _, phase in step:
+                modelled[phase].append((a, b))
+        for phase in "ABC":
+            assert sorted(sent[phase]) == sorted(modelled[phase]), (P, layout, node_size, reverse, phase)
+        trees = [step for step in steps if step[0][3] == "C"][1:]
+        holders = [{walk.rank(i) for i in seg} for seg in walk.segments[1:]]
+        assert len(trees) == max((fan_steps(len(h)) for h in holders), default=0), (P, layout, node_size, reverse)
