@@ -436,10 +436,14 @@ class _Run:
         bounded = self.watcher.arguments(self.watcher.launch_id((id(ch), reverse, n, route.what), describe),
                                          self.timeout)
         kernel = self.scan_hop.all_scan_dense_hop if dense else self.scan_hop.all_scan_hop
+        has_src, has_dst = hop.peers[0] is not None, hop.regions[3] != 0
+        # a launch with no peer (a segment's piece on a node of its own) touches no remote memory: the plain
+        # kernel (an NVSHMEM module must call into NVSHMEM to be initialised for it)
+        nvshmem = ch.nvshmem and (has_src or has_dst)
         inject.delay(deltas[0].device)  # test hook: no-op unless a stress test sets delays
         kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, *strides, ch.tiles[width],
-               ch.data, ch.flags, has_src=hop.peers[0] is not None, has_init=x is not None, has_dst=hop.regions[3] != 0,
-               watch=bounded, pes=ch.pes(hop), nvshmem=ch.nvshmem, programs=ASIDE_PROGRAMS if side else None,
+               ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst, watch=bounded,
+               pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
                pass_through=pass_through)
         inject.delay(deltas[0].device)
 
