@@ -295,28 +295,30 @@ def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], ini
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     run = _Run(scan_hop, ch, kind, gamma, delta, init, route, reverse)
     plan = ch.plan(reverse)
+    # As peer.py issues the chain's: the local work where the rank first waits for a peer; with a side stream
+    # just after that launch, and everything after it (launches, the local products) behind the local work,
+    # so that nothing waiting on the side stream holds up the local work on a shared hardware queue.
     at = next((n for n, hop in enumerate(plan) if hop.waits), len(plan))
     main = None
     if aside is not None:
         at = min(at + 1, len(plan))
         main = torch.cuda.current_stream()
         aside.wait_stream(main)
-    with torch.cuda.stream(aside) if aside is not None else contextlib.nullcontext():
-        for n, hop in enumerate(plan):
-            if n == at and while_waiting is not None:
-                if main is None:
-                    while_waiting()
-                else:
-                    with torch.cuda.stream(main):
-                        while_waiting()
+    beside = (lambda: torch.cuda.stream(aside)) if aside is not None else contextlib.nullcontext
+    for n, hop in enumerate(plan):
+        if n == at and while_waiting is not None:
+            while_waiting()
+        with beside():
             run.issue(n, hop, aside is not None)
-        entering = run.finish()
     if at == len(plan) and while_waiting is not None:
         while_waiting()
+    with beside():
+        entering = run.finish()
     if main is not None:
         main.wait_stream(aside)
         for x in entering.values():  # made on the side stream, read on this one next
-            x.record_stream(main)
+            if x.is_cuda:
+                x.record_stream(main)
     last = None
     for i, x in entering.items():
         slot = ch.walks[reverse].owners[i][1]
