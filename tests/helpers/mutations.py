@@ -91,6 +91,18 @@ MUTATIONS = [
     Mutation("scan-stream-default-priority", "megatron_zeco/cp/scan.py",
              "torch.cuda.Stream(device, priority=-1)", "torch.cuda.Stream(device)",
              "the scans' side stream of default priority: its hops queue behind the local work's pending blocks"),
+    Mutation("device-tree-composes-without-own-map", "megatron_zeco/comm/peer_hierarchical.py",
+             "delta = torch.cat([e, e.new_zeros(", "delta = torch.cat([e * 0, e.new_zeros(",
+             "phase B of the device hierarchical scan composes the earlier segments' map without the leader's own state"),
+    Mutation("device-tree-skips-entering-state", "megatron_zeco/comm/peer_hierarchical.py",
+             "out[i] = s if j == 0 else self.kind.combine(t, s, self.states[j])", "out[i] = s",
+             "the device hierarchical scan leaves out the state entering each segment but the first"),
+    Mutation("device-tree-products-before-local-work", "megatron_zeco/comm/peer_hierarchical.py",
+             "    if at == len(plan) and while_waiting is not None:\n        while_waiting()\n    with beside():\n"
+             "        entering = run.finish()\n",
+             "    with beside():\n        entering = run.finish()\n    if at == len(plan) and while_waiting is not None:\n"
+             "        while_waiting()\n",
+             "the device hierarchical scan's local products queued on the side stream before the local work"),
     Mutation("zigzag-unshard-slots-swapped", "megatron_zeco/comm/layout.py",
              "ordered.append(slots[rank][slot])", "ordered.append(slots[rank][-1 - slot])",
              "unshard puts a rank's two zigzag pieces back in the wrong order"),
