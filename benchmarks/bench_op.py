@@ -474,11 +474,18 @@ def write(args, world, rows, script="bench_op.py", **extra):
         fla_version = fla.__version__
     except ImportError:
         fla_version = None
-    meta = {"command": f"torchrun --nproc-per-node {world} benchmarks/{script} {' '.join(sys.argv[1:])}",
+    from megatron_zeco.comm.all_scan import SHAPE_ENV
+    from megatron_zeco.comm.nodes import NODE_SIZE_ENV
+
+    # the scan's shape and nodes where the environment forces them (the command line does not show it)
+    forced = {name: os.environ[env] for name, env in (("scan_shape", SHAPE_ENV), ("node_size", NODE_SIZE_ENV))
+              if os.environ.get(env)}
+    prefix = "".join(f"{env}={os.environ[env]} " for env in (SHAPE_ENV, NODE_SIZE_ENV) if os.environ.get(env))
+    meta = {"command": f"{prefix}torchrun --nproc-per-node {world} benchmarks/{script} {' '.join(sys.argv[1:])}",
             "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
             "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "build": BUILD,
-            "path": PATH, **extra}
+            "path": PATH, **forced, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

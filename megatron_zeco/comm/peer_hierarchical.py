@@ -244,6 +244,15 @@ class _Channel:
         self.walks = walks
         self._plans = {reverse: _plan(walks[reverse], rank, region(reverse)) for reverse in (False, True)}
         self._buffers = buffers  # the plans hold raw addresses into them
+        self._constants: Dict[tuple, Tensor] = {}
+
+    def constant(self, name: str, make: Callable[[], Tensor], N: int) -> Tensor:
+        """A tensor every call of N states reads and none writes (``[0 | I]``, a delta's zero columns), made
+        once."""
+        key = (name, N)
+        if key not in self._constants:
+            self._constants[key] = make()
+        return self._constants[key]
 
     def plan(self, reverse: bool) -> List[_Hop]:
         return self._plans[reverse]
@@ -340,7 +349,7 @@ class _Run:
         N, K, V, W = self.N, self.K, self.V, ch.width
         tail = (K, K) if kind is Dense else (K,)
         self.gamma = [g.reshape(N, *tail).contiguous() for g in gamma]
-        zeros = like.new_zeros(N, K, W - V)
+        zeros = ch.constant("zero columns", lambda: like.new_zeros(N, K, W - V), N)
         self.delta = [torch.cat([d.reshape(N, K, V), zeros], dim=-1) for d in delta]
         self.prefix = [like.new_empty(N, K, W) for _ in delta]  # the augmented state entering each slot
         self.init = None if init is None else init.to(like.dtype).reshape(N, K, V)
@@ -356,9 +365,10 @@ class _Run:
     def _start(self, j: int) -> Tensor:
         """``[init | I]`` (segment 0) or ``[0 | I]``: the augmented state entering segment j."""
         N, K, V = self.N, self.K, self.V
-        state = self.init if (j == 0 and self.init is not None) else self.prefix[0].new_zeros(N, K, V)
-        identity = self.kind.identity(self.gamma[0])
-        return self.kind.pack(identity, state).contiguous()
+        identity = lambda: self.kind.identity(self.gamma[0])  # noqa: E731
+        if j == 0 and self.init is not None:
+            return self.kind.pack(identity(), self.init).contiguous()
+        return self.ch.constant("[0 | I]", lambda: self.kind.pack(identity(), self.prefix[0].new_zeros(N, K, V)), N)
 
     def _unpacked(self, m: Tensor) -> Tuple[Tensor, Tensor]:
         """(transition, state) of a map, each contiguous."""

@@ -10,6 +10,8 @@ model need of it (:class:`Traits`):
   node, NVLink), on the CPU through files in shared memory under ``TRITON_INTERPRET=1`` (tests).
 * ``nvshmem``: the same kernels with NVSHMEM puts, across nodes.
 
+Both device transports run the chain and the hierarchical shape (``peer_hierarchical.py``).
+
 A user asks for one by name, or for ``auto`` (an operator's ``transport=``, a layer's ``cp_transport``,
 ``$MEGATRON_ZECO_TRANSPORT``): :func:`resolve` turns the request into a :class:`Transport` once per plan
 (``cp.plan``), by the operator's rule for ``auto`` and the group's hosts, and every scan carries the
