@@ -8,7 +8,10 @@ Runs forward + backward of ``none`` (one GPU) and ``zeco`` at CP=P in both layou
 length, split as a whole and, under zigzag, document by document, as bench_op's ``packed`` part),
 then profiles ``--iters`` more iterations with torch.profiler and sums the CUDA time of every
 kernel by name, per iteration. A kernel that waits for a peer (the All-Scan hop) counts its
-waiting. Prints each rank's table and writes all of them as JSON.
+waiting. Prints each rank's table and writes all of them as JSON. From the same timeline, per
+iteration: how long the All-Scan's hop kernels ran (``hop_us``) and for how much of it another kernel
+ran at the same time (``hop_beside_us``): the overlap, seen in the profile (``zeco`` over a device
+transport runs its first waiting hop beside the in-chunk work; ``zeco-overlap`` does not).
 """
 
 import argparse
@@ -35,8 +38,23 @@ def parse_args():
     return p.parse_args()
 
 
+HOP = "all_scan"  # the All-Scan's hop kernels (kernels/scan_hop.py) by name
+
+
+def beside(intervals, others):
+    """µs of ``intervals`` (start, end) during which one of ``others`` runs too."""
+    merged = []
+    for start, end in sorted(others):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return sum(max(0.0, min(end, e) - max(start, s)) for start, end in intervals for s, e in merged)
+
+
 def kernel_times(fn, iters):
-    """``{kernel name: µs per iteration}`` of ``fn``'s CUDA kernels, and the total."""
+    """``{kernel name: µs per iteration}`` of ``fn``'s CUDA kernels, and ``(hop_us, hop_beside_us)`` per
+    iteration (:func:`beside`)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -46,10 +64,14 @@ def kernel_times(fn, iters):
             fn()
         torch.cuda.synchronize()
     times = collections.Counter()
+    hops, others = [], []
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             times[event.name[:60]] += event.device_time / iters
-    return dict(times.most_common())
+            span = (event.time_range.start, event.time_range.end)
+            (hops if HOP in event.name else others).append(span)
+    hop_us = sum(end - start for start, end in hops) / iters
+    return dict(times.most_common()), (hop_us, beside(hops, others) / iters)
 
 
 def main():
@@ -72,12 +94,15 @@ def main():
         times = kernel_times(op_fn(x, "zeco" if packed else strategy, g, layout, *(packed or ())), args.iters)
         everyone = [None] * world
         dist.all_gather_object(everyone, times)
-        for rank, t in enumerate(everyone):
+        for rank, (t, (hop_us, hop_beside_us)) in enumerate(everyone):
             rows.append({"part": "profile", "tokens_per_gpu": args.tokens, "strategy": strategy, "layout": layout,
-                         "cp": 1 if g is None else world, "rank": rank, "total_us": sum(t.values()), "kernels_us": t})
+                         "cp": 1 if g is None else world, "rank": rank, "total_us": sum(t.values()), "kernels_us": t,
+                         "hop_us": hop_us, "hop_beside_us": hop_beside_us})
+        everyone, hops = [t for t, _ in everyone], [h for _, h in everyone]
         if me == 0:
             print(f"\n== {strategy} {layout} T/GPU={args.tokens}: " + ", ".join(
-                f"rank {r} {sum(t.values()):.0f} us" for r, t in enumerate(everyone)))
+                f"rank {r} {sum(t.values()):.0f} us (hops {h:.0f} us, {b:.0f} us of it beside other kernels)"
+                for r, (t, (h, b)) in enumerate(zip(everyone, hops))))
             for name in everyone[0]:
                 print(f"  {name:60s} " + " ".join(f"{t.get(name, 0):8.1f}" for t in everyone))
         if me == 0:
