@@ -277,3 +277,32 @@ def _aside(group, seed, node_size):
 
 def test_the_overlap_issues_the_first_waiting_launch_beside_the_local_work_and_the_rest_behind_it(pool, seed):
     assert_no_failures(pool.run(_aside, 4, seed, 2))
+
+
+def _op_gdn(group, seed):
+    """zeco_gated_delta_rule over peer memory in the hierarchical shape (nodes of two ranks): dense maps,
+    pieces off the chunk (26 tokens a rank, zigzag pieces of 13), every gradient against the float64 loop
+    (``tests/gated_delta_rule/test_op.py``'s check); every scan takes the device path."""
+    from megatron_zeco.comm.all_scan import SHAPE_ENV
+    from megatron_zeco.comm.nodes import NODE_SIZE_ENV
+    from tests.gated_delta_rule.test_op import _check
+
+    module = importlib.import_module("megatron_zeco.comm.all_scan")
+    real, calls = module.peer_hierarchical_scan, []
+    module.peer_hierarchical_scan = lambda *a, **k: calls.append(1) or real(*a, **k)
+    os.environ[SHAPE_ENV], os.environ[NODE_SIZE_ENV] = "hierarchical", "2"
+    try:
+        cases = [("zeco", layout, 1, "mixed", True, True, "peer_memory") for layout in Layout]
+        failures = _check(group, seed, 26, cases)
+    finally:
+        module.peer_hierarchical_scan = real
+        os.environ.pop(SHAPE_ENV, None)
+        os.environ.pop(NODE_SIZE_ENV, None)
+    if not calls:
+        failures.append("the device path never ran")
+    return failures
+
+
+@pytest.mark.parametrize("P", slow_except([3, 4], 3))
+def test_zeco_gated_delta_rule_over_the_device_hierarchical_scan_matches_the_loop(pool, seed, P):
+    assert_no_failures(pool.run(_op_gdn, P, seed))
