@@ -16,9 +16,13 @@ acknowledgements, call counters and bounded waits (``peer.py``):
 * **B**: in round r the leader of segment j passes its map on, unchanged, to the leader of segment
   j + 2^r (a pass-through hop), and composes the one from j - 2^r into its own: a hop whose piece is its
   own map ``(T_j, E_j)``, applied to the map received, ``[E_j | 0] + T_j [E | T]``.
-* **C**: the state leaving segment j (its leader's map's state) goes to the first rank of segment j + 1,
-  which passes it to the segment's other ranks in a binomial tree (ceil(log2 n) steps for n ranks); each
-  piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+* **C**: the state leaving segment j (its leader's map, whose state it is) goes to the first rank of
+  segment j + 1, which passes it to the segment's other ranks in a binomial tree (ceil(log2 n) steps for
+  n ranks); each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+
+A map a rank makes and sends on (the prefix hop ending a segment, a round's compose) leaves from the launch
+that makes it, tile by tile (``_fused``): a launch fewer per message, and the next rank's wait starts as
+the first tile is made.
 
 Every pair of ranks that meet in a step has a region of its own on both sides, per direction, phase,
 round or step and local slot (``_Channel``), so the chain's protocol holds unchanged: each region is
@@ -53,14 +57,16 @@ _SEND, _RECEIVE = "send", "receive"
 
 
 class _Hop(NamedTuple):
-    """One launch of a rank's part of the scan.
+    """One launch of a rank's part of the scan, or a step it does alone.
 
     ``kind``: ``prefix`` (phase A: the pieces at walk indices ``at``, one or two in a row on this rank),
-    ``send`` (a map or a state passed on unchanged), ``compose`` (a map received and composed into the
-    map of segment ``segment``), ``receive`` (a state received for segment ``segment``). ``regions``:
-    ``(here, sent, src, dst)`` addresses (0 where unused); ``peers``: the group ranks it may wait for
-    (whose data it receives, whose acknowledgement it needs), None where none; ``label``: what it moves,
-    for errors; ``what``: ``map`` or ``state``."""
+    ``send`` (a map passed on unchanged), ``compose`` (a map received and composed into the map of segment
+    ``segment``), ``receive`` (the map whose state enters segment ``segment``); with no peer, ``keep`` and
+    ``fold`` (B between two segments this rank leads) and ``carry`` (C into a segment this rank starts).
+    ``regions``: ``(here, sent, src, dst)`` addresses (0 where unused); ``peers``: the group ranks it may
+    wait for (whose data it receives, whose acknowledgement it needs), None where none; ``label``: what it
+    moves, for errors; ``what``: what a send passes on (``map``: the segment's map, ``entering``: the map
+    whose state enters the segment); ``carries``: the phase of what it sends (``A``, ``B``, ``C``)."""
 
     kind: str
     segment: int
@@ -69,6 +75,7 @@ class _Hop(NamedTuple):
     peers: Tuple[Optional[int], Optional[int]]
     label: str
     what: str = "map"
+    carries: str = ""
 
     @property
     def waits(self) -> bool:
@@ -139,7 +146,7 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                              (region(me, "A", 0, seg.slot(a)), region(me, "A", 0, seg.slot(b)),
                               region(src, "A", 0, seg.slot(a - 1)) if src is not None else 0,
                               region(dst, "A", 0, seg.slot(b + 1)) if dst is not None else 0),
-                             (src, dst), f"the prefix map entering piece step {a}"))
+                             (src, dst), f"the prefix map entering piece step {a}", carries="A"))
     # B: Kogge-Stone over the maps of the segments but the last, among their leaders (a map between two
     # segments this rank leads stays here: ``keep``, then ``fold``)
     led = [j for j in range(M - 1) if walk.leader(j) == me]
@@ -155,7 +162,7 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                 continue
             here = region(me, f"B {_SEND}", r, seg.slot(seg.last(j)))
             into = region(to, f"B {_RECEIVE}", r, seg.slot(seg.last(j + d)))
-            hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label))
+            hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B"))
         for j in led:
             if j < d:
                 continue
@@ -166,7 +173,7 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
             here = region(me, f"B {_RECEIVE}", r, seg.slot(seg.last(j)))
             out = region(frm, f"B {_SEND}", r, seg.slot(seg.last(j - d)))
             hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label))
-    # C: the state leaving segment j to the first rank of segment j + 1 (``leaving``), then inside that
+    # C: the state leaving segment j (its map) to the first rank of segment j + 1, then inside that
     # segment in a binomial tree
     for way in (_SEND, _RECEIVE):
         for j in range(M - 1):
@@ -179,9 +186,9 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
             out = region(leader, f"C {_SEND}", 0, seg.slot(seg.last(j)))
             into = region(first, f"C {_RECEIVE}", 0, seg.slot(seg.first(j + 1)))
             if way == _SEND and leader == me:
-                hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, "leaving"))
+                hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, carries="C"))
             elif way == _RECEIVE and first == me:
-                hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (leader, None), label, "state"))
+                hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (leader, None), label))
     steps = max((fan_steps(len(seg.ranks(j))) for j in range(1, M)), default=0)
     for s in range(steps):
         for way in (_SEND, _RECEIVE):
@@ -193,10 +200,34 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                     into = region(b, f"tree {_RECEIVE}", s, seg.slot_of(j, b))
                     label = f"the state entering segment {j} (inside its node, step {s})"
                     if way == _SEND and a == me:
-                        hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering"))
+                        hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering", "C"))
                     elif way == _RECEIVE and b == me:
-                        hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label, "state"))
-    return hops
+                        hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label))
+    return _fused(hops, walk)
+
+
+def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
+    """``hops`` with each send of a segment's map (B, and C's into the next segment) made by the launch that
+    made that map on this rank (the prefix hop ending the segment, or the round's compose), where that
+    launch sends nothing else: one launch fewer, and the map leaves tile by tile as it is made. The send
+    then goes out earlier in the rank's issue order, never later, and every launch still waits only for what
+    launches of earlier steps send, so no wait closes a cycle."""
+    out: List[_Hop] = []
+    maker: Dict[int, Optional[int]] = {}  # segment -> position in out of the launch that made its map last
+    for hop in hops:
+        n = maker.get(hop.segment)
+        if hop.kind == "send" and hop.what == "map" and n is not None and out[n].regions[3] == 0:
+            here, _, src, _ = out[n].regions
+            out[n] = out[n]._replace(regions=(here, hop.regions[1], src, hop.regions[3]),
+                                     peers=(out[n].peers[0], hop.peers[1]), carries=hop.carries,
+                                     label=f"{out[n].label}; then {hop.label}")
+            continue
+        out.append(hop)
+        if hop.kind == "compose" or (hop.kind == "prefix" and hop.at[-1] == walk.segments[hop.segment][-1]):
+            maker[hop.segment] = len(out) - 1
+        elif hop.kind == "fold":  # made by a local product: sent by a launch of its own
+            maker[hop.segment] = None
+    return out
 
 
 class _ChannelKey(NamedTuple):
@@ -221,9 +252,9 @@ class _Channel:
     def __init__(self, key: _ChannelKey):
         group, layout, nodes, N, K, V, dtype, num_blocks, device, nvshmem, dense = key
         kind = Dense if dense else Diagonal
-        self.width = V + kind.width(K)
-        self.tiles = {w: _tiles(K, w, dense, num_blocks) for w in (V, self.width)}
-        self.data, self.flags, size = region_bytes(N, K, self.width, dtype, max(self.tiles.values()), nvshmem)
+        self.width = V + kind.width(K)  # every message is a map (C's: the one whose state enters a segment)
+        self.tiles = _tiles(K, self.width, dense, num_blocks)
+        self.data, self.flags, size = region_bytes(N, K, self.width, dtype, self.tiles, nvshmem)
         rank, world = group.rank(), group.size()
         walks = {reverse: Walk(layout, world, nodes, reverse) for reverse in (False, True)}
         rounds = max(w.rounds for w in walks.values())
@@ -391,8 +422,7 @@ class _Run:
             x = self._start(hop.segment) if starts else None
             y = self.prefix[0].new_empty(self.prefix[0].shape) if ends else None
             self._launch(n, hop, side, x=x, gammas=[self.gamma[s] for s in slots],
-                         deltas=[self.delta[s] for s in slots], s_ins=[self.prefix[s] for s in slots], y=y,
-                         width=ch.width)
+                         deltas=[self.delta[s] for s in slots], s_ins=[self.prefix[s] for s in slots], y=y)
             if ends:
                 self.maps[hop.segment] = y
             return
@@ -403,18 +433,15 @@ class _Run:
             self.maps[hop.segment] = self._compose_local(self.maps[hop.segment], self.earlier.pop(hop.segment))
             return
         if hop.kind == "carry":  # C: the next segment starts on this rank
-            self.states[hop.segment + 1] = self._unpacked(self.maps[hop.segment])[1]
+            self.states[hop.segment + 1] = self.maps[hop.segment]
             return
-        if hop.kind == "send":  # a map (B), the state leaving a segment (C), or entering it (C, the tree)
-            x = {"map": lambda: self.maps[hop.segment], "leaving": lambda: self._unpacked(self.maps[hop.segment])[1],
-                 "entering": lambda: self.states[hop.segment]}[hop.what]()
-            self._launch(n, hop, side, x=x, gammas=[x], deltas=[x], s_ins=[x], y=None, width=x.shape[-1],
-                         pass_through=True)
+        if hop.kind == "send":  # a segment's map (B, C), or the one whose state enters it (C, the tree)
+            x = self.maps[hop.segment] if hop.what == "map" else self.states[hop.segment]
+            self._launch(n, hop, side, x=x, gammas=[x], deltas=[x], s_ins=[x], y=None, pass_through=True)
             return
         if hop.kind == "receive":
-            into = self.prefix[0].new_empty(self.N, self.K, self.V)
-            self._launch(n, hop, side, x=None, gammas=[into], deltas=[into], s_ins=[into], y=None, width=self.V,
-                         pass_through=True)
+            into = self.prefix[0].new_empty(self.prefix[0].shape)
+            self._launch(n, hop, side, x=None, gammas=[into], deltas=[into], s_ins=[into], y=None, pass_through=True)
             self.states[hop.segment] = into
             return
         # compose: the map received, the earlier segments', into this segment's
@@ -422,7 +449,7 @@ class _Run:
         delta = torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
         scratch = self.prefix[0].new_empty(self.prefix[0].shape)
         y = self.prefix[0].new_empty(self.prefix[0].shape)
-        self._launch(n, hop, side, x=None, gammas=[t], deltas=[delta], s_ins=[scratch], y=y, width=ch.width)
+        self._launch(n, hop, side, x=None, gammas=[t], deltas=[delta], s_ins=[scratch], y=y)
         self.maps[hop.segment] = y
 
     def finish(self) -> Dict[int, Tensor]:
@@ -435,11 +462,10 @@ class _Run:
                 continue
             j = walk.segment_of[i]
             t, s = self.kind.unpack(self.prefix[slot], self.V)
-            out[i] = s if j == 0 else self.kind.combine(t, s, self.states[j])
+            out[i] = s if j == 0 else self.kind.combine(t, s, self.kind.unpack(self.states[j], self.V)[1])
         return out
 
-    def _launch(self, n: int, hop: _Hop, side: bool, *, x, gammas, deltas, s_ins, y, width: int,
-                pass_through: bool = False) -> None:
+    def _launch(self, n: int, hop: _Hop, side: bool, *, x, gammas, deltas, s_ins, y, pass_through: bool = False) -> None:
         ch, route, reverse = self.ch, self.route, self.reverse
         dense = ch.dense
         tail = 2 if dense else 1
@@ -453,7 +479,7 @@ class _Run:
         # kernel (an NVSHMEM module must call into NVSHMEM to be initialised for it)
         nvshmem = ch.nvshmem and (has_src or has_dst)
         inject.delay(deltas[0].device)  # test hook: no-op unless a stress test sets delays
-        kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, *strides, ch.tiles[width],
+        kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, *strides, ch.tiles,
                ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst, watch=bounded,
                pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
                pass_through=pass_through)

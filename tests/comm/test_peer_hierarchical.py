@@ -183,8 +183,7 @@ def test_the_cost_model_replays_the_device_plans():
         for r in range(P):
             for hop in _plan(walk, r, region):
                 if hop.peers[1] is not None:
-                    phase = {"prefix": "A", "send": "B" if hop.what == "map" else "C"}[hop.kind]
-                    sent[phase].append((r, hop.peers[1]))
+                    sent[hop.carries].append((r, hop.peers[1]))
         steps = hierarchical_steps(P, layout.value, node_size, reverse, tree=True)
         modelled = {"A": [], "B": [], "C": []}
         for step in steps:
