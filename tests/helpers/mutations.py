@@ -95,7 +95,8 @@ MUTATIONS = [
              "delta = torch.cat([e, e.new_zeros(", "delta = torch.cat([e * 0, e.new_zeros(",
              "phase B of the device hierarchical scan composes the earlier segments' map without the leader's own state"),
     Mutation("device-tree-skips-entering-state", "megatron_zeco/comm/peer_hierarchical.py",
-             "out[i] = s if j == 0 else self.kind.combine(t, s, self.states[j])", "out[i] = s",
+             "out[i] = s if j == 0 else self.kind.combine(t, s, self.kind.unpack(self.states[j], self.V)[1])",
+             "out[i] = s",
              "the device hierarchical scan leaves out the state entering each segment but the first"),
     Mutation("device-tree-products-before-local-work", "megatron_zeco/comm/peer_hierarchical.py",
              "    if at == len(plan) and while_waiting is not None:\n        while_waiting()\n    with beside():\n"
@@ -103,6 +104,10 @@ MUTATIONS = [
              "    with beside():\n        entering = run.finish()\n    if at == len(plan) and while_waiting is not None:\n"
              "        while_waiting()\n",
              "the device hierarchical scan's local products queued on the side stream before the local work"),
+    Mutation("device-tree-sends-a-stale-map", "megatron_zeco/comm/peer_hierarchical.py",
+             "        elif hop.kind == \"fold\":  # made by a local product: sent by a launch of its own\n"
+             "            maker[hop.segment] = None\n", "",
+             "a segment's map, composed on the host side of a round, sent by the launch that made the map before it"),
     Mutation("zigzag-unshard-slots-swapped", "megatron_zeco/comm/layout.py",
              "ordered.append(slots[rank][slot])", "ordered.append(slots[rank][-1 - slot])",
              "unshard puts a rank's two zigzag pieces back in the wrong order"),
