@@ -250,7 +250,7 @@ def all_scan(
     kind = transition_of(gamma[0], delta[0])
     if scan_shape(route, delta[0]) == "hierarchical":
         if route.transport.device:
-            return peer_hierarchical_scan(gamma, delta, init, route, _nodes(route), reverse=reverse, out=out,
+            return peer_hierarchical_scan(gamma, delta, init, route, reverse=reverse, out=out,
                                           while_waiting=while_waiting, aside=aside)
         if aside is not None:
             raise ValueError("all_scan: aside (a side stream for the hops) applies to the device transports ("

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from . import inject
 from .failures import naming_failures
 from .hierarchical import Walk
+from .nodes import group_nodes
 from .peer import ASIDE_PROGRAMS, dim0_stride, region_bytes, tiles_per_state
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
@@ -318,19 +319,21 @@ def _channel(route, nodes: Sequence[int], like: Tensor, dense: bool) -> _Channel
     return ch
 
 
-def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route,
-                           nodes: Sequence[int], *, reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
+def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], init: Optional[Tensor], route, *,
+                           reverse: bool = False, out: Optional[Sequence[Tensor]] = None,
                            while_waiting: Optional[Callable[[], None]] = None,
                            aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape over a device transport (module
-    docstring): the same arguments and result as ``peer.peer_all_scan`` (``nodes``: each group rank's
-    node). ``while_waiting()`` is issued where the rank first waits for a peer; with ``aside`` every launch
+    docstring): the same arguments and result as ``peer.peer_all_scan`` (the nodes: ``route.node_size``,
+    else as ``comm.nodes.group_nodes`` finds them). ``while_waiting()`` is issued where the rank first waits for a peer; with ``aside`` every launch
     and local product of the scan runs on that stream, on at most ``ASIDE_PROGRAMS`` programs a launch, the
     first that waits issued before ``while_waiting()``."""
     from ..kernels import scan_hop
 
     like = delta[0]
     kind = transition_of(gamma[0], like)
+    with naming_failures(route.what, "agreeing on which ranks of the group share a node"):
+        nodes = group_nodes(route.group, route.node_size)
     ch = _channel(route, nodes, like, kind is Dense)
     inputs = list(out) if out is not None else [torch.empty_like(d) for d in delta]
     run = _Run(scan_hop, ch, kind, gamma, delta, init, route, reverse)
@@ -421,8 +424,8 @@ class _Run:
             ends = walk.segments[hop.segment][-1] == last
             x = self._start(hop.segment) if starts else None
             y = self.prefix[0].new_empty(self.prefix[0].shape) if ends else None
-            self._launch(n, hop, side, x=x, gammas=[self.gamma[s] for s in slots],
-                         deltas=[self.delta[s] for s in slots], s_ins=[self.prefix[s] for s in slots], y=y)
+            self._launch(n, hop, side, x, ([self.gamma[s] for s in slots], [self.delta[s] for s in slots],
+                                           [self.prefix[s] for s in slots]), y)
             if ends:
                 self.maps[hop.segment] = y
             return
@@ -437,11 +440,11 @@ class _Run:
             return
         if hop.kind == "send":  # a segment's map (B, C), or the one whose state enters it (C, the tree)
             x = self.maps[hop.segment] if hop.what == "map" else self.states[hop.segment]
-            self._launch(n, hop, side, x=x, gammas=[x], deltas=[x], s_ins=[x], y=None, pass_through=True)
+            self._launch(n, hop, side, x, ([x], [x], [x]), None)
             return
         if hop.kind == "receive":
             into = self.prefix[0].new_empty(self.prefix[0].shape)
-            self._launch(n, hop, side, x=None, gammas=[into], deltas=[into], s_ins=[into], y=None, pass_through=True)
+            self._launch(n, hop, side, None, ([into], [into], [into]), None)
             self.states[hop.segment] = into
             return
         # compose: the map received, the earlier segments', into this segment's
@@ -449,7 +452,7 @@ class _Run:
         delta = torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
         scratch = self.prefix[0].new_empty(self.prefix[0].shape)
         y = self.prefix[0].new_empty(self.prefix[0].shape)
-        self._launch(n, hop, side, x=None, gammas=[t], deltas=[delta], s_ins=[scratch], y=y)
+        self._launch(n, hop, side, None, ([t], [delta], [scratch]), y)
         self.maps[hop.segment] = y
 
     def finish(self) -> Dict[int, Tensor]:
@@ -465,7 +468,12 @@ class _Run:
             out[i] = s if j == 0 else self.kind.combine(t, s, self.kind.unpack(self.states[j], self.V)[1])
         return out
 
-    def _launch(self, n: int, hop: _Hop, side: bool, *, x, gammas, deltas, s_ins, y, pass_through: bool = False) -> None:
+    def _launch(self, n: int, hop: _Hop, side: bool, x: Optional[Tensor], operands, y: Optional[Tensor]) -> None:
+        """Launch ``hop`` (plan position ``n``, on the side stream if ``side``): ``x`` the map it starts from
+        where no rank sends it, ``operands`` the kernel's ``(gammas, deltas, s_ins)``, ``y`` where the map
+        it makes goes (or None). Sends and receives pass their map through unchanged."""
+        gammas, deltas, s_ins = operands
+        pass_through = hop.kind in ("send", "receive")
         ch, route, reverse = self.ch, self.route, self.reverse
         dense = ch.dense
         tail = 2 if dense else 1
