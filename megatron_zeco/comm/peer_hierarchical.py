@@ -388,7 +388,7 @@ class _Run:
         self.prefix = [like.new_empty(N, K, W) for _ in delta]  # the augmented state entering each slot
         self.init = None if init is None else init.to(like.dtype).reshape(N, K, V)
         self.maps: Dict[int, Tensor] = {}  # segment -> its map (composed so far), on its leader
-        self.states: Dict[int, Tensor] = {}  # segment -> the state entering it
+        self.states: Dict[int, Tensor] = {}  # segment -> the map whose state enters it
         self.earlier: Dict[int, Tensor] = {}  # B: maps passed on between two segments this rank leads
         self.watcher = watch(like.device)
         self.timeout = self.watcher.timeout(route.group)
