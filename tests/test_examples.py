@@ -13,9 +13,10 @@ import os
 import subprocess
 import sys
 import textwrap
-from unittest import mock
 
 import pytest
+
+from tests.helpers.benchmarks import load
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAVE_TRAINING = importlib.util.find_spec("megatron.training") is not None
@@ -24,18 +25,7 @@ pytestmark = [pytest.mark.megatron,
                                  "with megatron-core >= 0.19 (.ci/run runs these tests in its megatron-core 0.19 pass)")]
 
 
-
-def _throughput():
-    """benchmarks/throughput.py as a module (it imports its sibling compare_losses as a script does)."""
-    bench = os.path.join(ROOT, "benchmarks")
-    spec = importlib.util.spec_from_file_location("throughput", os.path.join(bench, "throughput.py"))
-    module = importlib.util.module_from_spec(spec)
-    with mock.patch.object(sys, "path", [bench, *sys.path]):
-        spec.loader.exec_module(module)
-    return module
-
-
-throughput = _throughput()
+throughput = load("throughput")  # (it imports its sibling compare_losses as the script does)
 REFERENCE = throughput.MODELS["gdn-1b"][1]["megatron"]  # Megatron's own Gated DeltaNet, the benchmark's row
 GRAPHS = tuple(throughput.CUDA_GRAPH_FLAGS)  # the benchmark's CUDA-graph runs
 # (launcher, environment, extra flags, the G/GLA mixer class the spec must build and its CP strategy)

@@ -143,6 +143,13 @@ class _Channel:
         return tuple(-1 if r is None else self._pe[r] for r in launch.peers)
 
 
+def capacity(N: int) -> int:
+    """The states a channel for N holds: a power of two. Packed batches split per document pass one state
+    per document, a count that changes every step, and each new channel is a collective allocation that is
+    never freed (a peer may still be writing into it); a call uses the first N."""
+    return 1 << (N - 1).bit_length()
+
+
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
@@ -231,17 +238,13 @@ def _channel(route, like: Tensor, dense: bool) -> _Channel:
     on first use)."""
     K, V = like.shape[-2:]
     N = like.numel() // (K * V)
-    # Channels hold a power of two of states: packed batches split per document pass one state
-    # per document, a count that changes every step, and each new channel is a collective
-    # allocation that is never freed (a peer may still be writing into it). A call uses the first N.
-    capacity = 1 << (N - 1).bit_length()
     # Blocks of more than 32 rows move as 32-row tiles, each with its own flag: more programs in flight
     # and a finer pipeline through the zigzag turn-around (what a per-document packed batch's one
     # state per document needs to keep the link busy; bench_op.py's scan part times it).
     # Dense transitions: blocks and tiles of columns instead (a row of M S reads every row of S).
     tiles = tiles_per_state(K, V, dense, route.num_blocks)
     nvshmem = route.transport is Transport.NVSHMEM
-    key = _ChannelKey(route.group, route.layout, capacity, K, V, like.dtype, tiles, like.device, nvshmem, dense)
+    key = _ChannelKey(route.group, route.layout, capacity(N), K, V, like.dtype, tiles, like.device, nvshmem, dense)
     ch = _CHANNELS.get(key)
     if ch is None:
         with naming_failures(route.what, "setting up the All-Scan's symmetric buffers with every rank of the group"):
@@ -338,11 +341,16 @@ class _Launcher:
 
 
 def _describe(what: str, reverse: bool, launch: _Launch, layout, group, nvshmem: bool):
-    """How a launch is named when one of its waits gives up: the scan, the direction and the pieces;
-    and the global ranks it waits for."""
-    direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
+    """How a launch is named when one of its waits gives up (:func:`describe_launch`): its pieces."""
     pieces = " and ".join(str(link.piece) for link in launch.links)
+    return describe_launch(what, reverse, layout, group, nvshmem, f"piece(s) {pieces}", launch.peers)
+
+
+def describe_launch(what: str, reverse: bool, layout, group, nvshmem: bool, where: str,
+                    peers: Tuple[Optional[int], Optional[int]]):
+    """A device scan's launch as its waits name it: the scan, the direction, the transport, the layout and
+    ``where`` in the scan; and the global ranks of its group ranks ``peers``."""
+    direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
     over = "NVSHMEM" if nvshmem else "peer memory"
-    peers = tuple(None if r is None else dist.get_global_rank(group, r) for r in launch.peers)
-    return (f"{what} [{direction}over {over}, {layout.value} layout on {group.size()} ranks, piece(s) {pieces}]",
-            peers)
+    return (f"{what} [{direction}over {over}, {layout.value} layout on {group.size()} ranks, {where}]",
+            tuple(None if r is None else dist.get_global_rank(group, r) for r in peers))

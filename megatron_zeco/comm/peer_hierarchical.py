@@ -33,7 +33,6 @@ call), so no send queues behind a receive that waits for it, on any rank. Exact:
 """
 
 import contextlib
-import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -43,7 +42,8 @@ from . import inject
 from .failures import naming_failures
 from .hierarchical import Walk
 from .nodes import group_nodes
-from .peer import ASIDE_PROGRAMS, dim0_stride, region_bytes, tiles_per_state
+from .peer import ASIDE_PROGRAMS, capacity, describe_launch, dim0_stride, region_bytes, tiles_per_state
+from .shape import fan_steps
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
 from .transport import Transport
@@ -81,11 +81,6 @@ class _Hop(NamedTuple):
     @property
     def waits(self) -> bool:
         return self.peers[0] is not None
-
-
-def fan_steps(n: int) -> int:
-    """Steps of the binomial tree passing a state from the first of ``n`` ranks to the others."""
-    return math.ceil(math.log2(n)) if n > 1 else 0
 
 
 def _roles(rounds: int, steps: int) -> List[Tuple[str, int]]:
@@ -308,8 +303,7 @@ _CHANNELS: Dict[_ChannelKey, _Channel] = {}
 def _channel(route, nodes: Sequence[int], like: Tensor, dense: bool) -> _Channel:
     K, V = like.shape[-2:]
     N = like.numel() // (K * V)
-    capacity = 1 << (N - 1).bit_length()  # as peer.py's channels: a power of two of states
-    key = _ChannelKey(route.group, route.layout, tuple(nodes), capacity, K, V, like.dtype, route.num_blocks,
+    key = _ChannelKey(route.group, route.layout, tuple(nodes), capacity(N), K, V, like.dtype, route.num_blocks,
                       like.device, route.transport is Transport.NVSHMEM, dense)
     ch = _CHANNELS.get(key)
     if ch is None:
@@ -325,9 +319,9 @@ def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], ini
                            aside=None) -> Tuple[List[Tensor], Optional[Tensor]]:
     """:func:`~megatron_zeco.comm.all_scan` in the hierarchical shape over a device transport (module
     docstring): the same arguments and result as ``peer.peer_all_scan`` (the nodes: ``route.node_size``,
-    else as ``comm.nodes.group_nodes`` finds them). ``while_waiting()`` is issued where the rank first waits for a peer; with ``aside`` every launch
-    and local product of the scan runs on that stream, on at most ``ASIDE_PROGRAMS`` programs a launch, the
-    first that waits issued before ``while_waiting()``."""
+    else as ``comm.nodes.group_nodes`` finds them). ``while_waiting()`` is issued where the rank first waits
+    for a peer; with ``aside`` every launch and local product of the scan runs on that stream, on at most
+    ``ASIDE_PROGRAMS`` programs a launch, the first that waits issued before ``while_waiting()``."""
     from ..kernels import scan_hop
 
     like = delta[0]
@@ -404,11 +398,6 @@ class _Run:
             return self.kind.pack(identity(), self.init).contiguous()
         return self.ch.constant("[0 | I]", lambda: self.kind.pack(identity(), self.prefix[0].new_zeros(N, K, V)), N)
 
-    def _unpacked(self, m: Tensor) -> Tuple[Tensor, Tensor]:
-        """(transition, state) of a map, each contiguous."""
-        t, s = self.kind.unpack(m, self.V)
-        return t.contiguous(), s.contiguous()
-
     def _compose_local(self, later: Tensor, earlier: Tensor) -> Tensor:
         t2, e2 = self.kind.unpack(later, self.V)
         t1, e1 = self.kind.unpack(earlier, self.V)
@@ -448,8 +437,8 @@ class _Run:
             self.states[hop.segment] = into
             return
         # compose: the map received, the earlier segments', into this segment's
-        t, e = self._unpacked(self.maps[hop.segment])
-        delta = torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
+        t, e = self.kind.unpack(self.maps[hop.segment], self.V)
+        t, delta = t.contiguous(), torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
         scratch = self.prefix[0].new_empty(self.prefix[0].shape)
         y = self.prefix[0].new_empty(self.prefix[0].shape)
         self._launch(n, hop, side, None, ([t], [delta], [scratch]), y)
@@ -496,9 +485,5 @@ class _Run:
 
 def _describe(route, reverse: bool, hop: _Hop, nvshmem: bool):
     """How a launch is named when one of its waits gives up, and the global ranks it waits for."""
-    what, group = route.what, route.group
-    direction = "" if ("backward" in what or "forward" in what) else ("backward " if reverse else "forward ")
-    over = "NVSHMEM" if nvshmem else "peer memory"
-    peers = tuple(None if r is None else dist.get_global_rank(group, r) for r in hop.peers)
-    return (f"{what} [{direction}over {over}, hierarchical, {route.layout.value} layout on {group.size()} ranks, "
-            f"{hop.label}]", peers)
+    return describe_launch(route.what, reverse, route.layout, route.group, nvshmem, f"hierarchical: {hop.label}",
+                           hop.peers)

@@ -123,10 +123,16 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
                            for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
         return tuple(step for step in steps if step)
     holders = [list(dict.fromkeys(ranks[i] for i in segments[j])) for j in range(M)]  # first rank first
-    for s in range(max((math.ceil(math.log2(len(h))) for h in holders[1:] if len(h) > 1), default=0)):
+    for s in range(max((fan_steps(len(h)) for h in holders[1:]), default=0)):
         d = 1 << s
         steps.append(tuple((h[k], h[k + d], "state", "C") for h in holders[1:] for k in range(min(d, len(h) - d))))
     return tuple(step for step in steps if step)
+
+
+def fan_steps(n: int) -> int:
+    """Steps of the binomial tree passing a state from the first of ``n`` ranks to the others (a step per
+    doubling of the ranks that hold it)."""
+    return math.ceil(math.log2(n)) if n > 1 else 0
 
 
 def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> float:

@@ -22,6 +22,7 @@ from tests.helpers.checks import assert_no_failures
 from tests.helpers.distributed import run_ranks
 from tests.helpers.marks import slow, slow_except
 from tests.helpers.reference import fold, rel_err
+from tests.helpers.streams import recorded_streams
 
 RANK_POOL = dict(world=4, pg_timeout=120)
 
@@ -269,67 +270,46 @@ def _aside_worker(group, seed):
     from megatron_zeco.kernels import scan_hop
 
     log = []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(("wait", self.name, other.name))
-
-    main, side = Recorder("main"), Recorder("aside")
-    current = [main]
-
-    @contextlib.contextmanager
-    def stream(s):
-        current.append(s)
-        try:
-            yield
-        finally:
-            current.pop()
-
-    def recorded(kernel):
-        def launch(*args, programs=None, **kwargs):
-            log.append(("launch", kernel.__name__, current[-1].name, programs, kwargs.get("has_src", True)))
-            return kernel(*args, programs=programs, **kwargs)
-        return launch
-
     P, me = group.size(), group.rank()
     failures = []
     kernels = ("all_scan_hop", "all_scan_dense_hop", "all_scan_map", "all_scan_close")
     saved = {name: getattr(scan_hop, name) for name in kernels}
-    saved_cuda = torch.cuda.current_stream, torch.cuda.stream
-    try:
-        for name in kernels:
-            setattr(scan_hop, name, recorded(saved[name]))
-        torch.cuda.current_stream, torch.cuda.stream = (lambda device=None: current[-1]), stream
-        for n, (layout, dense, reverse) in enumerate(itertools.product(Layout, (False, True), (False, True))):
-            gen = torch.Generator().manual_seed(seed + n)
-            pieces, mine = layout.num_pieces(P), layout.pieces(me, P)
-            shape = (2, 4, 4) if dense else (2, 4)
-            gammas = [torch.rand(*shape, generator=gen, dtype=torch.float64) / 2 for _ in range(pieces)]
-            deltas = [torch.randn(2, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
-            log.clear()
-            entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
-                                   Route(layout, group, transport="peer_memory"), reverse=reverse, aside=side,
-                                   while_waiting=lambda: log.append(("local", current[-1].name)))
-            what = f"{layout.value} dense={dense} reverse={reverse}"
-            order = range(pieces - 1, -1, -1) if reverse else range(pieces)
-            want, _ = fold(gammas, deltas, None, order)
-            if not all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine)):
-                failures.append(f"{what}: wrong states")
-            launches = [e for e in log if e[0] == "launch"]
-            at = next((i + 1 for i, e in enumerate(launches) if e[-1]), len(launches))  # just after the first wait
-            expected = ([("wait", "aside", "main")] + launches[:at] + [("local", "main")] + launches[at:]
-                        + [("wait", "main", "aside")])
-            if not launches or log != expected:
-                failures.append(f"{what}: issued {log}")
-            if any(stream != "aside" or programs != peer.ASIDE_PROGRAMS for _, _, stream, programs, _ in launches):
-                failures.append(f"{what}: launches {launches}")
-    finally:
-        for name in kernels:
-            setattr(scan_hop, name, saved[name])
-        torch.cuda.current_stream, torch.cuda.stream = saved_cuda
+    with recorded_streams(log) as (main, side, current):
+        def recorded(kernel):
+            def launch(*args, programs=None, **kwargs):
+                log.append(("launch", kernel.__name__, current[-1].name, programs, kwargs.get("has_src", True)))
+                return kernel(*args, programs=programs, **kwargs)
+            return launch
+
+        try:
+            for name in kernels:
+                setattr(scan_hop, name, recorded(saved[name]))
+            for n, (layout, dense, reverse) in enumerate(itertools.product(Layout, (False, True), (False, True))):
+                gen = torch.Generator().manual_seed(seed + n)
+                pieces, mine = layout.num_pieces(P), layout.pieces(me, P)
+                shape = (2, 4, 4) if dense else (2, 4)
+                gammas = [torch.rand(*shape, generator=gen, dtype=torch.float64) / 2 for _ in range(pieces)]
+                deltas = [torch.randn(2, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+                log.clear()
+                entering, _ = all_scan([gammas[p] for p in mine], [deltas[p] for p in mine], None,
+                                       Route(layout, group, transport="peer_memory"), reverse=reverse, aside=side,
+                                       while_waiting=lambda: log.append(("local", current[-1].name)))
+                what = f"{layout.value} dense={dense} reverse={reverse}"
+                order = range(pieces - 1, -1, -1) if reverse else range(pieces)
+                want, _ = fold(gammas, deltas, None, order)
+                if not all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine)):
+                    failures.append(f"{what}: wrong states")
+                launches = [e for e in log if e[0] == "launch"]
+                at = next((i + 1 for i, e in enumerate(launches) if e[-1]), len(launches))  # just after the first wait
+                expected = ([("wait", "aside", "main")] + launches[:at] + [("local", "main")] + launches[at:]
+                            + [("wait", "main", "aside")])
+                if not launches or log != expected:
+                    failures.append(f"{what}: issued {log}")
+                if any(stream != "aside" or programs != peer.ASIDE_PROGRAMS for _, _, stream, programs, _ in launches):
+                    failures.append(f"{what}: launches {launches}")
+        finally:
+            for name in kernels:
+                setattr(scan_hop, name, saved[name])
     return failures
 
 

@@ -8,7 +8,6 @@ the end), both layouts, both directions, with and without an initial state, diag
 gated delta rule) transitions, decays near 0 and near 1.
 """
 
-import contextlib
 import importlib
 import itertools
 import os
@@ -19,10 +18,12 @@ import torch.distributed as dist
 
 from megatron_zeco.comm import Layout, Route, all_scan
 from megatron_zeco.comm.hierarchical import Walk
-from megatron_zeco.comm.peer_hierarchical import _plan, fan_steps
+from megatron_zeco.comm.peer_hierarchical import _plan
+from megatron_zeco.comm.shape import fan_steps
 from tests.helpers.checks import assert_no_failures
 from tests.helpers.marks import slow_except
 from tests.helpers.reference import fold, rel_err
+from tests.helpers.streams import recorded_streams
 
 RANK_POOL = dict(world=4, pg_timeout=120)
 
@@ -205,72 +206,51 @@ def _aside(group, seed, node_size):
     from megatron_zeco.comm import peer, peer_hierarchical
     from megatron_zeco.kernels import scan_hop
 
-    log, current = [], []
-
-    class Recorder:
-        def __init__(self, name):
-            self.name = name
-
-        def wait_stream(self, other):
-            log.append(("wait", self.name, other.name))
-
-    main, side = Recorder("main"), Recorder("aside")
-    current.append(main)
-
-    @contextlib.contextmanager
-    def stream(s):
-        current.append(s)
-        try:
-            yield
-        finally:
-            current.pop()
-
-    def recorded(kernel):
-        def launch(*args, programs=None, **kwargs):
-            log.append(("launch", current[-1].name, programs, kwargs["has_src"]))
-            return kernel(*args, programs=programs, **kwargs)
-        return launch
-
-    def finish(self):
-        log.append(("finish", current[-1].name))
-        return real_finish(self)
-
+    log = []
     P, me = group.size(), group.rank()
     failures = []
     saved = {name: getattr(scan_hop, name) for name in ("all_scan_hop", "all_scan_dense_hop")}
-    saved_cuda = torch.cuda.current_stream, torch.cuda.stream
     real_finish = peer_hierarchical._Run.finish
-    try:
-        for name, kernel in saved.items():
-            setattr(scan_hop, name, recorded(kernel))
-        torch.cuda.current_stream, torch.cuda.stream = (lambda device=None: current[-1]), stream
-        peer_hierarchical._Run.finish = finish
-        for n, (layout, dense, reverse) in enumerate(itertools.product(Layout, (False, True), (False, True))):
-            gen = torch.Generator().manual_seed(seed + n)
-            pieces, mine = layout.num_pieces(P), layout.pieces(me, P)
-            Ts = _transitions("dense" if dense else "diagonal", pieces, 4, gen, "any")
-            deltas = [torch.randn(2, 3, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
-            log.clear()
-            route = Route(layout, group, 1, "peer_memory", node_size, "hierarchical")
-            entering, _ = all_scan([Ts[p] for p in mine], [deltas[p] for p in mine], None, route, reverse=reverse,
-                                   aside=side, while_waiting=lambda: log.append(("local", current[-1].name)))
-            what = f"{layout.value} dense={dense} reverse={reverse}"
-            want, _ = fold(Ts, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
-            if not all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine)):
-                failures.append(f"{what}: wrong states")
-            launches = [e for e in log if e[0] == "launch"]
-            at = next((i + 1 for i, e in enumerate(launches) if e[-1]), len(launches))
-            expected = ([("wait", "aside", "main")] + launches[:at] + [("local", "main")] + launches[at:]
-                        + [("finish", "aside"), ("wait", "main", "aside")])
-            if not launches or log != expected:
-                failures.append(f"{what}: issued {log}")
-            if any(s != "aside" or programs != peer.ASIDE_PROGRAMS for _, s, programs, _ in launches):
-                failures.append(f"{what}: launches {launches}")
-    finally:
-        for name, kernel in saved.items():
-            setattr(scan_hop, name, kernel)
-        torch.cuda.current_stream, torch.cuda.stream = saved_cuda
-        peer_hierarchical._Run.finish = real_finish
+    with recorded_streams(log) as (main, side, current):
+        def recorded(kernel):
+            def launch(*args, programs=None, **kwargs):
+                log.append(("launch", current[-1].name, programs, kwargs["has_src"]))
+                return kernel(*args, programs=programs, **kwargs)
+            return launch
+
+        def finish(self):
+            log.append(("finish", current[-1].name))
+            return real_finish(self)
+
+        try:
+            for name, kernel in saved.items():
+                setattr(scan_hop, name, recorded(kernel))
+            peer_hierarchical._Run.finish = finish
+            for n, (layout, dense, reverse) in enumerate(itertools.product(Layout, (False, True), (False, True))):
+                gen = torch.Generator().manual_seed(seed + n)
+                pieces, mine = layout.num_pieces(P), layout.pieces(me, P)
+                Ts = _transitions("dense" if dense else "diagonal", pieces, 4, gen, "any")
+                deltas = [torch.randn(2, 3, 4, 3, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+                log.clear()
+                route = Route(layout, group, 1, "peer_memory", node_size, "hierarchical")
+                entering, _ = all_scan([Ts[p] for p in mine], [deltas[p] for p in mine], None, route, reverse=reverse,
+                                       aside=side, while_waiting=lambda: log.append(("local", current[-1].name)))
+                what = f"{layout.value} dense={dense} reverse={reverse}"
+                want, _ = fold(Ts, deltas, None, range(pieces - 1, -1, -1) if reverse else range(pieces))
+                if not all(rel_err(entering[s], want[p]) < 1e-12 for s, p in enumerate(mine)):
+                    failures.append(f"{what}: wrong states")
+                launches = [e for e in log if e[0] == "launch"]
+                at = next((i + 1 for i, e in enumerate(launches) if e[-1]), len(launches))
+                expected = ([("wait", "aside", "main")] + launches[:at] + [("local", "main")] + launches[at:]
+                            + [("finish", "aside"), ("wait", "main", "aside")])
+                if not launches or log != expected:
+                    failures.append(f"{what}: issued {log}")
+                if any(s != "aside" or programs != peer.ASIDE_PROGRAMS for _, s, programs, _ in launches):
+                    failures.append(f"{what}: launches {launches}")
+        finally:
+            for name, kernel in saved.items():
+                setattr(scan_hop, name, kernel)
+            peer_hierarchical._Run.finish = real_finish
     return failures
 
 

@@ -92,7 +92,7 @@ MUTATIONS = [
              "torch.cuda.Stream(device, priority=-1)", "torch.cuda.Stream(device)",
              "the scans' side stream of default priority: its hops queue behind the local work's pending blocks"),
     Mutation("device-tree-composes-without-own-map", "megatron_zeco/comm/peer_hierarchical.py",
-             "delta = torch.cat([e, e.new_zeros(", "delta = torch.cat([e * 0, e.new_zeros(",
+             "delta = t.contiguous(), torch.cat([e, e.new_zeros(", "delta = t.contiguous(), torch.cat([e * 0, e.new_zeros(",
              "phase B of the device hierarchical scan composes the earlier segments' map without the leader's own state"),
     Mutation("device-tree-skips-entering-state", "megatron_zeco/comm/peer_hierarchical.py",
              "out[i] = s if j == 0 else self.kind.combine(t, s, self.kind.unpack(self.states[j], self.V)[1])",
