@@ -42,7 +42,7 @@ from . import inject
 from .failures import naming_failures
 from .hierarchical import Walk
 from .nodes import group_nodes
-from .peer import ASIDE_PROGRAMS, capacity, describe_launch, dim0_stride, region_bytes, tiles_per_state
+from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles_per_state
 from .shape import fan_steps
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
@@ -124,6 +124,8 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
     seg = _Segments(walk)
     M = seg.M
     hops: List[_Hop] = []
+    # A piece first in its segment (but segment 0's) enters with the state C brings it: its prefix is the
+    # identity, and finish copies that state. A launch is skipped where it would make nothing else.
     # A: the chain of prefix maps along each segment (two pieces of this rank in a row: one launch)
     for j, indices in enumerate(walk.segments):
         groups: List[List[int]] = []
@@ -138,6 +140,8 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
             a, b = group[0], group[-1]
             src = walk.rank(a - 1) if g > 0 else None
             dst = walk.rank(b + 1) if g + 1 < len(groups) else None
+            if j > 0 and j == M - 1 and len(indices) == 1:
+                continue  # the last segment's one piece: the state entering it is C's, and its map goes nowhere
             hops.append(_Hop("prefix", j, tuple(group),
                              (region(me, "A", 0, seg.slot(a)), region(me, "A", 0, seg.slot(b)),
                               region(src, "A", 0, seg.slot(a - 1)) if src is not None else 0,
@@ -350,18 +354,11 @@ def peer_hierarchical_scan(gamma: Sequence[Tensor], delta: Sequence[Tensor], ini
     if at == len(plan) and while_waiting is not None:
         while_waiting()
     with beside():
-        entering = run.finish()
+        run.finish(inputs)
     if main is not None:
         main.wait_stream(aside)
-        for x in entering.values():  # made on the side stream, read on this one next
-            if x.is_cuda:
-                x.record_stream(main)
-    last = None
-    for i, x in entering.items():
-        slot = ch.walks[reverse].owners[i][1]
-        inputs[slot].copy_(x.reshape(inputs[slot].shape))
-        if i == len(ch.walks[reverse].owners) - 1:
-            last = kind.combine(gamma[slot], delta[slot], inputs[slot])
+    rank, slot = ch.walks[reverse].owners[-1]  # the walk's last piece: the state leaving it, on its rank
+    last = kind.combine(gamma[slot], delta[slot], inputs[slot]) if rank == route.group.rank() else None
     return inputs, last
 
 
@@ -374,13 +371,9 @@ class _Run:
         like = delta[0]
         self.K, self.V = like.shape[-2:]
         self.N = like.numel() // (self.K * self.V)
-        N, K, V, W = self.N, self.K, self.V, ch.width
-        tail = (K, K) if kind is Dense else (K,)
-        self.gamma = [g.reshape(N, *tail).contiguous() for g in gamma]
-        zeros = ch.constant("zero columns", lambda: like.new_zeros(N, K, W - V), N)
-        self.delta = [torch.cat([d.reshape(N, K, V), zeros], dim=-1) for d in delta]
-        self.prefix = [like.new_empty(N, K, W) for _ in delta]  # the augmented state entering each slot
-        self.init = None if init is None else init.to(like.dtype).reshape(N, K, V)
+        self.like, self.gamma, self.delta = like, gamma, delta
+        self.prefix: Dict[int, Tensor] = {}  # slot -> the augmented state entering it (phase A's launches)
+        self.init = None if init is None else init.to(like.dtype).reshape(self.N, self.K, self.V)
         self.maps: Dict[int, Tensor] = {}  # segment -> its map (composed so far), on its leader
         self.states: Dict[int, Tensor] = {}  # segment -> the map whose state enters it
         self.earlier: Dict[int, Tensor] = {}  # B: maps passed on between two segments this rank leads
@@ -390,13 +383,25 @@ class _Run:
 
     # -- the tensors of each kind of launch
 
+    def _map(self) -> Tensor:
+        """A new augmented state or map, ``[N, K, V + width]``."""
+        return self.like.new_empty(self.N, self.K, self.ch.width)
+
+    def _piece(self, slot: int) -> Tuple[Tensor, Tensor]:
+        """Slot ``slot``'s transition and delta as phase A's launch reads them: ``[N, K(, K)]`` and ``[N, K, V]``,
+        contiguous (a delta acts on the augmented state as ``[d | 0]``: the kernels read its V columns and
+        the rest as zero)."""
+        N, K, V = self.N, self.K, self.V
+        tail = (K, K) if self.kind is Dense else (K,)
+        return self.gamma[slot].reshape(N, *tail).contiguous(), self.delta[slot].reshape(N, K, V).contiguous()
+
     def _start(self, j: int) -> Tensor:
         """``[init | I]`` (segment 0) or ``[0 | I]``: the augmented state entering segment j."""
         N, K, V = self.N, self.K, self.V
-        identity = lambda: self.kind.identity(self.gamma[0])  # noqa: E731
+        identity = lambda: self.kind.identity(self._piece(0)[0])  # noqa: E731
         if j == 0 and self.init is not None:
             return self.kind.pack(identity(), self.init).contiguous()
-        return self.ch.constant("[0 | I]", lambda: self.kind.pack(identity(), self.prefix[0].new_zeros(N, K, V)), N)
+        return self.ch.constant("[0 | I]", lambda: self.kind.pack(identity(), self.like.new_zeros(N, K, V)), N)
 
     def _compose_local(self, later: Tensor, earlier: Tensor) -> Tensor:
         t2, e2 = self.kind.unpack(later, self.V)
@@ -412,9 +417,14 @@ class _Run:
             starts = walk.segments[hop.segment][0] == first
             ends = walk.segments[hop.segment][-1] == last
             x = self._start(hop.segment) if starts else None
-            y = self.prefix[0].new_empty(self.prefix[0].shape) if ends else None
-            self._launch(n, hop, side, x, ([self.gamma[s] for s in slots], [self.delta[s] for s in slots],
-                                           [self.prefix[s] for s in slots]), y)
+            y = self._map() if ends else None
+            pieces = [self._piece(s) for s in slots]
+            for s in slots:
+                self.prefix[s] = self._map()
+            K, V = self.K, self.V
+            self._launch(n, hop, side, x, ([g for g, _ in pieces], [d for _, d in pieces],
+                                           [self.prefix[s] for s in slots]), y,
+                         (K * K if ch.dense else K, K if ch.dense else 1, (K * V, V, V)))
             if ends:
                 self.maps[hop.segment] = y
             return
@@ -432,41 +442,58 @@ class _Run:
             self._launch(n, hop, side, x, ([x], [x], [x]), None)
             return
         if hop.kind == "receive":
-            into = self.prefix[0].new_empty(self.prefix[0].shape)
+            into = self._map()
             self._launch(n, hop, side, None, ([into], [into], [into]), None)
             self.states[hop.segment] = into
             return
-        # compose: the map received, the earlier segments', into this segment's
-        t, e = self.kind.unpack(self.maps[hop.segment], self.V)
-        t, delta = t.contiguous(), torch.cat([e, e.new_zeros(self.N, self.K, ch.width - self.V)], dim=-1)
-        scratch = self.prefix[0].new_empty(self.prefix[0].shape)
-        y = self.prefix[0].new_empty(self.prefix[0].shape)
-        self._launch(n, hop, side, None, ([t], [delta], [scratch]), y)
+        # compose: the map received, the earlier segments', into this segment's; the kernel reads this
+        # segment's map (T, E) in place: T from its columns past V, E as a delta of V columns
+        own = self.maps[hop.segment]
+        K, V, W = self.K, self.V, ch.width
+        t = self.kind.unpack(own, V)[0]
+        scratch, y = self._map(), self._map()
+        self._launch(n, hop, side, None, ([t], [own], [scratch]), y, (K * W, W, (K * W, W, V)))
         self.maps[hop.segment] = y
 
-    def finish(self) -> Dict[int, Tensor]:
-        """The state entering each of this rank's pieces (walk index -> ``[N, K, V]``)."""
+    def finish(self, inputs: Sequence[Tensor]) -> None:
+        """The state entering each of this rank's pieces, into ``inputs`` (per slot): segment 0's from its
+        prefix, a segment's first piece the state entering the segment, the others ``T_i X + S_i``."""
         walk = self.ch.walks[self.reverse]
-        me = self.route.group.rank()
-        out = {}
+        me, N, K, V = self.route.group.rank(), self.N, self.K, self.V
         for i, (rank, slot) in enumerate(walk.owners):
             if rank != me:
                 continue
             j = walk.segment_of[i]
-            t, s = self.kind.unpack(self.prefix[slot], self.V)
-            out[i] = s if j == 0 else self.kind.combine(t, s, self.kind.unpack(self.states[j], self.V)[1])
-        return out
+            target = inputs[slot]
+            if j > 0 and walk.segments[j][0] == i:
+                target.copy_(self.kind.unpack(self.states[j], V)[1].reshape(target.shape))
+                continue
+            t, s = self.kind.unpack(self.prefix[slot], V)
+            if j == 0:
+                target.copy_(s.reshape(target.shape))
+                continue
+            x = self.kind.unpack(self.states[j], V)[1]
+            flat = _flat(target, N, K, V)
+            if flat is None:
+                target.copy_(self.kind.combine(t, s, x).reshape(target.shape))
+            elif self.kind is Dense:
+                torch.baddbmm(s, t, x, out=flat)
+            else:
+                torch.addcmul(s, t.unsqueeze(-1), x, out=flat)
 
-    def _launch(self, n: int, hop: _Hop, side: bool, x: Optional[Tensor], operands, y: Optional[Tensor]) -> None:
+    def _launch(self, n: int, hop: _Hop, side: bool, x: Optional[Tensor], operands, y: Optional[Tensor],
+                layout=None) -> None:
         """Launch ``hop`` (plan position ``n``, on the side stream if ``side``): ``x`` the map it starts from
-        where no rank sends it, ``operands`` the kernel's ``(gammas, deltas, s_ins)``, ``y`` where the map
-        it makes goes (or None). Sends and receives pass their map through unchanged."""
+        where no rank sends it, ``operands`` the kernel's ``(gammas, deltas, s_ins)`` (``s_ins`` contiguous
+        ``[N, K, W]``), ``y`` where the map it makes goes (or None); ``layout``: the transitions' dim-0 and
+        row strides and the deltas' ``(dim-0 stride, row stride, columns)`` (None: a pass-through hop, which
+        reads neither). Sends and receives pass their map through unchanged."""
         gammas, deltas, s_ins = operands
         pass_through = hop.kind in ("send", "receive")
         ch, route, reverse = self.ch, self.route, self.reverse
         dense = ch.dense
-        tail = 2 if dense else 1
-        strides = dim0_stride(gammas, tail) or 0, dim0_stride([*deltas, *s_ins], 2) or 0
+        W = ch.width
+        t_stride, t_row, delta_layout = layout if layout is not None else (0, 1, (self.K * W, W, W))
         describe = lambda: _describe(route, reverse, hop, ch.nvshmem)  # noqa: E731
         bounded = self.watcher.arguments(self.watcher.launch_id((id(ch), reverse, n, route.what), describe),
                                          self.timeout)
@@ -476,11 +503,20 @@ class _Run:
         # kernel (an NVSHMEM module must call into NVSHMEM to be initialised for it)
         nvshmem = ch.nvshmem and (has_src or has_dst)
         inject.delay(deltas[0].device)  # test hook: no-op unless a stress test sets delays
-        kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, *strides, ch.tiles,
-               ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst, watch=bounded,
-               pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
-               pass_through=pass_through)
+        rows = dict(m_row=t_row) if dense else dict(g_row=t_row)
+        kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, t_stride, self.K * W,
+               ch.tiles, ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst,
+               watch=bounded, pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
+               pass_through=pass_through, delta_layout=delta_layout, **rows)
         inject.delay(deltas[0].device)
+
+
+def _flat(target: Tensor, N: int, K: int, V: int) -> Optional[Tensor]:
+    """``target`` as ``[N, K, V]`` sharing its memory, or None where it cannot be viewed so."""
+    try:
+        return target.view(N, K, V)
+    except RuntimeError:
+        return None
 
 
 def _describe(route, reverse: bool, hop: _Hop, nvshmem: bool):

@@ -219,6 +219,17 @@ def _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
+def _operands(i_n, rows, in_block, D_STRIDE, D_ROW, DV, G_STRIDE, G_ROW, INNER: tl.constexpr, K: tl.constexpr,
+              BV: tl.constexpr):
+    """Offsets and mask of ``rows`` of state ``i_n`` in a delta of ``DV`` columns (those past DV read as
+    zero), rows ``D_ROW`` apart, and the offsets of their decays, ``G_ROW`` apart."""
+    cols = tl.arange(0, BV)
+    i_o, i_h = i_n // INNER, i_n % INNER
+    d_offs = i_o * D_STRIDE + (i_h * K + rows[:, None]) * D_ROW + cols[None, :]
+    return d_offs, in_block[:, None] & (cols[None, :] < DV), i_o * G_STRIDE + (i_h * K + rows) * G_ROW
+
+
+@triton.jit
 def all_scan_hop_kernel(
     x_init,  # address of the incoming state where no rank sends it (initial state, or this rank's own)
     gamma, delta, s_in,  # the (first) piece's decay and delta, and where its incoming state goes
@@ -226,7 +237,9 @@ def all_scan_hop_kernel(
     y_out,  # local copy of the outgoing state (KEEP_Y)
     here, sent, src, dst,  # addresses of the regions: this rank's receiving one and sending one, the peers'
     src_pe, dst_pe,  # NVSHMEM: the peers' PEs (src and dst are then this rank's addresses of their regions)
-    G_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (gamma; delta and s_in)
+    G_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (gamma; s_in)
+    D_STRIDE, D_ROW, DV,  # delta: dim-0 stride, row stride, columns (those from DV to V read as zero)
+    G_ROW,  # gamma: the stride between a state's decays (1; a map's column of decays: its row stride)
     INNER: tl.constexpr,  # states per entry of dim 0
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
@@ -253,8 +266,8 @@ def all_scan_hop_kernel(
             _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
         failed = _given_up(watch)
         for r in range(0, ROWS, BR):
-            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
-                                                               ROWS, BR, BV)
+            rows, in_block, mask, offs, s_offs, _ = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
+            d_offs, d_mask, g_offs = _operands(i_n, rows, in_block, D_STRIDE, D_ROW, DV, G_STRIDE, G_ROW, INNER, K, BV)
             if HAS_SRC or HAS_INIT:
                 x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
             else:
@@ -264,12 +277,12 @@ def all_scan_hop_kernel(
                 y = x
             else:
                 decay = tl.load(gamma + g_offs, mask=in_block, other=0.0)
-                y = decay[:, None] * x + tl.load(delta + s_offs, mask=mask, other=0.0)
+                y = decay[:, None] * x + tl.load(delta + d_offs, mask=d_mask, other=0.0)
             tl.store(s_in + s_offs, x, mask=mask)
             if TWO:
                 tl.store(s_in2 + s_offs, y, mask=mask)
                 decay = tl.load(gamma2 + g_offs, mask=in_block, other=0.0)
-                y = decay[:, None] * y + tl.load(delta2 + s_offs, mask=mask, other=0.0)
+                y = decay[:, None] * y + tl.load(delta2 + d_offs, mask=d_mask, other=0.0)
             if HAS_DST:
                 tl.store(out + offs, y, mask=mask)
             if KEEP_Y:
@@ -364,13 +377,13 @@ def all_scan_close_kernel(
 
 
 @triton.jit
-def _dense_product(M, m_base, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-    """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (row-major), ``x`` the
+def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+    """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (rows ``M_ROW`` apart), ``x`` the
     ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in IEEE float32, never TF32 (``DOT``),
     or products summed elementwise (float64, and blocks under 16)."""
     rows = r + tl.arange(0, BR)
     kk = tl.arange(0, BK)
-    m = tl.load(M + m_base + rows[:, None] * K + kk[None, :], mask=(rows[:, None] < K) & (kk[None, :] < K),
+    m = tl.load(M + m_base + rows[:, None] * M_ROW + kk[None, :], mask=(rows[:, None] < K) & (kk[None, :] < K),
                 other=0.0)
     if DOT:
         y = tl.dot(m, x, input_precision="ieee")
@@ -387,7 +400,9 @@ def all_scan_dense_hop_kernel(
     y_out,  # local copy of the outgoing state (KEEP_Y; contiguous [N, K, V])
     here, sent, src, dst,  # regions, as all_scan_hop_kernel's
     src_pe, dst_pe,
-    M_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (M; delta and s_in)
+    M_STRIDE, S_STRIDE,  # element strides between consecutive entries of dim 0 (M; s_in)
+    D_STRIDE, D_ROW, DV,  # delta: dim-0 stride, row stride, columns (those from DV to V read as zero)
+    M_ROW,  # M's row stride (K; a map's transition part: the map's row stride)
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     COLS: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr,
@@ -411,8 +426,10 @@ def all_scan_dense_hop_kernel(
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         i_o, i_h = i_n // INNER, i_n % INNER
-        m_base = i_o * M_STRIDE + i_h * K * K
+        m_base = i_o * M_STRIDE + i_h * K * M_ROW
         s_base = i_o * S_STRIDE + i_h * K * V + i_b * COLS  # the tile's first column in the slots
+        d_base = i_o * D_STRIDE + i_h * K * D_ROW + i_b * COLS  # ... and in delta
+        d_cols = (cc[None, :] < COLS) & (i_b * COLS + cc[None, :] < DV)
         in_tile = (kk[:, None] < K) & (cc[None, :] < COLS)
         s_offs = s_base + kk[:, None] * V + cc[None, :]
         tile_base = i_n * K * V + i_b * K * COLS  # in a receive buffer (the tile's rows together)
@@ -436,10 +453,11 @@ def all_scan_dense_hop_kernel(
                 tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], x, mask=in_tile)
         elif TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
             for r in range(0, K, BR):
-                rows, y = _dense_product(M, m_base, x, r, K, BR, BK, DOT)
+                rows, y = _dense_product(M, m_base, M_ROW, x, r, K, BR, BK, DOT)
                 mask = (rows[:, None] < K) & (cc[None, :] < COLS)
-                offs = s_base + rows[:, None] * V + cc[None, :]
-                tl.store(s_in2 + offs, y + tl.load(delta + offs, mask=mask, other=0.0), mask=mask)
+                d = tl.load(delta + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
+                            other=0.0)
+                tl.store(s_in2 + s_base + rows[:, None] * V + cc[None, :], y + d, mask=mask)
             tl.debug_barrier()
             x = tl.load(s_in2 + s_offs, mask=in_tile, other=0.0)
             M_last, delta_last = M2, delta2
@@ -447,9 +465,10 @@ def all_scan_dense_hop_kernel(
             M_last, delta_last = M, delta
         if not PASS:
             for r in range(0, K, BR):
-                rows, y = _dense_product(M_last, m_base, x, r, K, BR, BK, DOT)
+                rows, y = _dense_product(M_last, m_base, M_ROW, x, r, K, BR, BK, DOT)
                 mask = (rows[:, None] < K) & (cc[None, :] < COLS)
-                y += tl.load(delta_last + s_base + rows[:, None] * V + cc[None, :], mask=mask, other=0.0)
+                y += tl.load(delta_last + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
+                             other=0.0)
                 if HAS_DST:
                     tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
                 if KEEP_Y:
@@ -493,12 +512,15 @@ def _kernel(kernel, nvshmem: bool):
 
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
                  flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                 pass_through=False):
+                 pass_through=False, delta_layout=None, g_row=1):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
     ``gammas``, ``deltas``, ``s_ins``: per piece; entry i of dim 0 starts ``i * g_stride``
-    (gammas) or ``i * s_stride`` (the others) elements in. ``regions``: ``(here, sent, src, dst)``
+    (gammas) or ``i * s_stride`` (the others) elements in; ``delta_layout = (d_stride, d_row, d_cols)``:
+    the deltas' own dim-0 stride, row stride and columns instead (those past ``d_cols`` read as zero:
+    a state's delta acting on a wider map ``[S | T]``); ``g_row``: the stride between a state's decays
+    (a map's column of decays). ``regions``: ``(here, sent, src, dst)``
     integer addresses (0 where unused): this rank's receiving region and sending region, the
     previous rank's, the next rank's; a region is a receive buffer of ``data_bytes``, then arrival
     flags, acknowledgements and call counters of ``flag_bytes`` each (and, NVSHMEM, an outbox of
@@ -512,10 +534,11 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     """
     if pass_through and len(gammas) != 1:
         raise ValueError("all_scan_hop: a pass-through hop walks one piece")
-    grid, shape = _shape(deltas[-1], tiles, programs)
+    grid, shape = _shape(s_ins[-1], tiles, programs)
     _kernel(all_scan_hop_kernel, nvshmem)[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, *pes, g_stride, s_stride,
+        *_delta_layout(delta_layout, s_stride, shape["V"]), g_row,
         DATA=data_bytes, FLAGS=flag_bytes, HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst,
         KEEP_Y=y_out is not None, TWO=len(gammas) == 2, **_watched(watch, deltas[0]), NVSHMEM=nvshmem,
         PASS=pass_through, **shape,
@@ -524,13 +547,14 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
 
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
                        flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                       pass_through=False):
+                       pass_through=False, delta_layout=None, m_row=None):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
-    states; ``tiles`` column tiles per state (a divisor of V). Other arguments as :func:`all_scan_hop`."""
+    states; ``tiles`` column tiles per state (a divisor of V); ``m_row``: their row stride (None: K, a
+    map's transition part: the map's). Other arguments as :func:`all_scan_hop`."""
     if pass_through and len(Ms) != 1:
         raise ValueError("all_scan_dense_hop: a pass-through hop walks one piece")
-    delta = deltas[-1]
+    delta = s_ins[-1]  # of the state's shape
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
     cols = V // tiles
@@ -539,10 +563,16 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
     dot = delta.dtype == torch.float32 and min(BR, BK, BC) >= 16
     _kernel(all_scan_dense_hop_kernel, nvshmem)[(min(N * tiles, programs or N * tiles),)](
         x_init, Ms[0], deltas[0], s_ins[0], Ms[-1], deltas[-1], s_ins[-1], s_ins[-1] if y_out is None else y_out,
-        *regions, *pes, m_stride, s_stride, INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
+        *regions, *pes, m_stride, s_stride, *_delta_layout(delta_layout, s_stride, V), K if m_row is None else m_row,
+        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
         COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=N * tiles, TILES=tiles,
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
         **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
+
+
+def _delta_layout(layout, s_stride: int, V: int):
+    """The deltas' (dim-0 stride, row stride, columns): ``layout``, or the states' (``s_stride``, V, V)."""
+    return (s_stride, V, V) if layout is None else layout
 
 
 def all_scan_map(gammas, deltas, regions, g_stride, s_stride, g_off, tiles, data_bytes, flag_bytes, *, has_src,

@@ -218,9 +218,9 @@ def _aside(group, seed, node_size):
                 return kernel(*args, programs=programs, **kwargs)
             return launch
 
-        def finish(self):
+        def finish(self, inputs):
             log.append(("finish", current[-1].name))
-            return real_finish(self)
+            return real_finish(self, inputs)
 
         try:
             for name, kernel in saved.items():
