@@ -395,6 +395,15 @@ RESULTS = ROOT / "docs" / "results"
 SHIPPED = ROOT / "megatron_zeco" / "cost_model" / cm.DATA
 
 
+def test_a_run_in_a_forced_scan_shape_is_no_calibration_point():
+    """bench_op.py under $MEGATRON_ZECO_SCAN_SHAPE records the shape it forced; such a file compares the
+    shapes (the chain's rows too) and holds no calibration row, the same rows without it do."""
+    data = json.loads((RESULTS / "op-gla-chain-h200x2-2026-11-29b.json").read_text(encoding="utf-8"))
+    assert data["meta"]["scan_shape"] == "chain" and not cm.calibration_rows(data)
+    unforced = dict(data, meta={k: v for k, v in data["meta"].items() if k not in ("scan_shape", "node_size")})
+    assert cm.calibration_rows(unforced)
+
+
 def test_shipped_calibration_data_are_the_result_files():
     """The calibration data shipped with the package are copies of the result files in docs/results
     that hold calibration rows (another operator's one-GPU op times included): every such file, with

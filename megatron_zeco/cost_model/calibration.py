@@ -119,10 +119,10 @@ def calibration_rows(data: dict) -> list[dict]:
     """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
     written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
     accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` rows of the device
-    the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`). None of a file whose scans
-    ran in a shape forced other than the chain (``meta["scan_shape"]``: ``bench_op.py`` under
-    ``$MEGATRON_ZECO_SCAN_SHAPE``): the model's op rows are the chain's."""
-    if data.get("meta", {}).get("scan_shape", "chain") not in ("chain", "auto"):
+    the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`). None of a file whose scan
+    shape was forced (``meta["scan_shape"]``: ``bench_op.py`` under ``$MEGATRON_ZECO_SCAN_SHAPE``): such a
+    file compares the shapes side by side; the calibration's points are runs in the shape ``auto`` takes."""
+    if "scan_shape" in data.get("meta", {}):
         return []
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
     overlap = [r for r in data.get("rows", []) if _overlap_as_built(r)

@@ -36,6 +36,9 @@ computed from it, never finite values from a state that did not arrive.
 
 Shapes: ``gamma [B, ..., K]``; ``delta``, ``S_in`` ``[B, ..., K, V]``, float32 or float64, each
 entry of dim 0 contiguous (dim 0 may be strided: a local slot's view of a batch of pieces);
+the hops also take a delta of fewer columns than the state, its own strides, read as zero past
+its columns, and decays (or a dense ``M``) inside a map (``delta_layout``, ``g_row``, ``m_row``: the
+hierarchical scan's augmented states and maps, ``comm/peer_hierarchical.py``);
 the incoming state and ``y`` contiguous ``[N, K, V]`` (N states in all); flags int32
 ``[N * tiles]``. The regions (this rank's and the peers') are passed as addresses: a
 receive buffer, then its arrival flags, then the acknowledgements of what the slot sends,
