@@ -124,8 +124,6 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
     seg = _Segments(walk)
     M = seg.M
     hops: List[_Hop] = []
-    # A piece first in its segment (but segment 0's) enters with the state C brings it: its prefix is the
-    # identity, and finish copies that state. A launch is skipped where it would make nothing else.
     # A: the chain of prefix maps along each segment (two pieces of this rank in a row: one launch)
     for j, indices in enumerate(walk.segments):
         groups: List[List[int]] = []
@@ -141,7 +139,9 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
             src = walk.rank(a - 1) if g > 0 else None
             dst = walk.rank(b + 1) if g + 1 < len(groups) else None
             if j > 0 and j == M - 1 and len(indices) == 1:
-                continue  # the last segment's one piece: the state entering it is C's, and its map goes nowhere
+                # the last segment's one piece: it enters with C's state as it is (a prefix of the identity)
+                # and its map goes nowhere: nothing to launch
+                continue
             hops.append(_Hop("prefix", j, tuple(group),
                              (region(me, "A", 0, seg.slot(a)), region(me, "A", 0, seg.slot(b)),
                               region(src, "A", 0, seg.slot(a - 1)) if src is not None else 0,
