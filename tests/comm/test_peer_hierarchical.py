@@ -170,6 +170,26 @@ def test_zeco_gla_over_the_device_hierarchical_scan_matches_the_loop(pool, seed,
     assert_no_failures(pool.run(_op, P, seed))
 
 
+def test_a_launch_is_issued_only_where_it_makes_something_read():
+    """Every host operation a scan issues lands on a step the host issues no faster than the GPU runs it, so a
+    plan holds no launch whose results nothing reads: a last segment of one piece (it enters with the state C
+    brings it, its map goes nowhere) issues no phase-A launch, and on two ranks as two nodes each rank issues
+    one launch per direction, as the chain does. A last segment of several pieces keeps its chain."""
+    region = lambda rank, role, index, slot: 0 if rank is None else 1  # noqa: E731
+    for reverse in (False, True):
+        walk = Walk(Layout.CONTIGUOUS, 2, [0, 1], reverse)
+        plans = [_plan(walk, r, region) for r in range(2)]
+        assert [len(plan) for plan in plans] == [1, 1], (reverse, plans)
+        last = walk.rank(walk.segments[-1][0])
+        assert [hop.kind for hop in plans[last]] == ["receive"], (reverse, plans[last])
+    for P, layout, node_size, reverse in itertools.product((3, 4, 5, 8), Layout, (1, 2, 3), (False, True)):
+        walk = Walk(layout, P, [r // node_size for r in range(P)], reverse)
+        prefixes = {i for r in range(P) for hop in _plan(walk, r, region) if hop.kind == "prefix" for i in hop.at}
+        for j, indices in enumerate(walk.segments):
+            alone = j == len(walk.segments) - 1 and j > 0 and len(indices) == 1
+            assert prefixes.isdisjoint(indices) if alone else set(indices) <= prefixes, (P, layout, node_size, j)
+
+
 def test_the_cost_model_replays_the_device_plans():
     """``comm.shape.hierarchical_steps(..., tree=True)`` (what the cost model and the run-time choice time
     for the device transports) holds the messages the device plans send, phase by phase: A along each
