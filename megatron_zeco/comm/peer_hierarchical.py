@@ -476,10 +476,8 @@ class _Run:
             flat = _flat(target, N, K, V)
             if flat is None:
                 target.copy_(self.kind.combine(t, s, x).reshape(target.shape))
-            elif self.kind is Dense:
-                torch.baddbmm(s, t, x, out=flat)
             else:
-                torch.addcmul(s, t.unsqueeze(-1), x, out=flat)
+                self.kind.combine(t, s, x, out=flat)
 
     def _launch(self, n: int, hop: _Hop, side: bool, x: Optional[Tensor], operands, y: Optional[Tensor],
                 layout=None) -> None:

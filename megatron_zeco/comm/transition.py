@@ -28,9 +28,10 @@ class Diagonal:
     block_dim = -2  # rows of the state are independent
 
     @staticmethod
-    def combine(gamma: Tensor, delta: Tensor, x: Tensor, block: slice = slice(None)) -> Tensor:
-        """``delta + T x`` on ``block`` of the state (rows), ``x`` that block of the entering state."""
-        return torch.addcmul(delta[..., block, :], gamma[..., block].unsqueeze(-1), x)
+    def combine(gamma: Tensor, delta: Tensor, x: Tensor, block: slice = slice(None), out: Tensor = None) -> Tensor:
+        """``delta + T x`` on ``block`` of the state (rows), ``x`` that block of the entering state (into
+        ``out`` if given)."""
+        return torch.addcmul(delta[..., block, :], gamma[..., block].unsqueeze(-1), x, out=out)
 
     @staticmethod
     def apply(gamma: Tensor, x: Tensor) -> Tensor:
@@ -68,9 +69,10 @@ class Dense:
     block_dim = -1  # columns of the state are independent
 
     @staticmethod
-    def combine(M: Tensor, delta: Tensor, x: Tensor, block: slice = slice(None)) -> Tensor:
-        """``delta + M x`` on ``block`` of the state (columns), ``x`` that block of the entering state."""
-        return torch.matmul(M, x).add_(delta[..., block])
+    def combine(M: Tensor, delta: Tensor, x: Tensor, block: slice = slice(None), out: Tensor = None) -> Tensor:
+        """``delta + M x`` on ``block`` of the state (columns), ``x`` that block of the entering state (into
+        ``out`` if given)."""
+        return torch.matmul(M, x, out=out).add_(delta[..., block])
 
     @staticmethod
     def apply(M: Tensor, x: Tensor) -> Tensor:

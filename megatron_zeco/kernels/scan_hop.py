@@ -208,9 +208,10 @@ def _tile(tile, here, TILES: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constex
 
 @triton.jit
 def _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-          ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr):
+          ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, G_ROW):
     """Rows ``r .. r + BR`` of the tile: their indices, masks (rows; rows x columns) and offsets into a
-    contiguous ``[N, K, V]`` buffer, into the strided slots (delta, s_in) and into gamma."""
+    contiguous ``[N, K, V]`` buffer, into the strided slots (delta, s_in) and into gamma (a state's decays
+    ``G_ROW`` apart)."""
     cols = tl.arange(0, BV)
     i_o, i_h = i_n // INNER, i_n % INNER
     rows = i_b * ROWS + r + tl.arange(0, BR)
@@ -218,18 +219,16 @@ def _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER: tl.constexpr, K: tl.constexpr,
     mask = in_block[:, None] & (cols[None, :] < V)
     offs = i_n * K * V + rows[:, None] * V + cols[None, :]
     s_offs = i_o * S_STRIDE + i_h * K * V + rows[:, None] * V + cols[None, :]
-    return rows, in_block, mask, offs, s_offs, i_o * G_STRIDE + i_h * K + rows
+    return rows, in_block, mask, offs, s_offs, i_o * G_STRIDE + (i_h * K + rows) * G_ROW
 
 
 @triton.jit
-def _operands(i_n, rows, in_block, D_STRIDE, D_ROW, DV, G_STRIDE, G_ROW, INNER: tl.constexpr, K: tl.constexpr,
-              BV: tl.constexpr):
+def _delta_rows(i_n, rows, in_block, D_STRIDE, D_ROW, DV, INNER: tl.constexpr, K: tl.constexpr, BV: tl.constexpr):
     """Offsets and mask of ``rows`` of state ``i_n`` in a delta of ``DV`` columns (those past DV read as
-    zero), rows ``D_ROW`` apart, and the offsets of their decays, ``G_ROW`` apart."""
+    zero), rows ``D_ROW`` apart."""
     cols = tl.arange(0, BV)
     i_o, i_h = i_n // INNER, i_n % INNER
-    d_offs = i_o * D_STRIDE + (i_h * K + rows[:, None]) * D_ROW + cols[None, :]
-    return d_offs, in_block[:, None] & (cols[None, :] < DV), i_o * G_STRIDE + (i_h * K + rows) * G_ROW
+    return i_o * D_STRIDE + (i_h * K + rows[:, None]) * D_ROW + cols[None, :], in_block[:, None] & (cols[None, :] < DV)
 
 
 @triton.jit
@@ -269,8 +268,9 @@ def all_scan_hop_kernel(
             _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
         failed = _given_up(watch)
         for r in range(0, ROWS, BR):
-            rows, in_block, mask, offs, s_offs, _ = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V, ROWS, BR, BV)
-            d_offs, d_mask, g_offs = _operands(i_n, rows, in_block, D_STRIDE, D_ROW, DV, G_STRIDE, G_ROW, INNER, K, BV)
+            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
+                                                               ROWS, BR, BV, G_ROW)
+            d_offs, d_mask = _delta_rows(i_n, rows, in_block, D_STRIDE, D_ROW, DV, INNER, K, BV)
             if HAS_SRC or HAS_INIT:
                 x = tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
             else:
@@ -323,7 +323,7 @@ def all_scan_map_kernel(
         failed = _given_up(watch)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
-                                                               ROWS, BR, BV)
+                                                               ROWS, BR, BV, 1)
             e = tl.load(delta_a + s_offs, mask=mask, other=0.0)
             g = tl.load(gamma_a + g_offs, mask=in_block, other=0.0)
             if HAS_SRC:
@@ -366,7 +366,7 @@ def all_scan_close_kernel(
         failed = _given_up(watch)
         for r in range(0, ROWS, BR):
             rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, G_STRIDE, S_STRIDE, INNER, K, V,
-                                                               ROWS, BR, BV)
+                                                               ROWS, BR, BV, 1)
             g_c = tl.load(x_in + G_OFF + i_n * K + rows, mask=in_block, other=0.0, cache_modifier=".cg")
             x = g_c[:, None] * tl.load(y_a + offs, mask=mask, other=0.0) \
                 + tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg")
