@@ -64,6 +64,7 @@ import datetime
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -466,6 +467,15 @@ def bench_packed(args, world, me, cp_group, rows):
         torch.cuda.empty_cache()
 
 
+def code_version():
+    """The checkout's commit (``git describe --always --dirty``), or None outside a git checkout."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                              capture_output=True, text=True, check=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def write(args, world, rows, script="bench_op.py", **extra):
     """``{"meta": ..., "rows": rows}`` to ``args.out``: the command, device, date and versions (+ ``extra``)."""
     import triton
@@ -485,7 +495,7 @@ def write(args, world, rows, script="bench_op.py", **extra):
             "device": f"{torch.cuda.get_device_name()} x{world}", "date": datetime.date.today().isoformat(),
             "torch": torch.__version__, "triton": triton.__version__, "fla": fla_version,
             "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())), "build": BUILD,
-            "path": PATH, **forced, **extra}
+            "path": PATH, "code": code_version(), **forced, **extra}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

@@ -11,7 +11,12 @@ kernel by name, per iteration. A kernel that waits for a peer (the All-Scan hop)
 waiting. Prints each rank's table and writes all of them as JSON. From the same timeline, per
 iteration: how long the All-Scan's hop kernels ran (``hop_us``) and for how much of it another kernel
 ran at the same time (``hop_beside_us``): the overlap, seen in the profile (``zeco`` over a device
-transport runs its first waiting hop beside the in-chunk work; ``zeco-overlap`` does not).
+transport runs its first waiting hop beside the in-chunk work; ``zeco-overlap`` does not). ``--graph``
+profiles the replay of one captured CUDA graph of forward + backward (as bench_op's ``graph`` rows), where
+the host's issue does not hold the streams back, so the overlap shows as the GPU can run it:
+
+    torchrun --nproc-per-node 2 benchmarks/profile_op.py --graph --layouts contiguous \
+        --strategies zeco@peer_memory zeco-overlap@peer_memory --out results/profile-graph.json
 """
 
 import argparse
@@ -22,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from bench_op import documents, inputs, op_fn, write
+from bench_op import documents, graphed, inputs, op_fn, write
 
 
 def parse_args():
@@ -34,6 +39,8 @@ def parse_args():
     p.add_argument("--layouts", nargs="+", default=["contiguous", "zigzag"])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--doc-tokens", type=int, default=None, help="also profile packed documents of this mean length")
+    p.add_argument("--graph", action="store_true", help="profile the replay of a captured CUDA graph "
+                   "(strategies without NCCL calls: none, zeco over peer memory or NVSHMEM)")
     p.add_argument("--out", default="profile.json")
     return p.parse_args()
 
@@ -91,16 +98,17 @@ def main():
                       (documents(world * args.tokens, args.doc_tokens, 2 * world, gen), True)))
     rows = []
     for strategy, g, layout, packed in cases:
-        times = kernel_times(op_fn(x, "zeco" if packed else strategy, g, layout, *(packed or ())), args.iters)
+        fn = op_fn(x, "zeco" if packed else strategy, g, layout, *(packed or ()))
+        times = kernel_times(graphed(fn) if args.graph else fn, args.iters)
         everyone = [None] * world
         dist.all_gather_object(everyone, times)
         for rank, (t, (hop_us, hop_beside_us)) in enumerate(everyone):
             rows.append({"part": "profile", "tokens_per_gpu": args.tokens, "strategy": strategy, "layout": layout,
                          "cp": 1 if g is None else world, "rank": rank, "total_us": sum(t.values()), "kernels_us": t,
-                         "hop_us": hop_us, "hop_beside_us": hop_beside_us})
+                         "hop_us": hop_us, "hop_beside_us": hop_beside_us, "graph": args.graph})
         everyone, hops = [t for t, _ in everyone], [h for _, h in everyone]
         if me == 0:
-            print(f"\n== {strategy} {layout} T/GPU={args.tokens}: " + ", ".join(
+            print(f"\n== {strategy} {layout} T/GPU={args.tokens}{' graph' if args.graph else ''}: " + ", ".join(
                 f"rank {r} {sum(t.values()):.0f} us (hops {h:.0f} us, {b:.0f} us of it beside other kernels)"
                 for r, (t, (h, b)) in enumerate(zip(everyone, hops))))
             for name in everyone[0]:
