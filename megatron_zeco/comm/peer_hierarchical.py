@@ -77,10 +77,17 @@ class _Hop(NamedTuple):
     label: str
     what: str = "map"
     carries: str = ""
+    steps: Tuple["_Hop", ...] = ()  # ``rounds``: the launches it stands for, in order
 
     @property
     def waits(self) -> bool:
         return self.peers[0] is not None
+
+
+def messages(plan: Sequence[_Hop]) -> List[_Hop]:
+    """``plan``'s launches with each ``rounds`` launch replaced by the steps it stands for: every message a
+    rank sends and receives, in its issue order."""
+    return [step for hop in plan for step in (hop.steps or (hop,))]
 
 
 def _roles(rounds: int, steps: int) -> List[Tuple[str, int]]:
@@ -118,9 +125,11 @@ class _Segments:
         return self.slot(next(i for i in self.walk.segments[j] if self.walk.rank(i) == rank))
 
 
-def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], int]) -> List[_Hop]:
+def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], int],
+          rounds: bool = True) -> List[_Hop]:
     """Rank ``me``'s launches in issue order; ``region(rank, role, index, slot)``: the address of a region
-    (0 for no rank)."""
+    (0 for no rank); ``rounds``: a leader's run of launches passing one segment's map on made one launch
+    (:func:`_rounds`; diagonal maps)."""
     seg = _Segments(walk)
     M = seg.M
     hops: List[_Hop] = []
@@ -203,7 +212,8 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                         hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering", "C"))
                     elif way == _RECEIVE and b == me:
                         hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label))
-    return _fused(hops, walk)
+    hops = _fused(hops, walk)
+    return _rounds(hops) if rounds else hops
 
 
 def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
@@ -227,6 +237,36 @@ def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
             maker[hop.segment] = len(out) - 1
         elif hop.kind == "fold":  # made by a local product: sent by a launch of its own
             maker[hop.segment] = None
+    return out
+
+
+def _rounds(hops: List[_Hop]) -> List[_Hop]:
+    """``hops`` with each run of two or more launches in a row that pass on one map, one ``rounds`` launch
+    (``kernels.scan_hop.all_scan_rounds``): a leader's B (its composes and sends of its segment's map) and
+    C's send of that map; a rank's receive of the map whose state enters its segment and its sends of it
+    on (the binomial tree). Its tiles go through every step in turn, so that a tile leaves as soon as the
+    same tile of the earlier steps has arrived, where launches one per step would each wait for the whole
+    of the previous one. The steps keep their order, so a rank's sends still come before its receives of
+    a later step; a segment whose map is kept for another (``keep``, ``fold``) breaks the run."""
+    def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on, where a run may hold it
+        if hop.kind in ("compose", "send") and hop.what == "map":
+            return ("map", hop.segment)
+        if hop.kind in ("receive", "send") and hop.what == "entering" or hop.kind == "receive":
+            return ("entering", hop.segment)
+        return None
+
+    out: List[_Hop] = []
+    for hop in hops:
+        last = out[-1] if out else None
+        if last is not None and run(hop) is not None and run(hop) == run(last.steps[0] if last.steps else last) \
+                and hop.kind != "receive" and (last.kind == "rounds" or run(last) is not None):
+            steps = (last.steps or (last,)) + (hop,)
+            out[-1] = _Hop("rounds", hop.segment, (), steps[0].regions,
+                           (next((h.peers[0] for h in steps if h.peers[0] is not None), None),
+                            next((h.peers[1] for h in steps if h.peers[1] is not None), None)),
+                           "; ".join(h.label for h in steps), steps[0].what, hop.carries, steps)
+            continue
+        out.append(hop)
     return out
 
 
@@ -273,7 +313,9 @@ class _Channel:
             return address
 
         self.walks = walks
-        self._plans = {reverse: _plan(walks[reverse], rank, region(reverse)) for reverse in (False, True)}
+        self._plans = {reverse: _plan(walks[reverse], rank, region(reverse), rounds=not dense)
+                       for reverse in (False, True)}
+        self.tables: Dict[tuple, Tuple[Tensor, List[int]]] = {}  # rounds launches' step tables
         self._buffers = buffers  # the plans hold raw addresses into them
         self._constants: Dict[tuple, Tensor] = {}
 
@@ -446,6 +488,15 @@ class _Run:
             self._launch(n, hop, side, None, ([into], [into], [into]), None)
             self.states[hop.segment] = into
             return
+        if hop.kind == "rounds":  # B's rounds and C's send of a segment this rank leads, or C's tree, in one launch
+            y = self._map()
+            if hop.steps[0].kind == "receive":  # the state entering the segment, received and passed on
+                self._launch_rounds(n, hop, side, y, y)
+                self.states[hop.segment] = y
+            else:
+                self._launch_rounds(n, hop, side, self.maps[hop.segment], y)
+                self.maps[hop.segment] = y
+            return
         # compose: the map received, the earlier segments', into this segment's; the kernel reads this
         # segment's map (T, E) in place: T from its columns past V, E as a delta of V columns
         own = self.maps[hop.segment]
@@ -507,6 +558,29 @@ class _Run:
                watch=bounded, pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
                pass_through=pass_through, delta_layout=delta_layout, **rows)
         inject.delay(deltas[0].device)
+
+
+    def _launch_rounds(self, n: int, hop: _Hop, side: bool, own: Tensor, y: Tensor) -> None:
+        """Launch a ``rounds`` hop (plan position ``n``): its steps' regions, peers and launch ids in a table
+        on the device, made once per channel, direction, position and scan (a graph replays its address)."""
+        ch, route, reverse = self.ch, self.route, self.reverse
+        key = (reverse, n, route.what)
+        table, whos = ch.tables.get(key, (None, None))
+        if table is None:
+            rows, whos = [], []
+            for s, step in enumerate(hop.steps):
+                describe = lambda step=step: _describe(route, reverse, step, ch.nvshmem)  # noqa: E731
+                whos.append(self.watcher.launch_id((id(ch), reverse, n, route.what, s), describe))
+                rows.append((*step.regions, *ch.pes(step), whos[-1], int(step.kind == "compose")))
+            table = torch.tensor(rows, dtype=torch.int64, device=own.device)
+            ch.tables[key] = table, whos
+        for who in whos:
+            bounded = self.watcher.arguments(who, self.timeout)
+        inject.delay(own.device)  # test hook: no-op unless a stress test sets delays
+        self.scan_hop.all_scan_rounds(own, y, table, hop.steps[0].regions[0], ch.tiles, ch.data, ch.flags,
+                                      watch=bounded, nvshmem=ch.nvshmem,
+                                      programs=ASIDE_PROGRAMS if side else None)
+        inject.delay(own.device)
 
 
 def _flat(target: Tensor, N: int, K: int, V: int) -> Optional[Tensor]:

@@ -37,6 +37,7 @@ class Diagonal:
     block_dim = "k_dim"
     two_legs = True
     hop_timed = True  # the device transports' hop kernels ran with these maps (scan rows)
+    tiled_rounds = True  # over the device transports a rank's steps of B and C run tile by tile in one launch
 
     @staticmethod
     def entries(k: int) -> int:
@@ -65,6 +66,7 @@ class Dense:
     block_dim = "v_dim"
     two_legs = False
     hop_timed = False  # the dense hop kernel (kernels/scan_hop.py) has not been timed on GPUs
+    tiled_rounds = False  # a column tile of T_j T reads all of T_j: each round waits for the whole previous one
 
     @staticmethod
     def entries(k: int) -> int:
@@ -234,17 +236,24 @@ def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int,
 
 def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: bool):
     """The hierarchical scan's steps, the cost of one of its hops and the pipeline's drain per phase
-    (:func:`critical_path`'s inputs); over send/recv every message carries all blocks (K = 1)."""
+    (:func:`critical_path`'s inputs); over send/recv every message carries all blocks (K = 1). Phase A's
+    chains are pipelined in K blocks; so are B and C where their runs of steps go tile by tile in one launch
+    per rank (diagonal maps over the device transports: ``comm/peer_hierarchical.py``'s ``rounds``), the
+    pipeline drained once, at the end of C; else each of their steps waits for the whole previous message."""
+    device = TRANSPORTS[sw.transport].device
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
-    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, TRANSPORTS[sw.transport].device)
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device)
+    piped = {"A", "B", "C"} if device and w.op.transition.tiled_rounds else {"A"}
 
     def cost(a, b, what, phase):
         nbytes, combine = (w.map_bytes, w.compose_time()) if what == "map" else (w.state_bytes, w.apply_time())
-        blocks = K if phase == "A" else 1
+        blocks = K if phase in piped else 1
         return sw.hop + combine / blocks + c.link(a, b).time(nbytes / blocks)
 
     drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
+    if "C" in piped:
+        drain["C"] = (K - 1) * max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))
     return steps, cost, drain
 
 

@@ -380,6 +380,70 @@ def all_scan_close_kernel(
 
 
 @triton.jit
+def all_scan_rounds_kernel(
+    own,  # the map this rank's launch starts from (contiguous [N, K, W]: the state's E columns, then the decays)
+    y_out,  # where the map it composes goes (contiguous [N, K, W])
+    table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, launch id, compose); 0 where unused
+    counters,  # address of the region whose call counters the launch keeps
+    K: tl.constexpr, W: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, STEPS: tl.constexpr,
+    watch, report, timeout_ns, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+):
+    """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
+    (``comm/peer_hierarchical.py``: a leader's rounds of phase B and C's send, or C's receive and sends
+    inside a node). Step s of ``table``: where it has a source, wait for call ``seq``'s tile of the map
+    sent to it and compose it under this rank's map (``compose``: ``[E | t] <- t [E' | t'] + [E | 0]``,
+    the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
+    it has a destination, send the map as it now is (after the acknowledgement of the previous call).
+    ``own`` may be ``y_out`` (a run that starts with a receive). Tile by tile: a tile goes through every step
+    before the program takes its next tile, so a round's tile leaves as soon as the same tile of the
+    earlier rounds has arrived, instead of after the whole message. A tile's steps wait only for the same
+    tile of earlier steps on other ranks (or for the previous call), so no wait closes a cycle whatever
+    the number of programs. Each wait reports its own step's launch id (``table[s, 6]``). Same flags,
+    acknowledgements, bounded waits and poisoning as :func:`all_scan_hop_kernel`."""
+    watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
+    dtype = y_out.dtype.element_ty
+    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+        i_n, i_b, calls, seq = _tile(tile, counters, TILES, DATA, FLAGS)
+        for r in range(0, ROWS, BR):
+            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
+            tl.store(y_out + offs, tl.load(own + offs, mask=mask, other=0.0), mask=mask)
+        tl.debug_barrier()
+        for step in tl.static_range(STEPS):
+            row = table + 8 * step
+            here, sent, src, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
+            src_pe, dst_pe, who = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32), tl.load(row + 6)
+            compose = tl.load(row + 7) != 0
+            if src != 0:  # the map sent to this rank: composed under its own (a round of B), or taken as it is
+                _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+                failed = _given_up(watch)
+                x_in = here.to(tl.pointer_type(dtype))
+                for r in range(0, ROWS, BR):
+                    rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
+                    x = _poison(tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg"), failed)
+                    if compose:
+                        t = tl.load(y_out + (i_n * K + rows) * W + E, mask=in_block, other=0.0)
+                        own_e = tl.load(y_out + offs, mask=mask & (tl.arange(0, BV)[None, :] < E), other=0.0)
+                        tl.debug_barrier()
+                        x = t[:, None] * x + own_e
+                    tl.store(y_out + offs, x, mask=mask)
+                _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
+            if dst != 0:  # the map as it now is, to the leader 2^r segments on (or C's: into the next segment)
+                _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+                failed = _given_up(watch)
+                out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
+                tl.debug_barrier()
+                for r in range(0, ROWS, BR):
+                    rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
+                    tl.store(out + offs, _poison(tl.load(y_out + offs, mask=mask, other=0.0), failed), mask=mask)
+                _send(dst, sent, tile, (i_n * K + i_b * ROWS) * W * ELEM, ROWS * W * ELEM, seq, dst_pe, watch,
+                      DATA, FLAGS, NVSHMEM)
+            tl.debug_barrier()
+        tl.store(calls, seq)
+
+
+@triton.jit
 def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (rows ``M_ROW`` apart), ``x`` the
     ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in IEEE float32, never TF32 (``DOT``),
@@ -571,6 +635,23 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
         COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=N * tiles, TILES=tiles,
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
         **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
+
+
+def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, *, watch, nvshmem=False,
+                    programs=None):
+    """Launch :func:`all_scan_rounds_kernel`: a leader's steps of the hierarchical scan in one launch, from its
+    map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
+    ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, launch id, 0)``
+    (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
+    is); ``counters``: the region whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s,
+    its launch id unused (each step's is in the table). Other arguments as :func:`all_scan_hop`."""
+    grid, shape = _shape(y_out, tiles, programs)
+    address, report, timeout_ns, _ = watch
+    _kernel(all_scan_rounds_kernel, nvshmem)[grid](
+        own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
+        BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
+        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, INTERPRETED=not y_out.is_cuda,
+        NVSHMEM=nvshmem, num_warps=shape["num_warps"])
 
 
 def _delta_layout(layout, s_stride: int, V: int):

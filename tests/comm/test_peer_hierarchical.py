@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_zeco.comm import Layout, Route, all_scan
 from megatron_zeco.comm.hierarchical import Walk
-from megatron_zeco.comm.peer_hierarchical import _plan
+from megatron_zeco.comm.peer_hierarchical import _plan, messages
 from megatron_zeco.comm.shape import fan_steps
 from tests.helpers.checks import assert_no_failures
 from tests.helpers.marks import slow_except
@@ -95,7 +95,7 @@ def test_every_region_is_written_by_one_peer_and_read_by_one():
         def region(rank, role, index, slot):
             return 0 if rank is None else hash((rank, role, index, slot)) & (2 ** 62 - 1) or 1
 
-        plans = {r: _plan(walk, r, region) for r in range(P)}
+        plans = {r: messages(_plan(walk, r, region)) for r in range(P)}
         sends = {}  # destination region -> (sender, its sending region)
         for r, plan in plans.items():
             for hop in plan:
@@ -202,7 +202,7 @@ def test_the_cost_model_replays_the_device_plans():
         region = lambda rank, role, index, slot: 0 if rank is None else 1  # noqa: E731
         sent = {"A": [], "B": [], "C": []}
         for r in range(P):
-            for hop in _plan(walk, r, region):
+            for hop in messages(_plan(walk, r, region)):
                 if hop.peers[1] is not None:
                     sent[hop.carries].append((r, hop.peers[1]))
         steps = hierarchical_steps(P, layout.value, node_size, reverse, tree=True)
@@ -229,12 +229,14 @@ def _aside(group, seed, node_size):
     log = []
     P, me = group.size(), group.rank()
     failures = []
-    saved = {name: getattr(scan_hop, name) for name in ("all_scan_hop", "all_scan_dense_hop")}
+    saved = {name: getattr(scan_hop, name) for name in ("all_scan_hop", "all_scan_dense_hop", "all_scan_rounds")}
     real_finish = peer_hierarchical._Run.finish
     with recorded_streams(log) as (main, side, current):
         def recorded(kernel):
             def launch(*args, programs=None, **kwargs):
-                log.append(("launch", current[-1].name, programs, kwargs["has_src"]))
+                # a rounds launch waits where a step of its table (args[2]) has a source
+                waits = kwargs["has_src"] if "has_src" in kwargs else bool((args[2][:, 2] != 0).any())
+                log.append(("launch", current[-1].name, programs, waits))
                 return kernel(*args, programs=programs, **kwargs)
             return launch
 

@@ -42,6 +42,9 @@ kernels = [
         dict(y_a=ptr, s_in=ptr, gamma_b=ptr, delta_b=ptr, y_out=ptr, here=addr, src=addr, G_STRIDE="i32",
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),
         dict(LAST=True)),
+    (scan_hop.all_scan_rounds_kernel,  # a leader's rounds: the steps' regions read from a device table
+        dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64"),
+        dict(W=65, E=64, BV=128, STEPS=3)),
 ]
 for kernel, signature, flags in kernels:
     constexprs = {**tiles, **flags}
