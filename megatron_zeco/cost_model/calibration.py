@@ -121,8 +121,10 @@ def calibration_rows(data: dict) -> list[dict]:
     accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` rows of the device
     the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`). None of a file whose scan
     shape was forced (``meta["scan_shape"]``: ``bench_op.py`` under ``$MEGATRON_ZECO_SCAN_SHAPE``): such a
-    file compares the shapes side by side; the calibration's points are runs in the shape ``auto`` takes."""
-    if "scan_shape" in data.get("meta", {}):
+    file compares the shapes side by side; the calibration's points are runs in the shape ``auto`` takes.
+    None either of a file that reruns an earlier version of the code beside the current one
+    (``meta["rerun_of"]``: its commit): it compares versions on one machine."""
+    if "scan_shape" in data.get("meta", {}) or "rerun_of" in data.get("meta", {}):
         return []
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
     overlap = [r for r in data.get("rows", []) if _overlap_as_built(r)
