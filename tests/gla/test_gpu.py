@@ -358,6 +358,22 @@ def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape):
     assert not any(failures), failures
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+@pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
+def test_hierarchical_all_scan_on_four_gpus(seed, transport):
+    """The hierarchical shape with every rank a node of its own on four GPUs: the Kogge-Stone rounds between
+    nodes run (two ranks have none), diagonal maps in one ``rounds`` launch per leader, dense ones a launch
+    per round."""
+    if transport == "nvshmem":
+        import torch.distributed._symmetric_memory as symm_mem
+
+        if not symm_mem.is_nvshmem_available():
+            pytest.skip("no NVSHMEM in this torch build")
+    failures = run_ranks(_peer_scans, 4, seed, False, transport, "hierarchical", backend="nccl",
+                         timeout=RANK_TIMEOUT)
+    assert not any(failures), failures
+
+
 def _graph_replays(rank, world, seed, delays=False):
     """zeco_gla forward + backward captured in one CUDA graph, replayed on fresh inputs and
     interleaved with eager calls (which advance the scan's call counters too): every replay
