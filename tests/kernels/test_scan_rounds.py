@@ -1,0 +1,55 @@
+"""``all_scan_rounds_kernel`` in one process: a run of steps looped back through regions of the process's own
+(a send into one of them, then a receive from it, composed or taken as it is), against float64 compositions,
+over several calls (the call counters and acknowledgements carry from one to the next). On the CPU under
+TRITON_INTERPRET=1; compiled where a GPU is. Across ranks: tests/comm/test_peer_hierarchical.py."""
+
+import pytest
+import torch
+
+from megatron_zeco.comm.peer import region_bytes
+from megatron_zeco.comm.watch import watch
+from megatron_zeco.kernels import scan_hop
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _compose(later, earlier, V):
+    """``later o earlier`` of diagonal maps ``[N, K, V + 1]``: ``[t E' + E | t t']``."""
+    t = later[..., V:]
+    return torch.cat([t * earlier[..., :V] + later[..., :V], t * earlier[..., V:]], dim=-1)
+
+
+@pytest.mark.parametrize("programs", [None, 3])
+@pytest.mark.parametrize("N, K, V, tiles", [(2, 8, 5, 2), (3, 4, 3, 1)])
+def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
+    """Steps: send the map to region B, receive it there and compose it under the map (``own o own``),
+    send that to region C and take it from C as it is, send it to D, receive it and compose it again: the
+    map ends as ``(own o own) o (own o own)``, every call with fresh maps, on one program per tile or on
+    fewer programs than tiles."""
+    W = V + 1
+    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
+    data, flags, size = region_bytes(N, K, W, dtype, tiles, False)
+    regions = torch.zeros(6 * size, dtype=torch.uint8, device=DEVICE)
+    A, B, C, D, E_, F = (regions.data_ptr() + i * size for i in range(6))
+    w = watch(regions.device)
+    whos = [w.launch_id(("test_scan_rounds", seed, N, s), lambda s=s: (f"loop-back step {s}", (None, None)))
+            for s in range(6)]
+    # (here, sent, src, dst, src_pe, dst_pe, who, compose): send A -> B; B receives (compose); send E -> C;
+    # C receives (as it is); send F -> D; D receives (compose)
+    rows = [(A, A, 0, B, -1, -1, whos[0], 0), (B, 0, A, 0, -1, -1, whos[1], 1),
+            (E_, E_, 0, C, -1, -1, whos[2], 0), (C, 0, E_, 0, -1, -1, whos[3], 0),
+            (F, F, 0, D, -1, -1, whos[4], 0), (D, 0, F, 0, -1, -1, whos[5], 1)]
+    table = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    gen = torch.Generator().manual_seed(seed)
+    for call in range(3):
+        own = torch.cat([torch.randn(N, K, V, generator=gen, dtype=torch.float64),
+                         torch.rand(N, K, 1, generator=gen, dtype=torch.float64)], dim=-1)
+        y = torch.full((N, K, W), float("nan"), dtype=dtype, device=DEVICE)
+        bounded = w.arguments(whos[0], 30.0)
+        scan_hop.all_scan_rounds(own.to(DEVICE, dtype), y, table, A, tiles, data, flags, watch=bounded,
+                                 programs=programs)
+        twice = _compose(own, own, V)
+        want = _compose(twice, twice, V)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        assert torch.allclose(y.cpu().double(), want, rtol=tol, atol=tol), (call, (y.cpu().double() - want).abs().max())
+    w.check()
