@@ -5,8 +5,11 @@ The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
 ``(g2, d2) o (g1, d1) = (g2 g1, g2 d1 + d2)``, so the scan can take another shape:
 
 * The walk (pieces in scan order) is cut into *segments*: maximal runs of pieces held by ranks of
-  one node (``comm.nodes``). Contiguous layout: one segment per node. Zigzag: the walk goes up
-  the ranks and back down, so each node has a front and a back segment (the last node one).
+  one node (``comm.nodes``), each rank at most once. Contiguous layout: one segment per node.
+  Zigzag: the walk goes up the ranks and back down, so each node has a front and a back segment
+  (on the last node, where the walk turns, the two meet and are cut at the turn: the chain along a
+  segment is then never longer than a node's ranks; the state passes from one to the other on the
+  turning rank).
 * **A**, inside each segment, in parallel: a chain of *prefix maps*. Piece i gets the composite
   of the segment's pieces before it, ``(Gamma_i, S_i)``, and passes ``(g_i Gamma_i,
   g_i S_i + d_i)`` on; the last piece's owner (the segment's *leader*) holds the segment's map.
@@ -23,8 +26,8 @@ The pieces' maps ``S -> Diag(gamma) S + delta`` compose associatively,
 Dense transitions (the gated delta rule, ``S -> M S + delta``; ``transition.py``) take the same
 steps, the maps composing as ``(M2, d2) o (M1, d1) = (M2 M1, M2 d1 + d2)``.
 
-The critical path is about (segment length - 1) + ceil(log2 (M - 1)) + 2 hops instead of P - 1
-(contiguous) or 2P - 1 (zigzag) (``cost_model.hierarchical_steps`` replays the schedule); a rank
+The critical path is about (segment length - 1) + ceil(log2 (M - 1)) + 2 hops (a segment no longer than
+a node's ranks) instead of P - 1 (contiguous) or 2P - 1 (zigzag) (``cost_model.hierarchical_steps`` replays the schedule); a rank
 sends at most one map per round of B (ceil(log2 (M - 1)) states, against the chain's one).
 Backward is the same over the reversed walk. Exact: the same compositions in another order
 (rounding aside).
@@ -59,7 +62,8 @@ class Walk:
         self.owners: List[Tuple[int, int]] = [layout.owner(p, world) for p in order]  # (rank, slot) per step
         self.segments: List[List[int]] = []  # walk indices of each segment
         for i, (rank, _) in enumerate(self.owners):
-            if i == 0 or nodes[rank] != nodes[self.owners[i - 1][0]]:
+            if i == 0 or nodes[rank] != nodes[self.owners[i - 1][0]] \
+                    or any(self.owners[k][0] == rank for k in self.segments[-1]):
                 self.segments.append([])
             self.segments[-1].append(i)
         self.segment_of = [j for j, seg in enumerate(self.segments) for _ in seg]
@@ -195,8 +199,8 @@ class _RankScan:
         for j in range(len(walk.segments) - 1):
             first = walk.rank(walk.segments[j + 1][0])
             if walk.leader(j) == me:
-                if first == me:
-                    entering[j + 1] = composite[j][1]
+                if first == me:  # the next segment starts on this rank (a zigzag walk's turn): sent on from here
+                    entering[j + 1] = composite[j][1].contiguous()
                 else:
                     sends.append((first, composite[j][1].contiguous(), f"the state entering segment {j + 1}"))
             elif first == me:

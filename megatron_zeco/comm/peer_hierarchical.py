@@ -490,8 +490,9 @@ class _Run:
             return
         if hop.kind == "rounds":  # B's rounds and C's send of a segment this rank leads, or C's tree, in one launch
             y = self._map()
-            if hop.steps[0].kind == "receive":  # the state entering the segment, received and passed on
-                self._launch_rounds(n, hop, side, y, y)
+            first = hop.steps[0]
+            if first.kind == "receive" or first.what == "entering":  # the state entering the segment, passed on
+                self._launch_rounds(n, hop, side, y if first.kind == "receive" else self.states[hop.segment], y)
                 self.states[hop.segment] = y
             else:
                 self._launch_rounds(n, hop, side, self.maps[hop.segment], y)

@@ -101,8 +101,8 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     if reverse:
         ranks = ranks[::-1]
     segments: list[list[int]] = []
-    for i, r in enumerate(ranks):
-        if i == 0 or node(r) != node(ranks[i - 1]):
+    for i, r in enumerate(ranks):  # as comm.hierarchical.Walk cuts them: one node, each rank once
+        if i == 0 or node(r) != node(ranks[i - 1]) or any(ranks[k] == r for k in segments[-1]):
             segments.append([])
         segments[-1].append(i)
     steps = []
@@ -163,6 +163,8 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     (remembered per arguments: a layer's scans ask the same question every step)."""
     P = len(nodes)
     node = _node_of(tuple(nodes))
+    if len({node(r) for r in range(P)}) == 1:  # one node: the chain, as all_scan's auto takes it
+        return "chain"
     link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter  # noqa: E731
     hop = HOP_COST[transport]
     intra, inter, same = chain_hops(P, layout, tuple(nodes), TRANSPORTS[transport].two_legs)
