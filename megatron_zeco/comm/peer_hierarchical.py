@@ -315,7 +315,12 @@ class _Channel:
         self.walks = walks
         self._plans = {reverse: _plan(walks[reverse], rank, region(reverse), rounds=not dense)
                        for reverse in (False, True)}
-        self.tables: Dict[tuple, Tuple[Tensor, List[int]]] = {}  # rounds launches' step tables
+        # each rounds launch's steps (kernels.scan_hop.all_scan_rounds' table), on the device once: a graph
+        # replays the address
+        self.tables: Dict[Tuple[bool, int], Tensor] = {
+            (reverse, n): torch.tensor([(*step.regions, *self.pes(step), int(step.kind == "compose"), 0)
+                                        for step in hop.steps], dtype=torch.int64, device=device)
+            for reverse, plan in self._plans.items() for n, hop in enumerate(plan) if hop.kind == "rounds"}
         self._buffers = buffers  # the plans hold raw addresses into them
         self._constants: Dict[tuple, Tensor] = {}
 
@@ -562,24 +567,19 @@ class _Run:
 
 
     def _launch_rounds(self, n: int, hop: _Hop, side: bool, own: Tensor, y: Tensor) -> None:
-        """Launch a ``rounds`` hop (plan position ``n``): its steps' regions, peers and launch ids in a table
-        on the device, made once per channel, direction, position and scan (a graph replays its address)."""
+        """Launch a ``rounds`` hop (plan position ``n``): its steps' regions and peers in the channel's device
+        table, their launch ids consecutive from the first (each wait names its own step)."""
         ch, route, reverse = self.ch, self.route, self.reverse
-        key = (reverse, n, route.what)
-        table, whos = ch.tables.get(key, (None, None))
-        if table is None:
-            rows, whos = [], []
-            for s, step in enumerate(hop.steps):
-                describe = lambda step=step: _describe(route, reverse, step, ch.nvshmem)  # noqa: E731
-                whos.append(self.watcher.launch_id((id(ch), reverse, n, route.what, s), describe))
-                rows.append((*step.regions, *ch.pes(step), whos[-1], int(step.kind == "compose")))
-            table = torch.tensor(rows, dtype=torch.int64, device=own.device)
-            ch.tables[key] = table, whos
-        for who in whos:
+        whos = [self.watcher.launch_id((id(ch), reverse, n, route.what, s),
+                                       lambda step=step: _describe(route, reverse, step, ch.nvshmem))
+                for s, step in enumerate(hop.steps)]
+        if whos != list(range(whos[0], whos[0] + len(whos))):
+            raise RuntimeError(f"{route.what}: the launch ids of a rounds launch's steps are not consecutive ({whos})")
+        for who in reversed(whos):  # each step's limit, for its report; the first's arguments go to the kernel
             bounded = self.watcher.arguments(who, self.timeout)
         inject.delay(own.device)  # test hook: no-op unless a stress test sets delays
-        self.scan_hop.all_scan_rounds(own, y, table, hop.steps[0].regions[0], ch.tiles, ch.data, ch.flags,
-                                      watch=bounded, nvshmem=ch.nvshmem,
+        self.scan_hop.all_scan_rounds(own, y, ch.tables[reverse, n], hop.steps[0].regions[0], ch.tiles, ch.data,
+                                      ch.flags, watch=bounded, nvshmem=ch.nvshmem,
                                       programs=ASIDE_PROGRAMS if side else None)
         inject.delay(own.device)
 

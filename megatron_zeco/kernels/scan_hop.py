@@ -383,11 +383,12 @@ def all_scan_close_kernel(
 def all_scan_rounds_kernel(
     own,  # the map this rank's launch starts from (contiguous [N, K, W]: the state's E columns, then the decays)
     y_out,  # where the map it composes goes (contiguous [N, K, W])
-    table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, launch id, compose); 0 where unused
+    table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, compose, 0); 0 where unused
     counters,  # address of the region whose call counters the launch keeps
     K: tl.constexpr, W: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, STEPS: tl.constexpr,
-    watch, report, timeout_ns, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+    watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
+    INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
 ):
     """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
     (``comm/peer_hierarchical.py``: a leader's rounds of phase B and C's send, or C's receive and sends
@@ -399,7 +400,7 @@ def all_scan_rounds_kernel(
     before the program takes its next tile, so a round's tile leaves as soon as the same tile of the
     earlier rounds has arrived, instead of after the whole message. A tile's steps wait only for the same
     tile of earlier steps on other ranks (or for the previous call), so no wait closes a cycle whatever
-    the number of programs. Each wait reports its own step's launch id (``table[s, 6]``). Same flags,
+    the number of programs. Each wait reports its own step's launch id (``who + s``). Same flags,
     acknowledgements, bounded waits and poisoning as :func:`all_scan_hop_kernel`."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
@@ -413,10 +414,11 @@ def all_scan_rounds_kernel(
         for step in tl.static_range(STEPS):
             row = table + 8 * step
             here, sent, src, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
-            src_pe, dst_pe, who = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32), tl.load(row + 6)
-            compose = tl.load(row + 7) != 0
+            src_pe, dst_pe = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32)
+            compose = tl.load(row + 6) != 0
+            step_who = who + step
             if src != 0:  # the map sent to this rank: composed under its own (a round of B), or taken as it is
-                _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+                _arrived(here, tile, seq, DATA, watch, report, timeout_ns, step_who, INTERPRETED)
                 failed = _given_up(watch)
                 x_in = here.to(tl.pointer_type(dtype))
                 for r in range(0, ROWS, BR):
@@ -430,7 +432,7 @@ def all_scan_rounds_kernel(
                     tl.store(y_out + offs, x, mask=mask)
                 _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
             if dst != 0:  # the map as it now is, to the leader 2^r segments on (or C's: into the next segment)
-                _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+                _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, step_who, INTERPRETED)
                 failed = _given_up(watch)
                 out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
                 tl.debug_barrier()
@@ -641,16 +643,17 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
                     programs=None):
     """Launch :func:`all_scan_rounds_kernel`: a leader's steps of the hierarchical scan in one launch, from its
     map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
-    ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, launch id, 0)``
+    ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, 0)``
     (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
-    is); ``counters``: the region whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s,
-    its launch id unused (each step's is in the table). Other arguments as :func:`all_scan_hop`."""
+    is, composing what it receives where ``compose`` is set, else taking it as it is); ``counters``: the region
+    whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its launch id the first step's
+    (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
     grid, shape = _shape(y_out, tiles, programs)
-    address, report, timeout_ns, _ = watch
+    address, report, timeout_ns, who = watch
     _kernel(all_scan_rounds_kernel, nvshmem)[grid](
         own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
         BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
-        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, INTERPRETED=not y_out.is_cuda,
+        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who, INTERPRETED=not y_out.is_cuda,
         NVSHMEM=nvshmem, num_warps=shape["num_warps"])
 
 

@@ -43,7 +43,8 @@ kernels = [
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),
         dict(LAST=True)),
     (scan_hop.all_scan_rounds_kernel,  # a leader's rounds: the steps' regions read from a device table
-        dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64"),
+        dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64",
+             who="i32"),
         dict(W=65, E=64, BV=128, STEPS=3)),
 ]
 for kernel, signature, flags in kernels:

@@ -34,11 +34,10 @@ def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
     w = watch(regions.device)
     whos = [w.launch_id(("test_scan_rounds", seed, N, s), lambda s=s: (f"loop-back step {s}", (None, None)))
             for s in range(6)]
-    # (here, sent, src, dst, src_pe, dst_pe, who, compose): send A -> B; B receives (compose); send E -> C;
+    # (here, sent, src, dst, src_pe, dst_pe, compose, 0): send A -> B; B receives (compose); send E -> C;
     # C receives (as it is); send F -> D; D receives (compose)
-    rows = [(A, A, 0, B, -1, -1, whos[0], 0), (B, 0, A, 0, -1, -1, whos[1], 1),
-            (E_, E_, 0, C, -1, -1, whos[2], 0), (C, 0, E_, 0, -1, -1, whos[3], 0),
-            (F, F, 0, D, -1, -1, whos[4], 0), (D, 0, F, 0, -1, -1, whos[5], 1)]
+    rows = [(A, A, 0, B, -1, -1, 0, 0), (B, 0, A, 0, -1, -1, 1, 0), (E_, E_, 0, C, -1, -1, 0, 0),
+            (C, 0, E_, 0, -1, -1, 0, 0), (F, F, 0, D, -1, -1, 0, 0), (D, 0, F, 0, -1, -1, 1, 0)]
     table = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
     for call in range(3):
@@ -53,3 +52,39 @@ def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
         tol = 1e-12 if dtype == torch.float64 else 1e-5
         assert torch.allclose(y.cpu().double(), want, rtol=tol, atol=tol), (call, (y.cpu().double() - want).abs().max())
     w.check()
+
+
+def _gives_up(rank, world, seed):
+    """Three steps: a send that arrives, a receive nobody sends, a send; the waits bounded at 0.2 s."""
+    from megatron_zeco.comm import ScanTimeoutError
+
+    N, K, V, tiles = 2, 8, 5, 2
+    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
+    data, flags, size = region_bytes(N, K, V + 1, dtype, tiles, False)
+    regions = torch.zeros(5 * size, dtype=torch.uint8, device=DEVICE)
+    A, B, C, D, E_ = (regions.data_ptr() + i * size for i in range(5))
+    w = watch(regions.device)
+    whos = [w.launch_id(("gives up", s), lambda s=s: (f"loop-back step {s}", (7, 8))) for s in range(3)]
+    table = torch.tensor([(A, A, 0, C, -1, -1, 0, 0), (B, 0, A, 0, -1, -1, 1, 0), (E_, E_, 0, D, -1, -1, 0, 0)],
+                         dtype=torch.int64, device=DEVICE)
+    for who in reversed(whos):
+        bounded = w.arguments(who, 0.2)
+    own = torch.rand(N, K, V + 1, dtype=dtype, device=DEVICE)
+    y = torch.zeros_like(own)
+    scan_hop.all_scan_rounds(own, y, table, A, tiles, data, flags, watch=bounded)
+    try:
+        w.check()
+    except ScanTimeoutError as e:
+        return str(e), bool(y.isnan().all()), bool(regions[3 * size:4 * size].view(dtype)[:N * K * (V + 1)].isnan().all())
+    return None, False, False
+
+
+def test_a_rounds_wait_that_gives_up_names_its_step_and_delivers_nan(seed):
+    """A step whose map never comes gives up after its bounded wait: the error names that step's launch and its
+    peer, the map the launch composes is NaN, and so is what it sends on after it (run in a process of its
+    own: a process that gave up stays so)."""
+    from tests.helpers.distributed import run_ranks
+
+    [(message, y_nan, sent_nan)] = run_ranks(_gives_up, 1, seed)
+    assert message is not None and message.startswith("loop-back step 1:") and "global rank 7" in message, message
+    assert y_nan and sent_nan
