@@ -72,6 +72,8 @@ def _gives_up(rank, world, seed):
     own = torch.rand(N, K, V + 1, dtype=dtype, device=DEVICE)
     y = torch.zeros_like(own)
     scan_hop.all_scan_rounds(own, y, table, A, tiles, data, flags, watch=bounded)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()  # the launch has given up (its report is written) when it ends
     try:
         w.check()
     except ScanTimeoutError as e:
