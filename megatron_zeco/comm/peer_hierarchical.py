@@ -128,8 +128,8 @@ class _Segments:
 def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], int],
           rounds: bool = True) -> List[_Hop]:
     """Rank ``me``'s launches in issue order; ``region(rank, role, index, slot)``: the address of a region
-    (0 for no rank); ``rounds``: a leader's run of launches passing one segment's map on made one launch
-    (:func:`_rounds`; diagonal maps)."""
+    (0 for no rank); ``rounds``: a run of launches passing one map on made one launch (:func:`_rounds`;
+    diagonal maps)."""
     seg = _Segments(walk)
     M = seg.M
     hops: List[_Hop] = []
@@ -251,15 +251,15 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
     def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on, where a run may hold it
         if hop.kind in ("compose", "send") and hop.what == "map":
             return ("map", hop.segment)
-        if hop.kind in ("receive", "send") and hop.what == "entering" or hop.kind == "receive":
+        if hop.kind == "receive" or (hop.kind == "send" and hop.what == "entering"):
             return ("entering", hop.segment)
         return None
 
     out: List[_Hop] = []
-    for hop in hops:
+    for hop in hops:  # a receive only starts a run: what it receives is the run's map
         last = out[-1] if out else None
-        if last is not None and run(hop) is not None and run(hop) == run(last.steps[0] if last.steps else last) \
-                and hop.kind != "receive" and (last.kind == "rounds" or run(last) is not None):
+        if last is not None and hop.kind != "receive" and run(hop) is not None \
+                and run(hop) == run(last.steps[0] if last.steps else last):
             steps = (last.steps or (last,)) + (hop,)
             out[-1] = _Hop("rounds", hop.segment, (), steps[0].regions,
                            (next((h.peers[0] for h in steps if h.peers[0] is not None), None),
@@ -564,7 +564,6 @@ class _Run:
                watch=bounded, pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
                pass_through=pass_through, delta_layout=delta_layout, **rows)
         inject.delay(deltas[0].device)
-
 
     def _launch_rounds(self, n: int, hop: _Hop, side: bool, own: Tensor, y: Tensor) -> None:
         """Launch a ``rounds`` hop (plan position ``n``): its steps' regions and peers in the channel's device
