@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from megatron_zeco.comm import Layout, Route, all_scan
 from megatron_zeco.comm.hierarchical import Walk
-from megatron_zeco.comm.peer_hierarchical import _plan, messages
+from megatron_zeco.comm.peer_hierarchical import _Hop, _fused, _plan, messages
 from megatron_zeco.comm.shape import fan_steps
 from tests.helpers.checks import assert_no_failures
 from tests.helpers.marks import slow_except
@@ -188,6 +188,19 @@ def test_a_launch_is_issued_only_where_it_makes_something_read():
         for j, indices in enumerate(walk.segments):
             alone = j == len(walk.segments) - 1 and j > 0 and len(indices) == 1
             assert prefixes.isdisjoint(indices) if alone else set(indices) <= prefixes, (P, layout, node_size, j)
+
+
+def test_a_map_folded_on_the_host_leaves_from_a_launch_of_its_own():
+    """A segment's map changed by a local product (``fold``: B between two segments one rank leads) is sent by
+    a launch of its own, never by the launch that made the map before the fold, which would send it stale.
+    The plans built today put a compose between such a fold and the next send (or the send already rides on
+    that launch), so ``_fused`` is checked on the hops themselves."""
+    walk = Walk(Layout.CONTIGUOUS, 2, [0, 1], False)
+    prefix = _Hop("prefix", 0, (0,), (1, 2, 0, 0), (None, None), "the prefix map", carries="A")
+    fold = _Hop("fold", 0, (), (0, 0, 0, 0), (None, None), "a fold")
+    send = _Hop("send", 0, (), (3, 3, 0, 4), (None, 1), "the map on", carries="B")
+    assert [hop.kind for hop in _fused([prefix, send], walk)] == ["prefix"]  # the map leaves with its maker
+    assert [hop.kind for hop in _fused([prefix, fold, send], walk)] == ["prefix", "fold", "send"]
 
 
 def test_the_cost_model_replays_the_device_plans():
