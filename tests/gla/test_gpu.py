@@ -362,8 +362,8 @@ def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape):
 @pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
 def test_hierarchical_all_scan_on_four_gpus(seed, transport):
     """The hierarchical shape with every rank a node of its own on four GPUs: the Kogge-Stone rounds between
-    nodes run (two ranks have none), diagonal maps in one ``rounds`` launch per leader, dense ones a launch
-    per round."""
+    nodes in both layouts (on two ranks only the zigzag walk has any), diagonal maps in ``rounds`` launches,
+    dense ones a launch per round."""
     if transport == "nvshmem":
         import torch.distributed._symmetric_memory as symm_mem
 
