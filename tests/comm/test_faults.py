@@ -33,9 +33,21 @@ LAYER = "GatedLinearAttention (layer 7)"
 OPERATION = {"zeco": "zeco All-Scan", "lasp1": "lasp1 ring", "lasp2": "lasp2 all-gather scan"}
 
 
+def _rendezvous(rank, world):
+    """Wait until every rank has reached this point, through the default group's store (no connection
+    of the group under test is involved, so leaving right after it cannot break a peer's)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.add("connected", 1)
+    while store.add("connected", 0) < world:
+        time.sleep(0.01)
+
+
 def _faulty(rank, world, strategy, fault, phase):
     os.environ.pop("MEGATRON_ZECO_SCAN_TIMEOUT", None)  # the waits are bounded by the group's timeout here
     group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+    # The fault comes in the scan: every rank has connected its group before the faulty rank leaves (one
+    # that left while a peer was still connecting would fail that peer in ``new_group``, not in the scan).
+    _rendezvous(rank, world)
     x = problem(0, B=1, T=world * 16, H=2, K=8, V=4)
     leaves = [x[n][:, rank * 16:(rank + 1) * 16].clone().requires_grad_() for n in ("q", "k", "v", "g")]
     # The chain runs forward from rank 0 and backward from the last rank: fault the one the others wait on.
