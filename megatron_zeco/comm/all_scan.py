@@ -288,10 +288,7 @@ def scan_shape(route: Route, like: Tensor) -> str:
         return shape
     if route.group.size() < 3 or len(route.transport.shapes) == 1:
         return route.transport.shapes[0]
-    nodes = _nodes(route)
-    if len(set(nodes)) == 1:
-        return "chain"
-    return scan_choice(route.layout.value, tuple(nodes), like.numel() * like.element_size(), route.transport)
+    return scan_choice(route.layout.value, tuple(_nodes(route)), like.numel() * like.element_size(), route.transport)
 
 
 def _chain_hops(walk: "Walk", nodes: Sequence[int]) -> Tuple[int, int]:

@@ -574,8 +574,9 @@ class _Run:
                 for s, step in enumerate(hop.steps)]
         if whos != list(range(whos[0], whos[0] + len(whos))):
             raise RuntimeError(f"{route.what}: the launch ids of a rounds launch's steps are not consecutive ({whos})")
-        for who in reversed(whos):  # each step's limit, for its report; the first's arguments go to the kernel
-            bounded = self.watcher.arguments(who, self.timeout)
+        bounded = self.watcher.arguments(whos[0], self.timeout)  # the kernel's: the first step's
+        for who in whos[1:]:  # each later step's limit, for its report
+            self.watcher.arguments(who, self.timeout)
         inject.delay(own.device)  # test hook: no-op unless a stress test sets delays
         self.scan_hop.all_scan_rounds(own, y, ch.tables[reverse, n], hop.steps[0].regions[0], ch.tiles, ch.data,
                                       ch.flags, watch=bounded, nvshmem=ch.nvshmem,

@@ -163,7 +163,7 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     (remembered per arguments: a layer's scans ask the same question every step)."""
     P = len(nodes)
     node = _node_of(tuple(nodes))
-    if len({node(r) for r in range(P)}) == 1:  # one node: the chain, as all_scan's auto takes it
+    if len({node(r) for r in range(P)}) == 1:  # one node: the chain (no rounds between nodes to shorten)
         return "chain"
     link = lambda a, b: cluster.intra if node(a) == node(b) else cluster.inter  # noqa: E731
     hop = HOP_COST[transport]

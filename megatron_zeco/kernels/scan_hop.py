@@ -388,6 +388,7 @@ def all_scan_rounds_kernel(
     K: tl.constexpr, W: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, STEPS: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
+    COPY: tl.constexpr,  # own is not y_out: each tile starts as own's
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
 ):
     """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
@@ -396,7 +397,7 @@ def all_scan_rounds_kernel(
     sent to it and compose it under this rank's map (``compose``: ``[E | t] <- t [E' | t'] + [E | 0]``,
     the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
     it has a destination, send the map as it now is (after the acknowledgement of the previous call).
-    ``own`` may be ``y_out`` (a run that starts with a receive). Tile by tile: a tile goes through every step
+    ``own`` may be ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every step
     before the program takes its next tile, so a round's tile leaves as soon as the same tile of the
     earlier rounds has arrived, instead of after the whole message. A tile's steps wait only for the same
     tile of earlier steps on other ranks (or for the previous call), so no wait closes a cycle whatever
@@ -407,10 +408,11 @@ def all_scan_rounds_kernel(
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
     for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
         i_n, i_b, calls, seq = _tile(tile, counters, TILES, DATA, FLAGS)
-        for r in range(0, ROWS, BR):
-            rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
-            tl.store(y_out + offs, tl.load(own + offs, mask=mask, other=0.0), mask=mask)
-        tl.debug_barrier()
+        if COPY:
+            for r in range(0, ROWS, BR):
+                rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
+                tl.store(y_out + offs, tl.load(own + offs, mask=mask, other=0.0), mask=mask)
+            tl.debug_barrier()
         for step in tl.static_range(STEPS):
             row = table + 8 * step
             here, sent, src, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
@@ -641,7 +643,7 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
 
 def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, *, watch, nvshmem=False,
                     programs=None):
-    """Launch :func:`all_scan_rounds_kernel`: a leader's steps of the hierarchical scan in one launch, from its
+    """Launch :func:`all_scan_rounds_kernel`: a run of steps of the hierarchical scan in one launch, from its
     map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
     ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, 0)``
     (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
@@ -653,8 +655,9 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
     _kernel(all_scan_rounds_kernel, nvshmem)[grid](
         own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
         BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
-        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who, INTERPRETED=not y_out.is_cuda,
-        NVSHMEM=nvshmem, num_warps=shape["num_warps"])
+        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who,
+        COPY=own.data_ptr() != y_out.data_ptr(), INTERPRETED=not y_out.is_cuda, NVSHMEM=nvshmem,
+        num_warps=shape["num_warps"])
 
 
 def _delta_layout(layout, s_stride: int, V: int):

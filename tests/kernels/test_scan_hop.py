@@ -45,7 +45,7 @@ kernels = [
     (scan_hop.all_scan_rounds_kernel,  # a leader's rounds: the steps' regions read from a device table
         dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64",
              who="i32"),
-        dict(W=65, E=64, BV=128, STEPS=3)),
+        dict(W=65, E=64, BV=128, STEPS=3, COPY=True)),
 ]
 for kernel, signature, flags in kernels:
     constexprs = {**tiles, **flags}
