@@ -20,8 +20,8 @@ that waits:
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
 * ``overlap``: the waiting hop on the side stream on ``ASIDE_PROGRAMS`` programs (``--aside-programs``), the
   in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default: the
-  side stream of the highest priority, ``--side-priority normal`` for the default one; a direction with no
-  in-chunk work, the gated delta rule's backward, runs as ``serial``, as built too).
+  side stream of the highest priority, ``--side-priority normal`` for the default one; a direction whose
+  piece has no such work runs as ``serial``, as built too).
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``

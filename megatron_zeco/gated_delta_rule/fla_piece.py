@@ -17,8 +17,10 @@ forward: fla's cumsum and WY transform; then, side by side, fla's state pass fro
     flight, fla's output kernel (``o^0``) -- once ``S_in`` is there, ``o = o^0 + R (P S_in)``, every
     chunk at once;
 backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradient from the outputs
-    alone, every chunk at once -- reverse scan -- fla's whole backward from ``initial_state=S_in``
-    with final-state gradient ``D``: one GPU's backward.
+    alone, every chunk at once -- while the reverse scan is in flight, what fla's backward computes
+    before it reads the leaving state's gradient (``w`` and ``u`` again, the chunk states from ``S_in``,
+    the in-chunk value gradient) -- once ``D`` is there, the rest of fla's backward with final-state
+    gradient ``D``: one GPU's backward, cut in two where it first reads ``D``.
 
 Results are those of fla's ``chunk_gated_delta_rule`` with ``initial_state=S_in`` and final-state
 gradient ``D``, up to rounding. For 16-bit inputs the maps' products round their float32 operands to
@@ -48,15 +50,16 @@ CHUNK = 64  # fla's chunk size for the gated delta rule
 @functools.lru_cache(maxsize=None)
 def _fla() -> SimpleNamespace:
     require_fla("a ZeCO piece of the gated delta rule on CUDA")
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
-    from fla.ops.common.chunk_o import chunk_fwd_o
-    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd, recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
     return SimpleNamespace(**{f.__name__: f for f in (
-        chunk_gated_delta_rule_fwd_h, chunk_fwd_o, chunk_gated_delta_rule_bwd, chunk_gated_delta_rule_fwd_intra,
-        chunk_local_cumsum, prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
+        chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h, chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o,
+        chunk_gated_delta_rule_fwd_intra, prepare_wy_repr_bwd, recompute_w_u_fwd, chunk_local_cumsum,
+        prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
 
 
 class FlaPiece(Piece):
@@ -90,6 +93,7 @@ class FlaPiece(Piece):
             **fla_kw)
         self.correction.join()
         self.o0 = None
+        self._local = None
 
     @property
     def M(self) -> Tensor:
@@ -117,10 +121,33 @@ class FlaPiece(Piece):
         self.do = do.contiguous()
         return self.correction.entering_grad(self.do)
 
+    def before_grads(self) -> None:
+        """What fla's backward (``chunk_gated_delta_rule_bwd``) computes before it reads the leaving state's
+        gradient: ``w`` and ``u`` again, the chunk states from ``S_in`` and the in-chunk value gradient (runs
+        while the reverse scan is in flight)."""
+        fla, kw = _fla(), self.kw
+        w, u = fla.recompute_w_u_fwd(k=self.k, v=self.v, beta=self.beta, A=self.A_wy, g=self.g, **kw)
+        h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=self.k, w=w, u=u, g=self.g, initial_state=self.S_in,
+                                                       output_final_state=False, chunk_size=CHUNK, **kw)
+        dv = fla.chunk_bwd_dv_local(q=self.q, k=self.k, g=self.g, do=self.do, scale=self.scale, chunk_size=CHUNK,
+                                    **kw)
+        self._local = (w, h, v_new, dv)
+
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """dq, dk, dv, dg, dbeta (dtypes of the inputs) given ``D [N, H, K, V]``, the gradient of the
-        state leaving the piece."""
-        dq, dk, dv, dbeta, dg, *_ = _fla().chunk_gated_delta_rule_bwd(
-            q=self.q, k=self.k, v=self.v, g=self.g, beta=self.beta, A=self.A_wy, scale=self.scale,
-            initial_state=self.S_in, do=self.do, dht=D.contiguous(), chunk_size=CHUNK, **self.kw)
+        state leaving the piece: the rest of fla's backward, in its order."""
+        if self._local is None:
+            self.before_grads()
+        fla, kw, (w, h, v_new, dv) = _fla(), self.kw, self._local
+        self._local = None
+        q, k, g = self.q, self.k, self.g
+        dh, _, dv = fla.chunk_gated_delta_rule_bwd_dhu(q=q, k=k, w=w, g=g, h0=self.S_in, dht=D.contiguous(),
+                                                       do=self.do, dv=dv, scale=self.scale, chunk_size=CHUNK, **kw)
+        dq, dk, dw, dg = fla.chunk_bwd_dqkwg(q=q, k=k, v=v_new, w=w, g=g, h=h, dv=dv, do=self.do, dh=dh,
+                                             scale=self.scale, chunk_size=CHUNK, **kw)
+        dk2, dv, dbeta, dg2 = fla.prepare_wy_repr_bwd(k=k, v=self.v, beta=self.beta, g=g, A=self.A_wy, dw=dw, du=dv,
+                                                      **kw)
+        dk.add_(dk2)
+        dg.add_(dg2)
+        dg = fla.chunk_local_cumsum(dg, chunk_size=CHUNK, reverse=True, **kw)
         return tuple(x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, dbeta), self.dtypes))

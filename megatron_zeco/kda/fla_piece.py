@@ -20,7 +20,9 @@ forward: fla's gate cumsum and intra-chunk pass (``w``, ``u``, the decayed keys,
     flight, fla's output kernel (``o^0``) -- once ``S_in`` is there, ``o = o^0 + R (P S_in)``, every chunk
     at once;
 backward: ``A = sum_c R_c^T do_c`` (through ``P^T``), the entering state's gradient from the outputs
-    alone, every chunk at once -- reverse scan -- fla's whole KDA backward from ``initial_state=S_in``
+    alone, every chunk at once -- while the reverse scan is in flight, what fla's KDA backward recomputes
+    before it reads the leaving state's gradient (``w``, ``u``, the gated queries and keys, the chunk
+    states from ``S_in``) -- once ``D`` is there, fla's KDA backward from those (``disable_recompute``)
     with final-state gradient ``D``: one GPU's backward.
 
 Results are those of fla's ``chunk_kda`` (``use_gate_in_kernel=False``, ``safe_gate=False``, chunks of 64)
@@ -56,11 +58,12 @@ def _fla() -> SimpleNamespace:
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_bwd import chunk_kda_bwd
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.kda.wy_fast import recompute_w_u_fwd
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
     return SimpleNamespace(**{f.__name__: f for f in (
         chunk_gated_delta_rule_fwd_h, chunk_gla_fwd_o_gk, chunk_kda_bwd, chunk_kda_fwd_intra, chunk_local_cumsum,
-        prepare_chunk_indices)}, RCP_LN2=RCP_LN2)
+        prepare_chunk_indices, recompute_w_u_fwd)}, RCP_LN2=RCP_LN2)
 
 
 class FlaPiece(Piece):
@@ -95,6 +98,7 @@ class FlaPiece(Piece):
             **fla_kw)
         self.correction.join()
         self.o0 = None
+        self._local = None
 
     @property
     def M(self) -> Tensor:
@@ -122,10 +126,26 @@ class FlaPiece(Piece):
         self.do = do.contiguous()
         return self.correction.entering_grad(self.do)
 
+    def before_grads(self) -> None:
+        """What fla's KDA backward (``chunk_kda_bwd``) recomputes before it reads the leaving state's gradient:
+        ``w``, ``u``, the gated queries and keys, and the chunk states from ``S_in`` (runs while the reverse scan
+        is in flight)."""
+        fla, kw = _fla(), self.kw
+        w, u, qg, kg = fla.recompute_w_u_fwd(q=self.q, k=self.k, v=self.v, beta=self.beta, A=self.Akk, gk=self.g,
+                                             **kw)
+        h, v_new, _ = fla.chunk_gated_delta_rule_fwd_h(k=kg, w=w, u=u, gk=self.g, initial_state=self.S_in,
+                                                       output_final_state=False, chunk_size=CHUNK, **kw)
+        self._local = dict(w=w, u=u, qg=qg, kg=kg, v_new=v_new, h=h)
+
     def grads(self, D: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """dq, dk, dv, dg, dbeta (dtypes of the inputs) given ``D [N, HV, K, V]``, the gradient of the state
-        leaving the piece: fla's KDA backward from ``initial_state=S_in`` with ``dht=D``."""
+        leaving the piece: fla's KDA backward from ``initial_state=S_in`` with ``dht=D``, from what
+        :meth:`before_grads` recomputed."""
+        if self._local is None:
+            self.before_grads()
+        local, self._local = self._local, None
         dq, dk, dv, dbeta, dg, *_ = _fla().chunk_kda_bwd(
             q=self.q, k=self.k, v=self.v, beta=self.beta, Aqk=self.Aqk, Akk=self.Akk, scale=self.scale,
-            initial_state=self.S_in, do=self.do, dht=D.contiguous(), g=self.g, chunk_size=CHUNK, **self.kw)
+            initial_state=self.S_in, do=self.do, dht=D.contiguous(), g=self.g, chunk_size=CHUNK,
+            disable_recompute=True, **local, **self.kw)
         return tuple(x.to(dtype) for x, dtype in zip((dq, dk, dv, dg, dbeta), self.dtypes))

@@ -639,8 +639,9 @@ def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, p
                      precision: str = "tf32x3", block_cols: Optional[int] = None, block_rows: Optional[int] = None,
                      ) -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3, what the forward needs before the scan: ``R [B, T, H, K]``, ``P [sub-pieces, H, K, K]``
-    and the segments' ``M [N, H, K, K]`` (Qt is freed on return)."""
-    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, precision=precision)
+    and the segments' ``M [N, H, K, K]``. Qt is kept in ``r_dtype`` as R is (a 16-bit Qt meets M on 16-bit
+    tensor cores under ``"input"``), and freed on return."""
+    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype, precision=precision)
     R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision,
                           block_cols=block_cols, block_rows=block_rows)
     del qt

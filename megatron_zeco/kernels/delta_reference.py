@@ -394,8 +394,9 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                      aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
                      precision: str = "tf32x3") -> Tuple[Tensor, Tensor, Tensor]:
-    """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M``."""
-    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, precision=precision)
+    """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M`` (Qt
+    kept in ``r_dtype``, as R)."""
+    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype, precision=precision)
     R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
     P, M = prefix_maps(L, plan, precision=precision)
     return R, P, M

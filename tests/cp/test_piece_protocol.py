@@ -117,9 +117,8 @@ def test_subclass_missing_a_member_cannot_be_made():
 def test_a_hook_kept_as_the_protocols_no_op_is_no_local_work():
     """``local_work``: a piece class that keeps ``before_output`` or ``before_grads`` as Piece's no-op has no such
     work (the scan then puts nothing beside it, and keeps its hops on the current stream); one that defines it
-    has, also structurally. The CUDA pieces: GLA hides work in both directions, the delta rules in the forward
-    only (their backward is fla's whole backward from the entering state, which needs the leaving state's
-    gradient from its start)."""
+    has, also structurally. The CUDA pieces hide work in both directions (the delta rules' backward: what fla's
+    backward computes before it first reads the leaving state's gradient)."""
     from megatron_zeco.cp.piece import local_work
 
     class Bare(Piece):
@@ -143,4 +142,4 @@ def test_a_hook_kept_as_the_protocols_no_op_is_no_local_work():
     gla, gdn, kda = _fla_pieces()
     hides = {cls.__name__ + cls.__module__: [getattr(cls, hook) is not getattr(Piece, hook)
                                              for hook in ("before_output", "before_grads")] for cls in (gla, gdn, kda)}
-    assert list(hides.values()) == [[True, True], [True, False], [True, False]], hides
+    assert list(hides.values()) == [[True, True]] * 3, hides

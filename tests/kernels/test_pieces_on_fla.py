@@ -42,12 +42,14 @@ def pieces(monkeypatch):
 
 @pytest.mark.parametrize("op,gate", [("gdn", "normal"), ("kda", "normal"), ("kda", "mixed")])
 @pytest.mark.parametrize("lengths", [[150, 150], [1, 70, 130, 5, 64]], ids=["dense", "packed"])
-def test_piece_on_fla_matches_loop(pieces, seed, op, gate, lengths):
+@pytest.mark.parametrize("hook", [True, False], ids=["before_grads", "grads-alone"])
+def test_piece_on_fla_matches_loop(pieces, seed, op, gate, lengths, hook):
     """The summary ``M S_in + E``, the output from S_in, ``A + M^T D`` and every input's gradient from D, per
     sequence (dense: two of 150 tokens, three chunks of 64 each, three sub-pieces) or packed segment (one of
     a single token, one ending mid-chunk, one of exactly a chunk), against the loop: within 1.1x the error
     of fla's own op (``chunk_gated_delta_rule``, ``chunk_kda``) entered by the same states, ~1e-6 here
-    (~1e-4 for ``mixed``: KDA's gates per key channel none, ~1, strong and underflowing side by side)."""
+    (~1e-4 for ``mixed``: KDA's gates per key channel none, ~1, strong and underflowing side by side). The
+    backward's first part runs as the scan runs it (``before_grads``, then ``grads``) or inside ``grads``."""
     packed = len(lengths) > 2
     B, T = (1, sum(lengths)) if packed else (len(lengths), lengths[0])
     H, K, V = 2, 32, 16
@@ -60,7 +62,8 @@ def test_piece_on_fla_matches_loop(pieces, seed, op, gate, lengths):
     piece.before_output()
     got = {"ht": piece.M @ S_in.float() + piece.E, "o": piece.output(S_in.float())}
     got["dh0"] = piece.entering_grad(x["do"].float()) + piece.M.transpose(-1, -2) @ D.float()
-    piece.before_grads()
+    if hook:
+        piece.before_grads()
     got.update({"d" + n: t for n, t in zip(NAMES, piece.grads(D.float()))})
     results = {"got": got, "fla": _fla(op, x, S_in, D, cu, K ** -0.5)}
     parts = {who: {m: [] for m in got} for who in ("got", "fla", "ref")}
