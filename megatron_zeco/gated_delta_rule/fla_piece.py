@@ -70,6 +70,8 @@ class FlaPiece(Piece):
     # the maps (K1..K3) on a second CUDA stream beside fla's state pass; False: after it, on the current stream
     # (benchmarks/profile_piece.py's one-stream case times what the second stream buys)
     side_stream = True
+    # K1 inside K2 (Qt never stored); False: K1 apart (profile_piece.py's "K1 apart" case times the two)
+    fused_maps = True
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
@@ -87,7 +89,8 @@ class FlaPiece(Piece):
         w, u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
                                                                chunk_size=CHUNK, **self.kw)
         # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
-        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=self.side_stream)
+        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=self.side_stream,
+                                          fused=self.fused_maps)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
             **fla_kw)

@@ -19,6 +19,8 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
                                   gate per head, or read: fla's KDA forward returns it)  grid (chunks, H)
     K2 ``delta_maps_kernel``      per sub-piece j from M = I: R_c = Qt_c M; M <- T_c M; L_j = M
                                   (M: a [K, BV] column block in float32 registers)      grid (K/BV, sub-pieces, H)
+                                  ``FUSED`` (the pieces' path, ``fused_maps``): K1 inside K2, Qt never
+                                  stored: R_c = scale (q_c * exp(G)) M - Aqk_c (w_c M)
     K3 ``delta_prefix_kernel``    P_j = L_{j-1} ... L_0 (P_0 = I), the segment's M       grid (K/BC, segments, H)
   after the scan delivered S_in:
     K4 ``delta_entering_kernel``  X_j = P_j S_in, the sub-piece's share of S_in          grid (V/BV, sub-pieces, H)
@@ -77,7 +79,8 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
 
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
-    "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection", "side_stream",
+    "fused_maps", "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection",
+    "side_stream",
 ]
 
 
@@ -246,6 +249,33 @@ def _maps_read(qt, w, rows, m_t, b_M, b_r, b_wm, OFF: tl.constexpr, K: tl.conste
 
 
 @triton.jit
+def _maps_read_q(q, k, w, g, rows, rows_k, m_t, b_M, b_r, b_wm, b_A, OFF: tl.constexpr, K: tl.constexpr,
+                 BK: tl.constexpr, G_LOG2: tl.constexpr, GATE_VECTOR: tl.constexpr, FORM_A: tl.constexpr,
+                 PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K2 from the queries (``FUSED``): what rows ``OFF .. OFF+BK`` of M add to ``q M`` (the queries decayed
+    per key channel under ``GATE_VECTOR``, rounded to their dtype under ``"input"``) and to ``w M``, and
+    (``FORM_A``) what these key channels add to ``q k^T``."""
+    o_k = OFF + tl.arange(0, BK)
+    m_k = o_k < K
+    m = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + rows_k[:, None] * K + o_k[None, :], mask=m, other=0.)
+    if FORM_A:
+        b_kT = tl.load(k + rows_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
+        b_A = _dot(b_q, b_kT, b_A, PRECISION, INTERPRETED)
+    if GATE_VECTOR:
+        b_gk = tl.load(g + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32)
+        b_qg = b_q.to(tl.float32) * tl.where(m, _exp(b_gk, G_LOG2), 0.)
+        if PRECISION == "input":
+            b_qg = b_qg.to(b_q.dtype)
+        b_r = _dot(b_qg, b_M, b_r, PRECISION, INTERPRETED)
+    else:
+        b_r = _dot(b_q, b_M, b_r, PRECISION, INTERPRETED)
+    b_w = tl.load(w + rows[:, None] * K + o_k[None, :], mask=m, other=0.)
+    b_wm = _dot(b_w, b_M, b_wm, PRECISION, INTERPRETED)
+    return b_r, b_wm, b_A
+
+
+@triton.jit
 def _maps_update(k, g, rows_k, rows, last, m_t, b_M, b_wm, OFF: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                  G_LOG2: tl.constexpr, GATE_VECTOR: tl.constexpr, PRECISION: tl.constexpr,
                  INTERPRETED: tl.constexpr):
@@ -276,14 +306,19 @@ def _maps_store(L, base, b_M, o_v, m_v, OFF: tl.constexpr, K: tl.constexpr, BK: 
 
 
 @triton.jit
-def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr,
+def _delta_maps_kernel(qt, q, aqk, scale, k, w, g, r, L, pieces, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr,
                        BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, G_LOG2: tl.constexpr,
-                       GATE_VECTOR: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                       GATE_VECTOR: tl.constexpr, FUSED: tl.constexpr, GIVEN_A: tl.constexpr,
+                       PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """K2, one sub-piece, head and block of BV columns of M: from ``M = I``, per chunk ``R = Qt M``
     (stored), ``M <- Diag(exp(G_last)) M - (k * exp(G_last - G))^T (w M)``; then ``L_j = M``. M is held in
     float32 as up to four tiles of BK rows (``K <= 4 BK``), so no tile outgrows the registers.
     qt, w, r ``[rows, H, K]``, k ``[rows, HQ, K]``, g ``[rows, H]`` (``GATE_VECTOR``: ``[rows, H, K]``),
-    L ``[sub-pieces, H, K, K]`` float32."""
+    L ``[sub-pieces, H, K, K]`` float32.
+
+    ``FUSED`` (K1 and K2 in one): Qt is never stored; R is formed from the queries ``q [rows, HQ, K]`` as
+    ``scale (q * exp(G)) M - Aqk (w M)``, Aqk read from ``aqk`` (``GIVEN_A``, as K1) or formed from the
+    chunk's ``q k^T`` (a gate per head). ``qt`` is unused then; ``q``, ``aqk`` and ``scale`` otherwise."""
     i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(pieces + i_j * 5 + 1).to(tl.int64)
     eos = tl.load(pieces + i_j * 5 + 2).to(tl.int64)
@@ -298,18 +333,47 @@ def _delta_maps_kernel(qt, k, w, g, r, L, pieces, H: tl.constexpr, HQ: tl.conste
         b_M3 = _eye_rows(o_v, m_v, 2 * BK, BK)
     if K > 3 * BK:
         b_M4 = _eye_rows(o_v, m_v, 3 * BK, BK)
+    tl.static_assert(GIVEN_A or not GATE_VECTOR or not FUSED, "a gate per key channel needs Aqk given")
+    FORM_A: tl.constexpr = FUSED and not GIVEN_A
+    o_i = tl.arange(0, BT)
     for i in range(count):
         rows, m_t, last = _chunk_rows(bos, eos, first + i, H, i_h, BT)
         rows_k = _key_rows(rows, i_h, H, HQ)
         b_r = tl.zeros([BT, BV], dtype=tl.float32)
         b_wm = tl.zeros([BT, BV], dtype=tl.float32)
-        b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M1, b_r, b_wm, 0, K, BK, PRECISION, INTERPRETED)
-        if K > BK:
-            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M2, b_r, b_wm, BK, K, BK, PRECISION, INTERPRETED)
-        if K > 2 * BK:
-            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M3, b_r, b_wm, 2 * BK, K, BK, PRECISION, INTERPRETED)
-        if K > 3 * BK:
-            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M4, b_r, b_wm, 3 * BK, K, BK, PRECISION, INTERPRETED)
+        if FUSED:
+            b_A = tl.zeros([BT, BT], dtype=tl.float32)
+            b_r, b_wm, b_A = _maps_read_q(q, k, w, g, rows, rows_k, m_t, b_M1, b_r, b_wm, b_A, 0, K, BK, G_LOG2,
+                                          GATE_VECTOR, FORM_A, PRECISION, INTERPRETED)
+            if K > BK:
+                b_r, b_wm, b_A = _maps_read_q(q, k, w, g, rows, rows_k, m_t, b_M2, b_r, b_wm, b_A, BK, K, BK, G_LOG2,
+                                              GATE_VECTOR, FORM_A, PRECISION, INTERPRETED)
+            if K > 2 * BK:
+                b_r, b_wm, b_A = _maps_read_q(q, k, w, g, rows, rows_k, m_t, b_M3, b_r, b_wm, b_A, 2 * BK, K, BK,
+                                              G_LOG2, GATE_VECTOR, FORM_A, PRECISION, INTERPRETED)
+            if K > 3 * BK:
+                b_r, b_wm, b_A = _maps_read_q(q, k, w, g, rows, rows_k, m_t, b_M4, b_r, b_wm, b_A, 3 * BK, K, BK,
+                                              G_LOG2, GATE_VECTOR, FORM_A, PRECISION, INTERPRETED)
+            # R = scale (q * exp(G)) M - Aqk (w M), Aqk the chunk's causal in-chunk attention
+            m_A = (o_i[:, None] >= o_i[None, :]) & m_t[:, None] & m_t[None, :]
+            if GIVEN_A:
+                b_A = tl.load(aqk + rows[:, None] * BT + o_i[None, :], mask=m_A, other=0.).to(tl.float32)
+            if GATE_VECTOR:
+                b_r = b_r * scale
+            else:
+                b_gq = tl.load(g + rows, mask=m_t, other=0.).to(tl.float32)
+                if FORM_A:
+                    b_A = b_A * tl.where(m_A, _exp(b_gq[:, None] - b_gq[None, :], G_LOG2), 0.) * scale
+                b_r = b_r * (tl.where(m_t, _exp(b_gq, G_LOG2), 0.) * scale)[:, None]
+            b_r = b_r - _dot(b_A, b_wm, tl.zeros([BT, BV], dtype=tl.float32), PRECISION, INTERPRETED)
+        else:
+            b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M1, b_r, b_wm, 0, K, BK, PRECISION, INTERPRETED)
+            if K > BK:
+                b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M2, b_r, b_wm, BK, K, BK, PRECISION, INTERPRETED)
+            if K > 2 * BK:
+                b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M3, b_r, b_wm, 2 * BK, K, BK, PRECISION, INTERPRETED)
+            if K > 3 * BK:
+                b_r, b_wm = _maps_read(qt, w, rows, m_t, b_M4, b_r, b_wm, 3 * BK, K, BK, PRECISION, INTERPRETED)
         tl.store(r + rows[:, None] * K + o_v[None, :], b_r.to(r.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
         if GATE_VECTOR:
             b_wm = -b_wm  # rows past the segment are zero (w is read as zero there)
@@ -454,7 +518,8 @@ def _tuned(fn, key):
 
 
 delta_reads_kernel = _tuned(_delta_reads_kernel, ["H", "HQ", "K", "BT", "BK", "GATE_VECTOR", "GIVEN_A", "PRECISION"])
-delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "HQ", "K", "BT", "BK", "BV", "GATE_VECTOR", "PRECISION"])
+delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "HQ", "K", "BT", "BK", "BV", "GATE_VECTOR", "FUSED", "GIVEN_A",
+                                                   "PRECISION"])
 delta_prefix_kernel = _tuned(_delta_prefix_kernel, ["H", "K", "BK", "BC", "PRECISION"])
 delta_entering_kernel = _tuned(_delta_entering_kernel, ["H", "K", "V", "BK", "BV", "PRECISION"])
 delta_output_kernel = _tuned(_delta_output_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
@@ -529,13 +594,10 @@ def _heads(k: Tensor, w: Tensor, g: Tensor) -> Tuple[int, int, int, bool]:
     return H, HQ, K, g.dim() == 4
 
 
-def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                     aqk: Optional[Tensor] = None, g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
-                     precision: str = "tf32x3") -> Tensor:
-    """K1: ``Qt [B, T, H, K]`` (``out_dtype``) of q, k ``[B, T, HQ, K]``, w ``[B, T, H, K]`` and G ``[B, T, H]``
-    or ``[B, T, H, K]`` (float32, base 2 when ``g_log2``: fla's ``chunk_local_cumsum(g, scale=1/ln 2)``).
-    ``aqk [B, T, H, BT]``: the in-chunk attention (fla's KDA forward returns it), needed with a gate per key
-    channel; without it a gate per head forms it in place."""
+def _query_heads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, aqk: Optional[Tensor], plan: SubPieces,
+                 precision: str) -> Tuple[int, int, int, bool]:
+    """:func:`_heads` of a call that reads the queries (K1, or K2 ``FUSED``), its inputs checked; ValueError
+    where a gate per key channel comes without ``aqk`` or ``aqk`` does not fit."""
     _check(plan, precision, q=q, k=k, w=w, g=g, aqk=aqk)
     H, HQ, K, vector = _heads(k, w, g)
     if vector and aqk is None:
@@ -543,6 +605,17 @@ def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, p
                          "returns it)")
     if aqk is not None and tuple(aqk.shape) != (*w.shape[:3], plan.chunk_size):
         raise ValueError(f"aqk {tuple(aqk.shape)}: expected {(*w.shape[:3], plan.chunk_size)}")
+    return H, HQ, K, vector
+
+
+def correction_reads(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+                     aqk: Optional[Tensor] = None, g_log2: bool = True, out_dtype: torch.dtype = torch.float32,
+                     precision: str = "tf32x3") -> Tensor:
+    """K1: ``Qt [B, T, H, K]`` (``out_dtype``) of q, k ``[B, T, HQ, K]``, w ``[B, T, H, K]`` and G ``[B, T, H]``
+    or ``[B, T, H, K]`` (float32, base 2 when ``g_log2``: fla's ``chunk_local_cumsum(g, scale=1/ln 2)``).
+    ``aqk [B, T, H, BT]``: the in-chunk attention (fla's KDA forward returns it), needed with a gate per key
+    channel; without it a gate per head forms it in place."""
+    H, HQ, K, vector = _query_heads(q, k, w, g, aqk, plan, precision)
     qt = torch.empty(w.shape, dtype=out_dtype, device=q.device)
     if plan.num_chunks:
         BK = min(triton.next_power_of_2(K), 64)
@@ -561,7 +634,26 @@ def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces,
     columns of M per program (default :func:`default_block_cols`), held as tiles of ``block_rows`` rows
     (default ``min(K, 64)``; at most four)."""
     _check(plan, precision, qt=qt, k=k, w=w, g=g)
-    H, HQ, K, vector = _heads(k, w, g)
+    return _maps(k, w, g, plan, g_log2, r_dtype, precision, block_cols, block_rows, _heads(k, w, g), qt=qt)
+
+
+def fused_maps(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+               aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
+               precision: str = "tf32x3", block_cols: Optional[int] = None, block_rows: Optional[int] = None
+               ) -> Tuple[Tensor, Tensor]:
+    """K1 and K2 in one kernel: the ``R`` and ``L`` of :func:`sub_piece_maps` over :func:`correction_reads`'
+    Qt, with Qt never stored: K2 forms ``R = scale (q * exp(G)) M - Aqk (w M)`` chunk by chunk from the
+    queries (Aqk as K1 takes it: read from ``aqk``, or formed from the chunk's ``q k^T`` for a gate per
+    head). Arguments as those two functions'."""
+    heads = _query_heads(q, k, w, g, aqk, plan, precision)
+    return _maps(k, w, g, plan, g_log2, r_dtype, precision, block_cols, block_rows, heads, q=q, aqk=aqk,
+                 scale=scale)
+
+
+def _maps(k, w, g, plan, g_log2, r_dtype, precision, block_cols, block_rows, heads, *, qt=None, q=None, aqk=None,
+          scale=1.0) -> Tuple[Tensor, Tensor]:
+    """Launch K2 from Qt (``qt``) or from the queries (``q``: ``FUSED``)."""
+    H, HQ, K, vector = heads
     BV = _block_cols(K, block_cols, k.device)
     BK = block_rows or min(triton.next_power_of_2(K), 64)
     if triton.cdiv(K, BK) > 4:
@@ -569,9 +661,11 @@ def sub_piece_maps(qt: Tensor, k: Tensor, w: Tensor, g: Tensor, plan: SubPieces,
     R = torch.empty(w.shape, dtype=r_dtype, device=k.device)
     L = torch.empty(plan.num_pieces, H, K, K, dtype=torch.float32, device=k.device)
     if plan.num_pieces:
+        contiguous = lambda t: None if t is None else t.contiguous()  # noqa: E731
         delta_maps_kernel[(triton.cdiv(K, BV), plan.num_pieces, H)](
-            qt.contiguous(), k.contiguous(), w.contiguous(), g.contiguous(), R, L, plan.tables(k.device)["pieces"],
-            H=H, HQ=HQ, K=K, BT=plan.chunk_size, BK=BK, BV=BV, G_LOG2=g_log2, GATE_VECTOR=vector,
+            contiguous(qt), contiguous(q), contiguous(aqk), float(scale), k.contiguous(), w.contiguous(),
+            g.contiguous(), R, L, plan.tables(k.device)["pieces"], H=H, HQ=HQ, K=K, BT=plan.chunk_size, BK=BK,
+            BV=BV, G_LOG2=g_log2, GATE_VECTOR=vector, FUSED=q is not None, GIVEN_A=aqk is not None,
             PRECISION=precision, INTERPRETED=interpreted())
     return R, L
 
@@ -637,14 +731,19 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                      aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
                      precision: str = "tf32x3", block_cols: Optional[int] = None, block_rows: Optional[int] = None,
-                     ) -> Tuple[Tensor, Tensor, Tensor]:
+                     fused: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3, what the forward needs before the scan: ``R [B, T, H, K]``, ``P [sub-pieces, H, K, K]``
-    and the segments' ``M [N, H, K, K]``. Qt is kept in ``r_dtype`` as R is (a 16-bit Qt meets M on 16-bit
-    tensor cores under ``"input"``), and freed on return."""
-    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype, precision=precision)
-    R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision,
-                          block_cols=block_cols, block_rows=block_rows)
-    del qt
+    and the segments' ``M [N, H, K, K]``. ``fused``: K1 inside K2 (:func:`fused_maps`, Qt never stored);
+    else K1 apart, Qt kept in ``r_dtype`` as R is (a 16-bit Qt meets M on 16-bit tensor cores under
+    ``"input"``) and freed on return."""
+    maps = dict(g_log2=g_log2, r_dtype=r_dtype, precision=precision, block_cols=block_cols, block_rows=block_rows)
+    if fused:
+        R, L = fused_maps(q, k, w, g, scale, plan, aqk=aqk, **maps)
+    else:
+        qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype,
+                              precision=precision)
+        R, L = sub_piece_maps(qt, k, w, g, plan, **maps)
+        del qt
     P, M = prefix_maps(L, plan, precision=precision, block_cols=block_cols)
     return R, P, M
 
@@ -677,16 +776,16 @@ class PieceCorrection:
     Args:
         q, k: ``[B, T, HQ, K]``; w: ``[B, T, H, K]`` fla's WY factor; g: G ``[B, T, H]`` or ``[B, T, H, K]``
             (base 2, fla's); aqk: ``[B, T, H, BT]`` fla's in-chunk attention (a gate per key channel);
-            plan: the piece's :class:`SubPieces`.
+            plan: the piece's :class:`SubPieces`; fused: K1 inside K2 (:func:`piece_transition`).
     """
 
     def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                 aqk: Optional[Tensor] = None, beside: bool = False):
+                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = True):
         self.plan = plan
         self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
         self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None
         compute = lambda: piece_transition(q, k, w, g, scale, plan, aqk=aqk, r_dtype=q.dtype,  # noqa: E731
-                                           precision=self.precision)
+                                           precision=self.precision, fused=fused)
         if self._side is None:
             self.R, self.P, self.M = compute()
             return

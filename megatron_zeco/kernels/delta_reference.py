@@ -391,12 +391,25 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
     return A
 
 
+def fused_maps(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
+               aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
+               precision: str = "tf32x3") -> Tuple[Tensor, Tensor]:
+    """K1 and K2 in one call (the kernels' ``fused_maps``): ``R`` and ``L`` from the queries, Qt exact
+    (never rounded to a stored dtype)."""
+    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, precision=precision)
+    return sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
+
+
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                      aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
-                     precision: str = "tf32x3") -> Tuple[Tensor, Tensor, Tensor]:
-    """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M`` (Qt
-    kept in ``r_dtype``, as R)."""
-    qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype, precision=precision)
-    R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
+                     precision: str = "tf32x3", fused: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+    """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M``
+    (``fused``: Qt exact, as :func:`fused_maps`; else kept in ``r_dtype``, as R)."""
+    if fused:
+        R, L = fused_maps(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
+    else:
+        qt = correction_reads(q, k, w, g, scale, plan, aqk=aqk, g_log2=g_log2, out_dtype=r_dtype,
+                              precision=precision)
+        R, L = sub_piece_maps(qt, k, w, g, plan, g_log2=g_log2, r_dtype=r_dtype, precision=precision)
     P, M = prefix_maps(L, plan, precision=precision)
     return R, P, M

@@ -150,6 +150,13 @@ MUTATIONS = [
              "b_M = b_M * _exp(b_gl, G_LOG2)[:, None]", "b_M = b_M * _exp(b_gl, G_LOG2)[None, :]",
              "a chunk's decay per key channel applied to the columns of the sub-piece map (M Diag(a)), not its "
              "rows (Diag(a) M)"),
+    Mutation("fused-maps-drop-in-chunk-attention", "megatron_zeco/kernels/delta_correction.py",
+             "b_r = b_r - _dot(b_A, b_wm,", "b_r = b_r + 0 * _dot(b_A, b_wm,",
+             "K2 from the queries forms R as scale (q * exp(G)) M alone, without the in-chunk attention's "
+             "- Aqk (w M)"),
+    Mutation("fused-maps-in-chunk-decay-reversed", "megatron_zeco/kernels/delta_correction.py",
+             "_exp(b_gq[:, None] - b_gq[None, :], G_LOG2)", "_exp(b_gq[None, :] - b_gq[:, None], G_LOG2)",
+             "K2 from the queries decays q_i k_j^T by exp(G_j - G_i) (a gate per head), not exp(G_i - G_j)"),
     Mutation("kda-decay-without-exp", "megatron_zeco/kda/layer.py",
              "g = -self.A_log.to(fp).exp().unsqueeze(-1) * F.softplus(",
              "g = -self.A_log.to(fp).unsqueeze(-1) * F.softplus(",

@@ -237,9 +237,10 @@ def _kernel_cases():
 
 @pytest.mark.parametrize("form,dtype,precision,lengths,sub_pieces,log2", _kernel_cases())
 def test_kernels_match_reference(seed, form, dtype, precision, lengths, sub_pieces, log2):
-    """Every kernel against the float64 reference of the same (rounded) inputs: Qt (K1), R and L (K2),
-    P and M (K3), the corrected output (K4) and A (K5). bfloat16 inputs under tf32x3 take the split
-    products (the float32 tile as three bfloat16 terms); K = 32: M in two column blocks of two row tiles."""
+    """Every kernel against the float64 reference of the same (rounded) inputs: Qt (K1), R and L (K2; and
+    from the queries, K1 inside K2, against the exact Qt's), P and M (K3), the corrected output (K4) and A
+    (K5). bfloat16 inputs under tf32x3 take the split products (the float32 tile as three bfloat16 terms);
+    K = 32: M in two column blocks of two row tiles."""
     from megatron_zeco.kernels import delta_correction as dc
 
     H, K, V = 2, 32, 16
@@ -250,16 +251,19 @@ def test_kernels_match_reference(seed, form, dtype, precision, lengths, sub_piec
     qt = dc.correction_reads(q, k, w, G, scale, plan, aqk=aqk, g_log2=log2, **kw)
     R, L = dc.sub_piece_maps(qt, k, w, G, plan, g_log2=log2, block_cols=16, block_rows=16, **kw)
     P, M = dc.prefix_maps(L, plan, block_cols=16, **kw)
+    R_f, L_f = dc.fused_maps(q, k, w, G, scale, plan, aqk=aqk, g_log2=log2, block_cols=16, block_rows=16, **kw)
     gen = torch.Generator().manual_seed(seed + 2)
     o0, do = (torch.randn(1, plan.tokens, H, V, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
     o = dc.output_correction(o0, R, P, S_in, plan, out_dtype=torch.float32, **kw)
     A = dc.entering_grad(R, P, do, plan, **kw)
-    assert qt.dtype == R.dtype == L.dtype == P.dtype == M.dtype == A.dtype == torch.float32
+    assert qt.dtype == R.dtype == L.dtype == P.dtype == M.dtype == A.dtype == R_f.dtype == torch.float32
     qt_ref = ref.correction_reads(_d(q), _d(k), _d(w), _d(G), scale, plan, aqk=_d(aqk), g_log2=log2)
     R_ref, L_ref = ref.sub_piece_maps(_d(qt), _d(k), _d(w), _d(G), plan, g_log2=log2)
+    R_fref, L_fref = ref.sub_piece_maps(qt_ref, _d(k), _d(w), _d(G), plan, g_log2=log2)
     P_ref, M_ref = ref.prefix_maps(_d(L), plan)
     errors = {
         "Qt": rel_err(_d(qt), qt_ref), "R": rel_err(_d(R), R_ref), "L": rel_err(_d(L), L_ref),
+        "R fused": rel_err(_d(R_f), R_fref), "L fused": rel_err(_d(L_f), L_fref),
         "P": rel_err(_d(P), P_ref), "M": rel_err(_d(M), M_ref),
         "o": rel_err(_d(o), ref.output_correction(_d(o0), _d(R), _d(P), _d(S_in), plan)),
         "A": rel_err(_d(A), ref.entering_grad(_d(R), _d(P), _d(do), plan)),
@@ -272,8 +276,9 @@ def test_kernels_match_reference(seed, form, dtype, precision, lengths, sub_piec
 @pytest.mark.parametrize("form", FORMS)
 def test_kernels_with_four_row_tiles(seed, form):
     """K = 64 held as four tiles of 16 rows in K2 (the third and fourth tiles' own load, update and store
-    branches; with a gate per key channel each tile's own channels of the decay) and four column blocks in
-    K3, packed: R, L, P and M against the float64 reference."""
+    branches; with a gate per key channel each tile's own channels of the decay; from the queries, each
+    tile's share of q M and q k^T) and four column blocks in K3, packed: R, L, P and M against the float64
+    reference."""
     from megatron_zeco.kernels import delta_correction as dc
 
     lengths, H, K, V = [37, 70], 2, 64, 16
@@ -283,10 +288,12 @@ def test_kernels_with_four_row_tiles(seed, form):
     qt = dc.correction_reads(q, k, w, G, K ** -0.5, plan, aqk=aqk, **kw)
     R, L = dc.sub_piece_maps(qt, k, w, G, plan, block_cols=16, block_rows=16, **kw)
     P, M = dc.prefix_maps(L, plan, block_cols=16, **kw)
+    R_f, L_f = dc.fused_maps(q, k, w, G, K ** -0.5, plan, aqk=aqk, block_cols=16, block_rows=16, **kw)
     R_ref, L_ref = ref.sub_piece_maps(_d(qt), _d(k), _d(w), _d(G), plan)
+    R_fref, L_fref = ref.fused_maps(_d(q), _d(k), _d(w), _d(G), K ** -0.5, plan, aqk=_d(aqk))
     P_ref, M_ref = ref.prefix_maps(_d(L), plan)
     errors = {"R": rel_err(_d(R), R_ref), "L": rel_err(_d(L), L_ref), "P": rel_err(_d(P), P_ref),
-              "M": rel_err(_d(M), M_ref)}
+              "M": rel_err(_d(M), M_ref), "R fused": rel_err(_d(R_f), R_fref), "L fused": rel_err(_d(L_f), L_fref)}
     assert max(errors.values()) < TOL32, errors
 
 
@@ -340,25 +347,29 @@ def test_kernels_at_gate_extremes(seed, gate):
     def err(a, b):  # relative, except where the truth itself lies below float32's range (strong decay's maps)
         return float((_d(a) - b).norm() / max(b.norm(), 1e-30))
 
+    R_f, L_f = dc.fused_maps(q, k, w, G, K ** -0.5, plan, aqk=aqk, block_cols=16, block_rows=16, **kw)
+    R_fref, L_fref = ref.fused_maps(_d(q), _d(k), _d(w), _d(G), K ** -0.5, plan, aqk=_d(aqk))
     errors = {
         "Qt": err(qt, ref.correction_reads(_d(q), _d(k), _d(w), _d(G), K ** -0.5, plan, aqk=_d(aqk))),
         "R": err(R, R_ref), "L": err(L, L_ref), "P": err(P, P_ref), "M": err(M, M_ref),
+        "R fused": err(R_f, R_fref), "L fused": err(L_f, L_fref),
         "o": err(o, ref.output_correction(_d(o0), _d(R), _d(P), _d(S_in), plan)),
         "A": err(A, ref.entering_grad(_d(R), _d(P), _d(do), plan)),
     }
     assert max(errors.values()) < TOL32, errors
 
 
-def test_kernels_grouped_value_heads(seed):
-    """Two value heads per query/key head (fla's grouped value attention): K1 and K2 read the query/key head
-    of each value head, against the reference."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "K1-apart"])
+def test_kernels_grouped_value_heads(seed, fused):
+    """Two value heads per query/key head (fla's grouped value attention): K1 and K2 (apart, or K1 inside
+    K2) read the query/key head of each value head, against the reference."""
     from megatron_zeco.kernels import delta_correction as dc
 
     lengths, H, K, V = [37, 40], 4, 16, 16
     _, (q, k, w, G), aqk, S_in, _ = _kernel_inputs(seed, lengths, H, K, V, torch.float32, "channel", HQ=2)
     assert q.shape[2] == 2 and w.shape[2] == 4
     plan = ref.SubPieces(_cu(lengths), 16, 2)
-    R, P, M = dc.piece_transition(q, k, w, G, K ** -0.5, plan, aqk=aqk, precision="ieee")
+    R, P, M = dc.piece_transition(q, k, w, G, K ** -0.5, plan, aqk=aqk, precision="ieee", fused=fused)
     R_ref, P_ref, M_ref = ref.piece_transition(_d(q), _d(k), _d(w), _d(G), K ** -0.5, plan, aqk=_d(aqk))
     errors = {"R": rel_err(_d(R), R_ref), "M": rel_err(_d(M), M_ref)}
     assert max(errors.values()) < TOL32, errors
@@ -501,15 +512,18 @@ from megatron_zeco.kernels import delta_correction as dc
 f, i = "*fp32", "*i32"
 # (input dtype, precision, kernels, dtype of the stored Qt and R, gate per key channel); argv: which of them
 VARIANTS = [
-    ("bf16", "input", dc.KERNELS, "*bf16", False), ("bf16", "tf32x3", dc.KERNELS, f, False),
-    ("fp32", "tf32x3", dc.KERNELS, f, False), ("bf16", "tf32", ["maps"], f, False),
-    ("fp32", "ieee", ["maps"], f, False), ("bf16", "input", ["reads", "maps"], "*bf16", True),
-    ("fp32", "tf32x3", ["reads", "maps"], f, True)]
+    ("bf16", "input", [*dc.KERNELS, "fused"], "*bf16", False), ("bf16", "tf32x3", dc.KERNELS, f, False),
+    ("fp32", "tf32x3", [*dc.KERNELS, "fused"], f, False), ("bf16", "tf32", ["maps"], f, False),
+    ("fp32", "ieee", ["maps"], f, False), ("bf16", "input", ["reads", "maps", "fused"], "*bf16", True),
+    ("fp32", "tf32x3", ["reads", "maps", "fused"], f, True)]
 for x, precision, names, stored, vector in [VARIANTS[int(n)] for n in sys.argv[1].split(",")]:
     signatures = {
         "reads": dict(q="*" + x, k="*" + x, w="*" + x, g=f, qt=stored, chunks=i, scale="fp32",
                       **({"aqk": "*" + x} if vector else {})),
-        "maps": dict(qt=stored, k="*" + x, w="*" + x, g=f, r=stored, L=f, pieces=i),
+        "maps": dict(qt=stored, k="*" + x, w="*" + x, g=f, r=stored, L=f, pieces=i, scale="fp32",
+                     **({"aqk": "*" + x} if vector else {})),
+        "fused": dict(q="*" + x, k="*" + x, w="*" + x, g=f, r=stored, L=f, pieces=i, scale="fp32",
+                      **({"aqk": "*" + x} if vector else {})),
         "prefix": dict(L=f, P=f, M=f, piece_offsets=i),
         "entering": dict(P=f, s_in=f, X=f, pieces=i),
         "output": dict(o0="*" + x, r=stored, X=f, out="*" + x, chunks=i),
@@ -520,13 +534,14 @@ for x, precision, names, stored, vector in [VARIANTS[int(n)] for n in sys.argv[1
                  GATE_VECTOR=vector, GIVEN_A=vector, PRECISION=precision, INTERPRETED=False,
                  **({} if vector else {"aqk": None}))
     for name in names:
-        kernel = dc.KERNELS[name]
-        blocks = dict(BK=64 if name in ("reads", "maps") else 128)
+        kernel = dc.KERNELS["maps" if name == "fused" else name]  # "fused": K2 with K1 inside
+        blocks = dict(BK=64 if name in ("reads", "maps", "fused") else 128, FUSED=name == "fused",
+                      **({"q": None} if name == "maps" else {"qt": None} if name == "fused" else {}))
         constexprs = {n: v for n, v in {**tiles, **blocks}.items() if n in kernel.arg_names}
         signature = {n: signatures[name].get(n, "constexpr") for n in kernel.arg_names}
         compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
                                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-        if name == "maps" and precision != "ieee":
+        if name in ("maps", "fused") and precision != "ieee":
             assert "wgmma" in compiled.asm["ptx"], (name, x, precision, vector)
 print("ok")
 '''
@@ -534,8 +549,8 @@ print("ok")
 
 def test_kernels_compile_for_hopper():
     """K1..K5 build for sm_90 (bfloat16 and float32 inputs under tf32x3; K2 also under tf32 and ieee; K1 and
-    K2 with a gate per key channel, reading Aqk), without a GPU, in a fresh interpreter without
-    TRITON_INTERPRET; K2's recurrence runs on Hopper's tensor cores (wgmma)."""
+    K2 with a gate per key channel, reading Aqk; K2 with K1 inside, either gate), without a GPU, in a fresh
+    interpreter without TRITON_INTERPRET; K2's recurrence runs on Hopper's tensor cores (wgmma)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
