@@ -27,8 +27,9 @@ Dense transitions (the gated delta rule, ``S -> M S + delta``; ``transition.py``
 steps, the maps composing as ``(M2, d2) o (M1, d1) = (M2 M1, M2 d1 + d2)``.
 
 The critical path is about (segment length - 1) + ceil(log2 (M - 1)) + 2 hops (a segment no longer than
-a node's ranks) instead of P - 1 (contiguous) or 2P - 1 (zigzag) (``cost_model.hierarchical_steps`` replays the schedule); a rank
-sends at most one map per round of B (ceil(log2 (M - 1)) states, against the chain's one).
+a node's ranks) instead of P - 1 (contiguous) or 2P - 1 (zigzag) (``cost_model.hierarchical_steps``
+replays the schedule); a rank sends at most one map per round of B (ceil(log2 (M - 1)) states, against
+the chain's one).
 Backward is the same over the reversed walk. Exact: the same compositions in another order
 (rounding aside).
 

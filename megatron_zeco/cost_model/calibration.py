@@ -173,16 +173,16 @@ def _overlap_as_built(row: dict) -> bool:
 
 def overlap_rows(name: str, data: dict) -> list[dict]:
     """What the scan's overlap hides and costs, from ``bench_overlap.py``'s rows on the device the model
-    describes: per operator, tokens and direction (``fwd``, ``bwd``), ``hidden``, the GPU time of the
-    in-chunk work (what needs no scan result) over the direction's, the state arriving at once, without
-    the overlap; and ``spin``, how much slower that work runs beside a hop that spins through it (with the
-    overlap, at the latest arrival, against without) less one; neither where the in-chunk work is under
-    :data:`MIN_HIDDEN` of the direction (nothing to hide: a time there is the timer's); and ``aside``, how many times longer the hop takes beside that work than alone,
-    the state arriving at once: from the scan's start until the successor holds the state (``departure``)
-    with the overlap, against its time after the in-chunk work without (1 where the file has no
-    departures). The rows with the side stream of the highest priority (as built), where the file has
-    them, else those of the default priority (rows without ``side_priority`` ran so), which ``priority``
-    names. Part :data:`OVERLAP`, ``date`` the file's."""
+    describes: per operator, tokens and direction (``fwd``, ``bwd``), ``hidden``, the GPU time of the in-chunk work
+    (what needs no scan result) over the direction's, the state arriving at once, without the overlap; and ``spin``,
+    how much slower that work runs beside a hop that spins through it (with the overlap, at the latest arrival,
+    against without) less one; neither where the in-chunk work is under :data:`MIN_HIDDEN` of the direction (nothing
+    to hide: a time there is the timer's); and ``aside``, how many times longer the hop takes beside that work than
+    alone, the state arriving at once: from the scan's start until the successor holds the state (``departure``)
+    with the overlap, against its time after the in-chunk work without (1 where the file has no departures). The
+    rows with the side stream of the highest priority (as built), where the file has them, else those of the default
+    priority (rows without ``side_priority`` ran so), which ``priority`` names. Part :data:`OVERLAP`, ``date`` the
+    file's."""
     meta = data.get("meta", {})
     if DEVICE not in meta.get("device", ""):
         return []

@@ -396,13 +396,13 @@ def all_scan_rounds_kernel(
     inside a node). Step s of ``table``: where it has a source, wait for call ``seq``'s tile of the map
     sent to it and compose it under this rank's map (``compose``: ``[E | t] <- t [E' | t'] + [E | 0]``,
     the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
-    it has a destination, send the map as it now is (after the acknowledgement of the previous call).
-    ``own`` may be ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every step
-    before the program takes its next tile, so a round's tile leaves as soon as the same tile of the
-    earlier rounds has arrived, instead of after the whole message. A tile's steps wait only for the same
-    tile of earlier steps on other ranks (or for the previous call), so no wait closes a cycle whatever
-    the number of programs. Each wait reports its own step's launch id (``who + s``). Same flags,
-    acknowledgements, bounded waits and poisoning as :func:`all_scan_hop_kernel`."""
+    it has a destination, send the map as it now is (after the acknowledgement of the previous call). ``own`` may be
+    ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every step
+    before the program takes its next tile, so a round's tile leaves as soon as the same tile of the earlier rounds
+    has arrived, instead of after the whole message. A tile's steps wait only for the same tile of earlier steps on
+    other ranks (or for the previous call), so no wait closes a cycle whatever the number of programs. Each wait
+    reports its own step's launch id (``who + s``). Same flags, acknowledgements, bounded waits and poisoning as
+    :func:`all_scan_hop_kernel`."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8

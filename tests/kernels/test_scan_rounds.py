@@ -67,8 +67,9 @@ def _gives_up(rank, world, seed):
     whos = [w.launch_id(("gives up", s), lambda s=s: (f"loop-back step {s}", (7, 8))) for s in range(3)]
     table = torch.tensor([(A, A, 0, C, -1, -1, 0, 0), (B, 0, A, 0, -1, -1, 1, 0), (E_, E_, 0, D, -1, -1, 0, 0)],
                          dtype=torch.int64, device=DEVICE)
-    for who in reversed(whos):
-        bounded = w.arguments(who, 0.2)
+    bounded = w.arguments(whos[0], 0.2)  # the kernel's: the first step's; each later step's limit for its report
+    for who in whos[1:]:
+        w.arguments(who, 0.2)
     own = torch.rand(N, K, V + 1, dtype=dtype, device=DEVICE)
     y = torch.zeros_like(own)
     scan_hop.all_scan_rounds(own, y, table, A, tiles, data, flags, watch=bounded)
@@ -77,7 +78,8 @@ def _gives_up(rank, world, seed):
     try:
         w.check()
     except ScanTimeoutError as e:
-        return str(e), bool(y.isnan().all()), bool(regions[3 * size:4 * size].view(dtype)[:N * K * (V + 1)].isnan().all())
+        sent = regions[3 * size:4 * size].view(dtype)[:N * K * (V + 1)]
+        return str(e), bool(y.isnan().all()), bool(sent.isnan().all())
     return None, False, False
 
 
