@@ -19,10 +19,10 @@ k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward
   ``kda/fla_piece.py``) with the exchange between ranks stubbed: forward = the constructor (the summary
   ``(E, M)``) + ``output(S_in)``; backward = ``entering_grad(do)`` + ``grads(D)``. First: ``S_in = 0``,
   ``D`` random; middle: both random; last: ``S_in`` random, ``D = 0`` (what the scan hands the piece:
-  a zero tensor, not None). ``piece middle, K1 apart``: the middle piece with Qt made by a kernel of its
-  own (K1) and read by K2, where the pieces form it inside K2. ``piece middle, one stream``: the middle
-  piece with its maps after fla's state pass on the current stream rather than beside it on a second one
-  (what the side stream buys).
+  a zero tensor, not None). ``piece middle, K1 inside K2``: the middle piece with Qt formed chunk by chunk
+  inside K2 (``fused_maps``), where the pieces make it with a kernel of its own (K1) that K2 reads.
+  ``piece middle, one stream``: the middle piece with its maps after fla's state pass on the current
+  stream rather than beside it on a second one (what the side stream buys).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
   operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
@@ -144,7 +144,7 @@ def fla_case(ops, x, backward, varlen=False):
 def piece_case(ops, x, where, backward, **built):
     """One ZeCO piece (``where``: first, middle or last) with the scans' results given; ``built``: the piece
     class's attributes changed from what is built (``side_stream=False``: its maps after fla's state pass on
-    one stream rather than beside it on a second; ``fused_maps=False``: K1 apart from K2)."""
+    one stream rather than beside it on a second; ``fused_maps=True``: K1 inside K2)."""
     S_in = torch.zeros_like(x["S"]) if where == "first" else x["S"]
     D = torch.zeros_like(x["D"]) if where == "last" else x["D"]
     inputs = [x[n] for n in NAMES]
@@ -238,8 +238,8 @@ def cases_for(args, ops, T, device):
             out.append(("H", f"piece {where}", direction, lambda b=bwd, w=where: piece_case(ops, x(), w, b)))
         out.append(("H", "piece middle, one stream", direction,
                     lambda b=bwd: piece_case(ops, x(), "middle", b, side_stream=False)))
-        out.append(("H", "piece middle, K1 apart", direction,
-                    lambda b=bwd: piece_case(ops, x(), "middle", b, fused_maps=False)))
+        out.append(("H", "piece middle, K1 inside K2", direction,
+                    lambda b=bwd: piece_case(ops, x(), "middle", b, fused_maps=True)))
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"

@@ -423,7 +423,7 @@ def test_shipped_calibration_data_are_the_result_files():
         assert copy["rows"] == source["rows"], f"{name}: the shipped rows differ from docs/results'"
         added = {k: v for k, v in copy["meta"].items() if k not in source["meta"]}
         assert {**source["meta"], **added} == copy["meta"], f"{name}: the shipped meta differs from docs/results'"
-        assert set(added) <= set(cm.META), f"{name}: meta adds {sorted(added)}"
+        assert set(added) <= {*cm.META, cm.PIECE_META}, f"{name}: meta adds {sorted(added)}"
         of_a_build = [r for r in cm.calibration_rows(source) if r["part"] in cm.PARTS and r.get("op", "gla") == "gla"]
         if of_a_build:  # rows of a build, not op times or overlap shares alone
             assert set(cm.META) <= set(copy["meta"]), f"{name}: meta says not all of {cm.META}"
@@ -625,7 +625,8 @@ def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
     as before."""
     cal = _calibration()
     files = {op: [json.loads((RESULTS / name).read_text(encoding="utf-8")) for name in names] for op, names in {
-        "gdn": ("profile-gdn-piece-h200x1-2026-11-26.json", "piece-gdn-h200x1-2026-11-28b.json"),
+        "gdn": ("profile-gdn-piece-h200x1-2026-11-26.json", "piece-gdn-h200x1-2026-11-28b.json",
+                "piece-gdn-h200x1-2026-11-30.json"),
         "kda": ("piece-kda-h200x1-2026-11-28.json",)}.items()}
     for op, datas in files.items():
         for T in (16384, 32768):
@@ -646,18 +647,26 @@ def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
 
 def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_add():
     """A delta rule's ZeCO piece adds to the layer its measured share of the one-GPU op: the mean GPU time of
-    the newest file's pieces (first, middle, last) over fla's op on the same tokens, forward + backward (an
-    older file times a piece since replaced); at the measured tokens nearest those projected; zeco and lasp2
-    pay it, a2a (fla's op on other heads) does not, and GLA has none."""
+    the newest file's pieces (first, middle, last; or the cases its shipped copy names, where the build
+    changed after the file was written) over fla's op on the same tokens, forward + backward (an older file
+    times a piece since replaced); at the measured tokens nearest those projected; zeco and lasp2 pay it, a2a
+    (fla's op on other heads) does not, and GLA has none."""
     cal = _calibration()
-    for op, name in (("gdn", "piece-gdn-h200x1-2026-11-28b.json"), ("kda", "piece-kda-h200x1-2026-11-28.json")):
-        rows = [r for r in json.loads((RESULTS / name).read_text(encoding="utf-8"))["rows"]
-                if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]
-        pieces = [r["gpu_ms"] for r in rows if r["case"] in ("piece first", "piece middle", "piece last")]
+    for op, name, cases in (("gdn", "piece-gdn-h200x1-2026-11-30.json", ("piece middle, K1 apart",)),
+                            ("kda", "piece-kda-h200x1-2026-11-28.json", cm.PIECE_CASES)):
+        shipped = json.loads((SHIPPED / name).read_text(encoding="utf-8"))
+        assert tuple(shipped["meta"].get(cm.PIECE_META, cm.PIECE_CASES)) == cases
+        rows = [r for r in shipped["rows"] if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]
+        pieces = [r["gpu_ms"] for r in rows if r["case"] in cases]
         (fla,) = [r["gpu_ms"] for r in rows if r["case"] == "fla"]
-        assert len(pieces) == 3
-        assert cal.piece_share[op][16384, 16, 128] == pytest.approx(sum(pieces) / 3 / fla - 1, rel=1e-12)
+        assert len(pieces) == len(cases)
+        assert cal.piece_share[op][16384, 16, 128] == pytest.approx(sum(pieces) / len(pieces) / fla - 1, rel=1e-12)
         assert 0 < cal.piece_share[op][16384, 16, 128] < 0.5
+    # the file as docs/results holds it: its "piece" cases timed the maps fused into K2, no longer built
+    data = json.loads((RESULTS / "piece-gdn-h200x1-2026-11-30.json").read_text(encoding="utf-8"))
+    assert cm.PIECE_META not in data["meta"]
+    fused = {r["share"] for r in cm.piece_rows("x", data) if r["tokens_per_gpu"] == 16384}
+    assert len(fused) == 1 and fused.pop() > cal.piece_share["gdn"][16384, 16, 128]
     # profile_piece.py's other piece cases (the one-stream variant) are not the piece as built
     data = json.loads((RESULTS / "piece-gdn-h200x1-2026-11-28b.json").read_text(encoding="utf-8"))
     variant = [dict(r, case="piece middle, one stream", gpu_ms=10 * r["gpu_ms"]) for r in data["rows"]
@@ -701,7 +710,11 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     assert 0.3 < hidden[0] < 0.6 and 0.3 < hidden[1] < 0.6  # GLA's in-chunk attention and gradients
     assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
-    assert gdn.hidden[1] == 0.0 and gdn.spin[1] == 0.0 and gdn.aside[1] == 1.0 and gdn.hidden[0] > 0.0
+    # the gated delta rule's, from its newest file: work beside the scan in both directions (before_grads)
+    (serial,) = [r for r in json.loads((RESULTS / "overlap-gdn-h200x1-2026-11-30.json").read_text(encoding="utf-8"))[
+        "rows"] if (r["mode"], r["arrival_us"]) == ("serial", 0)]
+    assert gdn.hidden[1] == pytest.approx(serial["bwd_local_ms"] / serial["bwd_ms"], rel=1e-12)
+    assert gdn.hidden[0] > 0.0 and gdn.hidden[1] > 0.1 and gdn.aside[1] > 1
     assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None)
     assert cm.overlap_shares(cal, cm.GLA, 16384, 128)[0][2] == "high"  # the side stream as built
     c = cm.Cluster()

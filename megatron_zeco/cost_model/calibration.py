@@ -37,6 +37,10 @@ PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op,
 OVERLAP = "overlap"  # the part of a piece's local work its scan can hide, as file_rows gives it (bench_overlap.py)
 MIN_HIDDEN = 0.01  # in-chunk work below this share of a direction counts as none (overlap_rows)
 PIECE_CASES = ("piece first", "piece middle", "piece last")  # profile_piece.py's cases of the piece as built
+# A profile_piece.py file's meta key naming the cases that time the piece as built now, where the build changed
+# after the file was written (its "piece" cases then timed another piece, one of its variants the current one);
+# only the shipped calibration copies add it
+PIECE_META = "piece_cases"
 DATA = "data"  # the package's folder of calibration data: copies of the result files that hold such rows
 _CHAIN = re.compile(r"all_scan(?: (\w+))? K=(\d+)$")
 
@@ -147,17 +151,19 @@ def op_time_rows(data: dict) -> list[dict]:
 def piece_rows(name: str, data: dict) -> list[dict]:
     """What a delta rule's ZeCO piece adds to one GPU's work, from ``profile_piece.py``'s rows on the device
     the model describes: per operator and tokens, the mean GPU time of its pieces (first, middle, last: the
-    exchange stubbed) over fla's op on the same tokens, forward + backward. Part :data:`PIECE`, ``share``
-    the piece's time over the op's less one, ``date`` the file's."""
+    exchange stubbed; the cases ``meta[PIECE_META]`` names where present) over fla's op on the same tokens,
+    forward + backward. Part :data:`PIECE`, ``share`` the piece's time over the op's less one, ``date`` the
+    file's."""
     meta = data.get("meta", {})
     if DEVICE not in meta.get("device", ""):
         return []
     rows = [r for r in data.get("rows", []) if r.get("part") == "profile" and r.get("direction") == "fwd+bwd"
             and r.get("op") in OPERATORS]
+    cases = tuple(meta.get(PIECE_META, PIECE_CASES))
     out = []
     for op, tokens in sorted({(r["op"], r["tokens"]) for r in rows}):
         fla = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"], r["case"]) == (op, tokens, "fla")]
-        pieces = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"]) == (op, tokens) and r["case"] in PIECE_CASES]
+        pieces = [r["gpu_ms"] for r in rows if (r["op"], r["tokens"]) == (op, tokens) and r["case"] in cases]
         if fla and pieces:
             share = (sum(pieces) / len(pieces)) / (sum(fla) / len(fla)) - 1
             out.append(dict(part=PIECE, op=op, tokens_per_gpu=tokens, heads=meta["heads"], dim=meta["dim"],

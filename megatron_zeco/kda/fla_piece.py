@@ -74,8 +74,9 @@ class FlaPiece(Piece):
     # the maps (K1..K3) on a second CUDA stream beside fla's state pass; False: after it, on the current stream
     # (benchmarks/profile_piece.py's one-stream case times what the second stream buys)
     side_stream = True
-    # K1 inside K2 (Qt never stored); False: K1 apart (profile_piece.py's "K1 apart" case times the two)
-    fused_maps = True
+    # K1 apart, Qt stored in R's dtype; True: K1 inside K2, Qt never stored (profile_piece.py's
+    # "K1 inside K2" case times the two)
+    fused_maps = False
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):

@@ -19,8 +19,9 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
                                   gate per head, or read: fla's KDA forward returns it)  grid (chunks, H)
     K2 ``delta_maps_kernel``      per sub-piece j from M = I: R_c = Qt_c M; M <- T_c M; L_j = M
                                   (M: a [K, BV] column block in float32 registers)      grid (K/BV, sub-pieces, H)
-                                  ``FUSED`` (the pieces' path, ``fused_maps``): K1 inside K2, Qt never
-                                  stored: R_c = scale (q_c * exp(G)) M - Aqk_c (w_c M)
+                                  ``FUSED`` (``fused_maps``): K1 inside K2, Qt never stored:
+                                  R_c = scale (q_c * exp(G)) M - Aqk_c (w_c M); the pieces run K1
+                                  apart (K2's sequential loop is shorter without Qt's two products)
     K3 ``delta_prefix_kernel``    P_j = L_{j-1} ... L_0 (P_0 = I), the segment's M       grid (K/BC, segments, H)
   after the scan delivered S_in:
     K4 ``delta_entering_kernel``  X_j = P_j S_in, the sub-piece's share of S_in          grid (V/BV, sub-pieces, H)
@@ -731,7 +732,7 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                      aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
                      precision: str = "tf32x3", block_cols: Optional[int] = None, block_rows: Optional[int] = None,
-                     fused: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+                     fused: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3, what the forward needs before the scan: ``R [B, T, H, K]``, ``P [sub-pieces, H, K, K]``
     and the segments' ``M [N, H, K, K]``. ``fused``: K1 inside K2 (:func:`fused_maps`, Qt never stored);
     else K1 apart, Qt kept in ``r_dtype`` as R is (a 16-bit Qt meets M on 16-bit tensor cores under
@@ -780,7 +781,7 @@ class PieceCorrection:
     """
 
     def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = True):
+                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False):
         self.plan = plan
         self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
         self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None

@@ -402,7 +402,7 @@ def fused_maps(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: S
 
 def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                      aqk: Optional[Tensor] = None, g_log2: bool = True, r_dtype: torch.dtype = torch.float32,
-                     precision: str = "tf32x3", fused: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
+                     precision: str = "tf32x3", fused: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     """K1..K3 in one call, what the forward needs before the scan: ``R``, ``P`` and the segments' ``M``
     (``fused``: Qt exact, as :func:`fused_maps`; else kept in ``r_dtype``, as R)."""
     if fused:
