@@ -54,8 +54,8 @@ from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Lin
                           hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 from ..comm.transport import Transport
 from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP, PARTS, PASS_UNITS,
-                          PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate, calibration_rows, default_rows, file_rows, load_rows,
-                          op_time_rows, overlap_rows, piece_rows)
+                          PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate, calibration_rows,
+                          default_rows, file_rows, load_rows, op_time_rows, overlap_rows, piece_rows)
 from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACTION, GDN, GLA, HBM_BANDWIDTH, KDA,
                     LAYOUTS, OPERATORS, REGIMES, SHAPES, STRATEGIES, Dense, Diagonal, Operator, Software, Workload,
                     best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases, hierarchical_time,
@@ -74,8 +74,8 @@ __all__ = [
     "layer_time", "scan_time",
     # the calibration
     "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP", "PARTS", "PASS_UNITS", "PIECE",
-    "PIECE_CASES", "PIECE_META", "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows", "file_rows", "load_rows",
-    "op_time_rows", "overlap_rows", "piece_rows",
+    "PIECE_CASES", "PIECE_META", "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows",
+    "file_rows", "load_rows", "op_time_rows", "overlap_rows", "piece_rows",
     # projections and the command line
     "Choice", "LayerShape", "main", "overlap_shares", "piece_share", "project", "projection_workload", "zeco_choices",
 ]
