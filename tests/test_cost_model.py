@@ -2,6 +2,7 @@
 scan shapes as built (hop counts and schedules against comm/), and the command line. No timing."""
 
 import ast
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -149,6 +150,32 @@ def test_slowest_hop_paces_the_pipeline():
         nv, ib = (link.time(w.state_bytes / K) for link in (c.intra, c.inter))
         pace = w.state_bytes / K / c.inter.bandwidth
         assert cm.chain_time(w, c, FREE, K) == pytest.approx(9 * nv + 2 * ib + (K - 1) * pace, rel=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_rounds_between_nodes_share_their_senders_link(layout):
+    """Diagonal maps over the device transports go through the rounds and into the next node tile by tile
+    in one launch, so a rank's messages between nodes of those phases travel at once, all through its one
+    link: from the end of A to the end of C a scan takes at least the busiest such rank's bytes over the
+    link's bandwidth; with every tile's path counted and the pipeline drained at that pace, no more than
+    that plus each step's cost."""
+    c = cm.Cluster()
+    sw = dataclasses.replace(FREE, transport="nvshmem")
+    for P in (64, 256, 1024):
+        w = workload(P, layout)
+        for reverse in (False, True):
+            steps = cm.hierarchical_steps(P, layout, c.gpus_per_node, reverse, True)
+            sends = collections.Counter(a for step in steps for a, b, _, phase in step
+                                        if phase in "BC" and a // 8 != b // 8)
+            busiest = max(sends.values())
+            assert busiest >= 2  # a round and the send into the next node at least
+            depth = sum(1 for step in steps if step[0][3] in "BC")
+            for K in (1, 4, 8):
+                phases = cm.hierarchical_phases(w, c, sw, K, reverse)
+                floor = busiest * w.map_bytes / c.inter.bandwidth
+                assert phases["C"] - phases["A"] >= floor * (1 - 1e-12), (P, K, reverse)
+                assert phases["C"] - phases["A"] <= floor + depth * (c.inter.latency + sw.hop + w.map_bytes / K
+                                                                     / c.inter.bandwidth) * (1 + 1e-12), (P, K)
 
 
 @functools.lru_cache(maxsize=1)

@@ -4,6 +4,7 @@ costs of an implementation beyond the wire (:class:`Software`). The equations ar
 package's docstring and set out in ``docs/scaling.md``."""
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps
@@ -253,7 +254,12 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
 
     drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
     if "C" in piped:
-        drain["C"] = (K - 1) * max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))
+        # B and C tile by tile in one launch: a rank's rounds and its send into the next node run at once,
+        # so the pipeline's pace is that of the rank sending most between nodes, every tile of its messages
+        # through its one link (and its composes, and its messages' costs, one after another)
+        busiest = max(Counter(a for step in steps for a, b, _, phase in step
+                              if phase in ("B", "C") and a // c.gpus_per_node != b // c.gpus_per_node).values(), default=1)
+        drain["C"] = (K - 1) * busiest * max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))
     return steps, cost, drain
 
 

@@ -157,6 +157,10 @@ MUTATIONS = [
     Mutation("fused-maps-in-chunk-decay-reversed", "megatron_zeco/kernels/delta_correction.py",
              "_exp(b_gq[:, None] - b_gq[None, :], G_LOG2)", "_exp(b_gq[None, :] - b_gq[:, None], G_LOG2)",
              "K2 from the queries decays q_i k_j^T by exp(G_j - G_i) (a gate per head), not exp(G_i - G_j)"),
+    Mutation("rounds-share-no-link", "megatron_zeco/cost_model/model.py",
+             'drain["C"] = (K - 1) * busiest * max(', 'drain["C"] = (K - 1) * max(',
+             "the cost model lets a rank's rounds between nodes and its send into the next node, tile by tile "
+             "in one launch, each have its link to itself"),
     Mutation("kda-decay-without-exp", "megatron_zeco/kda/layer.py",
              "g = -self.A_log.to(fp).exp().unsqueeze(-1) * F.softplus(",
              "g = -self.A_log.to(fp).unsqueeze(-1) * F.softplus(",
