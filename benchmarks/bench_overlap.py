@@ -21,7 +21,10 @@ that waits:
 * ``overlap``: the waiting hop on the side stream on ``ASIDE_PROGRAMS`` programs (``--aside-programs``), the
   in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default: the
   side stream of the highest priority, ``--side-priority normal`` for the default one; a direction whose
-  piece has no such work runs as ``serial``, as built too).
+  piece has no such work runs as ``serial``, as built too);
+* ``after`` (with ``--after``): the in-chunk work, then the waiting hop on the side stream on
+  ``ASIDE_PROGRAMS`` programs: the hop on as few programs as beside the work, but alone, so that against
+  ``serial`` and ``overlap`` it tells what the program count costs the hop from what the work beside it does.
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
@@ -61,6 +64,8 @@ def parse_args(argv=None):
                    help="programs of the hops on the side stream (default: as built, comm/peer.py)")
     p.add_argument("--side-priority", choices=["high", "normal"], default="high",
                    help="the side stream's priority (high: as built, cp/scan.py: scan_stream)")
+    p.add_argument("--after", action="store_true",
+                   help="also time mode 'after': the hop on the side stream's programs after the in-chunk work")
     p.add_argument("--out", default="results/overlap.json")
     return p.parse_args(argv)
 
@@ -195,6 +200,7 @@ def run_case(op, T, args, cycles_per_ms, device):
             link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=link.aside_programs)
             left[1].record()
         aside = mode == "overlap" and local is not None  # as built: with nothing to hide, nothing goes aside
+        after = mode == "after" and local is not None
         if aside:
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -204,6 +210,11 @@ def run_case(op, T, args, cycles_per_ms, device):
             local()
         events[1].record()
         if aside:
+            main.wait_stream(side)
+        elif after:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                link.hop(transition, delta, out, programs=link.aside_programs)
             main.wait_stream(side)
         else:
             link.hop(transition, delta, out)
@@ -240,7 +251,8 @@ def run_case(op, T, args, cycles_per_ms, device):
                             for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")},
               prime=True)
     # the link delivers: what arrived is the predecessor's map applied to its entering state
-    for mode in ("serial", "overlap"):
+    modes = ("serial", "overlap") + (("after",) if args.after else ())
+    for mode in modes:
         S_in.fill_(float("nan"))
         scan(mode, 0, trans, E, S_in, lambda: None, *([torch.cuda.Event(), torch.cuda.Event()] for _ in range(2)))
         torch.cuda.synchronize()
@@ -251,7 +263,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     print(f"{op} T={T}: the link delivers; timing", flush=True)
     rows = []
     for arrival in args.arrival:
-        for mode in ("serial", "overlap"):
+        for mode in modes:
             ev = {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                   for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")}
             for _ in range(args.warmup):
