@@ -257,8 +257,9 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
         # B and C tile by tile in one launch: a rank's rounds and its send into the next node run at once,
         # so the pipeline's pace is that of the rank sending most between nodes, every tile of its messages
         # through its one link (and its composes, and its messages' costs, one after another)
+        node = c.gpus_per_node
         busiest = max(Counter(a for step in steps for a, b, _, phase in step
-                              if phase in ("B", "C") and a // c.gpus_per_node != b // c.gpus_per_node).values(), default=1)
+                              if phase in ("B", "C") and a // node != b // node).values(), default=1)
         drain["C"] = (K - 1) * busiest * max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))
     return steps, cost, drain
 
