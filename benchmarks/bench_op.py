@@ -128,8 +128,10 @@ def parse_args():
         args.parts = ["op"] if args.op != "gla" else ["op", "scan", "accuracy", "packed"]
     if args.op != "gla" and set(args.parts) != {"op"}:
         p.error(f"--op {args.op} times part op only: add --parts op")
-    if args.op != "gla" and not set(args.strategies) <= {"fla-cp", "zeco", "lasp2", "a2a"} | {f"zeco@{t}" for t in TRANSPORTS}:
-        p.error(f"--op {args.op}: --strategies from fla-cp, zeco, zeco@<transport>, lasp2, a2a")
+    delta_rows = {"fla-cp", "lasp2", "a2a"} | {f"zeco{o}{t}" for o in ("", "+overlap", "-overlap")
+                                               for t in ("", *(f"@{t}" for t in TRANSPORTS))}
+    if args.op != "gla" and not set(args.strategies) <= delta_rows:
+        p.error(f"--op {args.op}: --strategies from fla-cp, zeco[+overlap|-overlap][@<transport>], lasp2, a2a")
     if args.op == "gla" and "fla-cp" in args.strategies:
         p.error("fla-cp: fla's context parallelism is timed for --op gdn and kda")
     return args
@@ -247,8 +249,8 @@ def op_fn(x, strategy, group, layout, cu_seqlens=None, per_document=False, op="g
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_op
     zeco_op = {"gla": zeco_gla, "gdn": zeco_gated_delta_rule, "kda": zeco_kda}[op]
     kw = {} if strategy == "fla-cp" else options(strategy)
-    if op != "gla":  # the delta rules' operators have no side stream or piece split
-        kw = {k: v for k, v in kw.items() if k in ("strategy", "transport")}
+    if op != "gla":  # the delta rules' operators have no piece split
+        kw = {k: v for k, v in kw.items() if k in ("strategy", "transport", "overlap")}
     if strategy == "fla-cp":  # this rank's tokens of one sequence over the group, as fla lays them out
         from fla.ops.cp import build_cp_context
 

@@ -53,6 +53,7 @@ def zeco_gated_delta_rule(
     per_document: bool = False,
     num_blocks: int = 1,
     transport: str = "auto",
+    overlap: Optional[bool] = None,
     validate: bool = True,
     name: str = "zeco_gated_delta_rule",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -84,6 +85,8 @@ def zeco_gated_delta_rule(
         transport: ``zeco`` only: ``send_recv`` (the group's point-to-point messages), ``peer_memory``
             (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``: the dense hop kernel;
             ``auto``: what ``cp.config.RULES["gated_delta_rule"]`` says.
+        overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local work
+            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what ``cp.config.RULES`` says for this operator (off).
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective), at the first call of each group,
             knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan
@@ -95,5 +98,5 @@ def zeco_gated_delta_rule(
         (float64 for float64 inputs) on every rank, or None.
     """
     args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
-    knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport)
+    knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport, overlap=overlap)
     return call_operator(GATED_DELTA_RULE, knobs, args, group, validate, name)

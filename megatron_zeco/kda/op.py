@@ -48,6 +48,7 @@ def zeco_kda(
     per_document: bool = False,
     num_blocks: int = 1,
     transport: str = "auto",
+    overlap: Optional[bool] = None,
     validate: bool = True,
     name: str = "zeco_kda",
 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -76,6 +77,8 @@ def zeco_kda(
         num_blocks: ``zeco`` only: blocks of value columns (a divisor of V) the All-Scan pipelines.
         transport: ``zeco`` only: ``send_recv``, ``peer_memory`` or ``nvshmem`` (the dense hop
             kernel); ``auto``: what ``cp.config.RULES["kda"]`` says.
+        overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local work
+            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what ``cp.config.RULES`` says for this operator (off).
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective), at the first call of each group,
             knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan
@@ -87,5 +90,5 @@ def zeco_kda(
         (float64 for float64 inputs) on every rank, or None.
     """
     args = Arguments((q, k, v, g, beta), initial_state, output_final_state, cu_seqlens, per_document, scale)
-    knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport)
+    knobs = dict(strategy=strategy, layout=layout, num_blocks=num_blocks, transport=transport, overlap=overlap)
     return call_operator(KDA, knobs, args, group, validate, name)
