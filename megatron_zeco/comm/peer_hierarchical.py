@@ -44,6 +44,7 @@ from .hierarchical import Walk
 from .nodes import group_nodes
 from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles_per_state
 from .shape import fan_steps
+from .shape import lanes as shape_lanes
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
 from .transport import Transport
@@ -51,7 +52,8 @@ from .watch import watch
 
 Tensor = torch.Tensor
 
-# The regions of one direction, per local slot: phase A's chain; per round of B, the maps received and sent;
+# The regions of one direction, per local slot: phase A's chain; a lane's part of its segment's map, received
+# and sent (one region for all the leader's lanes: their tiles are apart); per round of B, the maps received and sent;
 # C's state into the next segment, received and sent; per step of the binomial tree inside a segment, the
 # same. (Role, index) -> position: _roles.
 _SEND, _RECEIVE = "send", "receive"
@@ -61,7 +63,8 @@ class _Hop(NamedTuple):
     """One launch of a rank's part of the scan, or a step it does alone.
 
     ``kind``: ``prefix`` (phase A: the pieces at walk indices ``at``, one or two in a row on this rank),
-    ``send`` (a map passed on unchanged), ``compose`` (a map received and composed into the map of segment
+    ``send`` (a map passed on unchanged), ``lane`` (a lane's part of segment ``segment``'s map, from its
+    leader), ``compose`` (a map received and composed into the map of segment
     ``segment``), ``receive`` (the map whose state enters segment ``segment``); with no peer, ``keep`` and
     ``fold`` (B between two segments this rank leads) and ``carry`` (C into a segment this rank starts).
     ``regions``: ``(here, sent, src, dst)`` addresses (0 where unused); ``peers``: the group ranks it may
@@ -78,6 +81,7 @@ class _Hop(NamedTuple):
     what: str = "map"
     carries: str = ""
     steps: Tuple["_Hop", ...] = ()  # ``rounds``: the launches it stands for, in order
+    lane: Optional[Tuple[int, int]] = None  # ``(g, L)``: only lane g's states (of L lanes); None: every state
 
     @property
     def waits(self) -> bool:
@@ -91,7 +95,8 @@ def messages(plan: Sequence[_Hop]) -> List[_Hop]:
 
 
 def _roles(rounds: int, steps: int) -> List[Tuple[str, int]]:
-    return ([("A", 0)] + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
+    return ([("A", 0)] + [(f"lane {way}", 0) for way in (_RECEIVE, _SEND)]
+            + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
             + [(f"C {way}", 0) for way in (_RECEIVE, _SEND)]
             + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)])
 
@@ -156,48 +161,70 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                               region(src, "A", 0, seg.slot(a - 1)) if src is not None else 0,
                               region(dst, "A", 0, seg.slot(b + 1)) if dst is not None else 0),
                              (src, dst), f"the prefix map entering piece step {a}", carries="A"))
-    # B: Kogge-Stone over the maps of the segments but the last, among their leaders (a map between two
-    # segments this rank leads stays here: ``keep``, then ``fold``)
-    led = [j for j in range(M - 1) if walk.leader(j) == me]
+    # B: Kogge-Stone over the maps of the segments but the last, in lanes (comm.shape.lanes): the leader
+    # hands lane g of its segment its part of the map, then lane g's ranks run the rounds among themselves
+    # (a map between two segments one rank holds the lane of stays here: ``keep``, then ``fold``)
+    lanes = shape_lanes([seg.ranks(j) for j in range(M)])
+    L = len(lanes[0])
+    part = (lambda g: None) if L == 1 else (lambda g: (g, L))  # noqa: E731
     none = (0, 0, 0, 0)
-    for r in range(walk.rounds):
-        d = 1 << r
-        for j in led:
-            if j + d >= M - 1:
-                continue
-            to, label = walk.leader(j + d), f"segment {j}'s map to segment {j + d}'s leader (round {r})"
-            if to == me:
-                hops.append(_Hop("keep", j, (j + d,), none, (None, None), label))
-                continue
-            here = region(me, f"B {_SEND}", r, seg.slot(seg.last(j)))
-            into = region(to, f"B {_RECEIVE}", r, seg.slot(seg.last(j + d)))
-            hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B"))
-        for j in led:
-            if j < d:
-                continue
-            frm, label = walk.leader(j - d), f"segment {j - d}'s map into segment {j}'s (round {r})"
-            if frm == me:
-                hops.append(_Hop("fold", j, (), none, (None, None), label))
-                continue
-            here = region(me, f"B {_RECEIVE}", r, seg.slot(seg.last(j)))
-            out = region(frm, f"B {_SEND}", r, seg.slot(seg.last(j - d)))
-            hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label))
-    # C: the state leaving segment j (its map) to the first rank of segment j + 1, then inside that
-    # segment in a binomial tree
     for way in (_SEND, _RECEIVE):
         for j in range(M - 1):
-            leader, first = walk.leader(j), walk.rank(seg.first(j + 1))
-            label = f"the state entering segment {j + 1}"
-            if leader == first:
+            leader = lanes[j][0]
+            for g in range(1, L):
+                to, label = lanes[j][g], f"lane {g}'s part of segment {j}'s map, from its leader"
+                here = region(leader, f"lane {_SEND}", 0, seg.slot_of(j, leader))
+                into = region(to, f"lane {_RECEIVE}", 0, seg.slot_of(j, to))
                 if way == _SEND and leader == me:
-                    hops.append(_Hop("carry", j, (), none, (None, None), label))
-                continue
-            out = region(leader, f"C {_SEND}", 0, seg.slot(seg.last(j)))
-            into = region(first, f"C {_RECEIVE}", 0, seg.slot(seg.first(j + 1)))
-            if way == _SEND and leader == me:
-                hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, carries="C"))
-            elif way == _RECEIVE and first == me:
-                hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (leader, None), label))
+                    hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B", lane=part(g)))
+                elif way == _RECEIVE and to == me:
+                    hops.append(_Hop("lane", j, (), (into, 0, here, 0), (leader, None), label, lane=part(g)))
+    for r in range(walk.rounds):
+        d = 1 << r
+        for g in range(L):
+            for j in range(M - 1 - d):
+                if lanes[j][g] != me:
+                    continue
+                to = lanes[j + d][g]
+                label = f"segment {j}'s map to segment {j + d}'s lane {g} (round {r})" if L > 1 else \
+                    f"segment {j}'s map to segment {j + d}'s leader (round {r})"
+                if to == me:
+                    hops.append(_Hop("keep", j, (j + d,), none, (None, None), label, lane=part(g)))
+                    continue
+                here = region(me, f"B {_SEND}", r, seg.slot_of(j, me))
+                into = region(to, f"B {_RECEIVE}", r, seg.slot_of(j + d, to))
+                hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B", lane=part(g)))
+        for g in range(L):
+            for j in range(d, M - 1):
+                if lanes[j][g] != me:
+                    continue
+                frm = lanes[j - d][g]
+                label = f"segment {j - d}'s map into segment {j}'s (round {r}{f', lane {g}' if L > 1 else ''})"
+                if frm == me:
+                    hops.append(_Hop("fold", j, (), none, (None, None), label, lane=part(g)))
+                    continue
+                here = region(me, f"B {_RECEIVE}", r, seg.slot_of(j, me))
+                out = region(frm, f"B {_SEND}", r, seg.slot_of(j - d, frm))
+                hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label, lane=part(g)))
+    # C: the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part (into one
+    # region: the lanes' tiles are apart), then inside that segment in a binomial tree
+    for way in (_SEND, _RECEIVE):
+        for j in range(M - 1):
+            first = walk.rank(seg.first(j + 1))
+            for g in range(L):
+                src = lanes[j][g]
+                label = f"the state entering segment {j + 1}" + (f" (lane {g})" if L > 1 else "")
+                if src == first:
+                    if way == _SEND and src == me:
+                        hops.append(_Hop("carry", j, (), none, (None, None), label, lane=part(g)))
+                    continue
+                out = region(src, f"C {_SEND}", 0, seg.slot_of(j, src))
+                into = region(first, f"C {_RECEIVE}", 0, seg.slot_of(j + 1, first))
+                if way == _SEND and src == me:
+                    hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, carries="C",
+                                     lane=part(g)))
+                elif way == _RECEIVE and first == me:
+                    hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (src, None), label, lane=part(g)))
     steps = max((fan_steps(len(seg.ranks(j))) for j in range(1, M)), default=0)
     for s in range(steps):
         for way in (_SEND, _RECEIVE):
@@ -218,22 +245,24 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
 
 def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
     """``hops`` with each send of a segment's map (B, and C's into the next segment) made by the launch that
-    made that map on this rank (the prefix hop ending the segment, or the round's compose), where that
-    launch sends nothing else: one launch fewer, and the map leaves tile by tile as it is made. The send
+    made that map on this rank (the prefix hop ending the segment, the round's compose, or the receive of a
+    lane's part from the leader), where that launch sends nothing else and moves the same states (lane):
+    one launch fewer, and the map leaves tile by tile as it is made. The send
     then goes out earlier in the rank's issue order, never later, and every launch still waits only for what
     launches of earlier steps send, so no wait closes a cycle."""
     out: List[_Hop] = []
     maker: Dict[int, Optional[int]] = {}  # segment -> position in out of the launch that made its map last
     for hop in hops:
         n = maker.get(hop.segment)
-        if hop.kind == "send" and hop.what == "map" and n is not None and out[n].regions[3] == 0:
+        if hop.kind == "send" and hop.what == "map" and n is not None and out[n].regions[3] == 0 \
+                and out[n].lane == hop.lane:
             here, _, src, _ = out[n].regions
             out[n] = out[n]._replace(regions=(here, hop.regions[1], src, hop.regions[3]),
                                      peers=(out[n].peers[0], hop.peers[1]), carries=hop.carries,
                                      label=f"{out[n].label}; then {hop.label}")
             continue
         out.append(hop)
-        if hop.kind == "compose" or (hop.kind == "prefix" and hop.at[-1] == walk.segments[hop.segment][-1]):
+        if hop.kind in ("compose", "lane") or (hop.kind == "prefix" and hop.at[-1] == walk.segments[hop.segment][-1]):
             maker[hop.segment] = len(out) - 1
         elif hop.kind == "fold":  # made by a local product: sent by a launch of its own
             maker[hop.segment] = None
@@ -248,11 +277,11 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
     same tile of the earlier steps has arrived, where launches one per step would each wait for the whole
     of the previous one. The steps keep their order, so a rank's sends still come before its receives of
     a later step; a segment whose map is kept for another (``keep``, ``fold``) breaks the run."""
-    def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on, where a run may hold it
+    def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on (and its lane), where a run may hold it
         if hop.kind in ("compose", "send") and hop.what == "map":
-            return ("map", hop.segment)
+            return ("map", hop.segment, hop.lane)
         if hop.kind == "receive" or (hop.kind == "send" and hop.what == "entering"):
-            return ("entering", hop.segment)
+            return ("entering", hop.segment, hop.lane)
         return None
 
     out: List[_Hop] = []
@@ -264,7 +293,7 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
             out[-1] = _Hop("rounds", hop.segment, (), steps[0].regions,
                            (next((h.peers[0] for h in steps if h.peers[0] is not None), None),
                             next((h.peers[1] for h in steps if h.peers[1] is not None), None)),
-                           "; ".join(h.label for h in steps), steps[0].what, hop.carries, steps)
+                           "; ".join(h.label for h in steps), steps[0].what, hop.carries, steps, hop.lane)
             continue
         out.append(hop)
     return out
@@ -450,6 +479,12 @@ class _Run:
             return self.kind.pack(identity(), self.init).contiguous()
         return self.ch.constant("[0 | I]", lambda: self.kind.pack(identity(), self.like.new_zeros(N, K, V)), N)
 
+    def _entering(self, j: int) -> Tensor:
+        """The map whose state enters segment j, its lanes' parts written in as they come."""
+        if j not in self.states:
+            self.states[j] = self._map()
+        return self.states[j]
+
     def _compose_local(self, later: Tensor, earlier: Tensor) -> Tensor:
         t2, e2 = self.kind.unpack(later, self.V)
         t1, e1 = self.kind.unpack(earlier, self.V)
@@ -482,14 +517,23 @@ class _Run:
             self.maps[hop.segment] = self._compose_local(self.maps[hop.segment], self.earlier.pop(hop.segment))
             return
         if hop.kind == "carry":  # C: the next segment starts on this rank
-            self.states[hop.segment + 1] = self.maps[hop.segment]
+            if hop.lane is None:
+                self.states[hop.segment + 1] = self.maps[hop.segment]
+            else:  # this lane's part of it
+                g, L = hop.lane
+                self._entering(hop.segment + 1)[g::L].copy_(self.maps[hop.segment][g::L])
             return
         if hop.kind == "send":  # a segment's map (B, C), or the one whose state enters it (C, the tree)
             x = self.maps[hop.segment] if hop.what == "map" else self.states[hop.segment]
             self._launch(n, hop, side, x, ([x], [x], [x]), None)
             return
-        if hop.kind == "receive":
+        if hop.kind == "lane":  # this rank's lane of the segment's map, from its leader
             into = self._map()
+            self._launch(n, hop, side, None, ([into], [into], [into]), None)
+            self.maps[hop.segment] = into
+            return
+        if hop.kind == "receive":  # the state entering the segment (a lane's part of it: into the same map)
+            into = self._map() if hop.lane is None else self._entering(hop.segment)
             self._launch(n, hop, side, None, ([into], [into], [into]), None)
             self.states[hop.segment] = into
             return
@@ -544,7 +588,7 @@ class _Run:
         row strides and the deltas' ``(dim-0 stride, row stride, columns)`` (None: a pass-through hop, which
         reads neither). Sends and receives pass their map through unchanged."""
         gammas, deltas, s_ins = operands
-        pass_through = hop.kind in ("send", "receive")
+        pass_through = hop.kind in ("send", "receive", "lane")
         ch, route, reverse = self.ch, self.route, self.reverse
         dense = ch.dense
         W = ch.width
@@ -562,7 +606,7 @@ class _Run:
         kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, t_stride, self.K * W,
                ch.tiles, ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst,
                watch=bounded, pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,
-               pass_through=pass_through, delta_layout=delta_layout, **rows)
+               pass_through=pass_through, delta_layout=delta_layout, lane=hop.lane or (0, 1), **rows)
         inject.delay(deltas[0].device)
 
     def _launch_rounds(self, n: int, hop: _Hop, side: bool, own: Tensor, y: Tensor) -> None:
@@ -580,7 +624,7 @@ class _Run:
         inject.delay(own.device)  # test hook: no-op unless a stress test sets delays
         self.scan_hop.all_scan_rounds(own, y, ch.tables[reverse, n], hop.steps[0].regions[0], ch.tiles, ch.data,
                                       ch.flags, watch=bounded, nvshmem=ch.nvshmem,
-                                      programs=ASIDE_PROGRAMS if side else None)
+                                      programs=ASIDE_PROGRAMS if side else None, lane=hop.lane or (0, 1))
         inject.delay(own.device)
 
 

@@ -95,7 +95,10 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run). ``tree``: as
     ``comm.peer_hierarchical`` sends them over the device transports, where a run's first rank passes
     the state on inside its run in a binomial tree (a step per doubling) instead of to every other rank
-    at once."""
+    at once, and B and C go in lanes (:func:`lanes`): the leader hands each of its run's other lane ranks
+    its lane's part of the map (phase B's first step, inside the node), each lane runs the rounds between
+    its ranks, and each lane's part of the state leaving a run goes to the first rank of the next; a lane's
+    message is ``what`` + ``/L`` (``"map/8"``: the states of one lane of 8, :func:`message_share`)."""
     node = _node_of(nodes)
     ranks = walk_ranks(P, layout)
     if reverse:
@@ -111,22 +114,48 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
         steps.append(tuple((ranks[s[t]], ranks[s[t + 1]], "map", "A") for s in segments
                            if t + 1 < len(s) and ranks[s[t]] != ranks[s[t + 1]]))
     M = len(segments)
-    leader = [ranks[s[-1]] for s in segments]
+    holders = [list(dict.fromkeys(ranks[i] for i in segments[j])) for j in range(M)]  # first rank first
+    lane = lanes(holders) if tree else [[ranks[s[-1]]] for s in segments]
+    L = len(lane[0])
+    part = (lambda what: what) if L == 1 else (lambda what: f"{what}/{L}")  # noqa: E731
     first = [ranks[s[0]] for s in segments]
+    if L > 1:  # the leader hands each lane its part of the map
+        steps.append(tuple((lane[j][0], lane[j][g], part("map"), "B") for j in range(M - 1) for g in range(1, L)))
     for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
         d = 1 << r
-        steps.append(tuple((leader[j], leader[j + d], "map", "B") for j in range(M - 1 - d)
-                           if leader[j] != leader[j + d]))
-    steps.append(tuple((leader[j], first[j + 1], "state", "C") for j in range(M - 1) if leader[j] != first[j + 1]))
+        steps.append(tuple((lane[j][g], lane[j + d][g], part("map"), "B") for g in range(L) for j in range(M - 1 - d)
+                           if lane[j][g] != lane[j + d][g]))
+    steps.append(tuple((lane[j][g], first[j + 1], part("state"), "C") for j in range(M - 1) for g in range(L)
+                       if lane[j][g] != first[j + 1]))
     if not tree:
         steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
                            for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
         return tuple(step for step in steps if step)
-    holders = [list(dict.fromkeys(ranks[i] for i in segments[j])) for j in range(M)]  # first rank first
     for s in range(max((fan_steps(len(h)) for h in holders[1:]), default=0)):
         d = 1 << s
         steps.append(tuple((h[k], h[k + d], "state", "C") for h in holders[1:] for k in range(min(d, len(h) - d))))
     return tuple(step for step in steps if step)
+
+
+def lanes(holders: Sequence[Sequence[int]]) -> list:
+    """Each segment's lanes over the device transports: ``holders`` each segment's distinct ranks in walk
+    order (its leader, the rank of its last piece, last). A segment's map composes state by state, so its
+    states can go through B and C in L parts, each on ranks of its own: lane g of a segment is its leader
+    (g = 0), then its other ranks in walk order; L is the fewest ranks of a segment whose map goes on (all
+    but the last), so that lane g meets lane g in every segment. Lane g holds states g, g + L, ...: each
+    link between nodes carries 1/L of every map, where one leader would carry it all. L = 1 (one lane, the
+    leader's) where a segment has one rank, or there is one segment."""
+    if len(holders) < 2:
+        return [[h[-1]] for h in holders]
+    L = min(len(h) for h in holders[:-1])
+    return [([h[-1]] + [r for r in h if r != h[-1]])[:L] for h in holders]
+
+
+def message_share(what: str) -> tuple:
+    """``(kind, L)`` of a message of :func:`hierarchical_steps`: ``"map"`` -> ``("map", 1)``, a lane's part
+    ``"map/8"`` -> ``("map", 8)`` (the states of one lane of 8)."""
+    kind, _, L = what.partition("/")
+    return kind, int(L) if L else 1
 
 
 def fan_steps(n: int) -> int:

@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, replace
 
-from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps
+from ..comm.shape import TRANSPORTS, Cluster, chain_hops, critical_path, hierarchical_steps, message_share
 from ..comm.transport import Transport
 from ..cp.config import RULES
 
@@ -247,20 +247,33 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device)
     piped = {"A", "B", "C"} if device and w.op.transition.tiled_rounds else {"A"}
 
+    def share(what):  # the part of a map or state a message carries: a lane's states (comm.shape.lanes)
+        kind, lanes = message_share(what)
+        return kind, math.ceil(w.heads / lanes) / w.heads
+
     def cost(a, b, what, phase):
-        nbytes, combine = (w.map_bytes, w.compose_time()) if what == "map" else (w.state_bytes, w.apply_time())
+        kind, part = share(what)
+        nbytes, combine = (w.map_bytes, w.compose_time()) if kind == "map" else (w.state_bytes, w.apply_time())
         blocks = K if phase in piped else 1
-        return sw.hop + combine / blocks + c.link(a, b).time(nbytes / blocks)
+        return sw.hop + part * combine / blocks + c.link(a, b).time(part * nbytes / blocks)
 
     drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
     if "C" in piped:
         # B and C tile by tile in one launch: a rank's rounds and its send into the next node run at once,
-        # so the pipeline's pace is that of the rank sending most between nodes, every tile of its messages
-        # through its one link (and its composes, and its messages' costs, one after another)
+        # so the pipeline's pace is that of the rank moving most between nodes, every tile of its messages
+        # through its one link (and its composes, and its messages' costs, one after another), sending or
+        # receiving (C's lanes all into the next segment's first rank)
         node = c.gpus_per_node
-        busiest = max(Counter(a for step in steps for a, b, _, phase in step
-                              if phase in ("B", "C") and a // node != b // node).values(), default=1)
-        drain["C"] = (K - 1) * busiest * max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))
+        load = Counter()
+        for step in steps:
+            for a, b, what, phase in step:
+                if phase in ("B", "C") and a // node != b // node:
+                    part = share(what)[1]
+                    tile = max(sw.message, part * w.map_bytes / K / c.inter.bandwidth, part * w.compose_time(K))
+                    load[a, "out"] += tile
+                    load[b, "in"] += tile
+        one = max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))  # a whole map's tile
+        drain["C"] = (K - 1) * max(load.values(), default=one)
     return steps, cost, drain
 
 

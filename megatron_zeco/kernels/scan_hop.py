@@ -199,6 +199,13 @@ def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.cons
 
 
 @triton.jit
+def _lane_tile(t, LANE, LANES, TILES: tl.constexpr):
+    """The ``t``-th tile of lane ``LANE`` of ``LANES``: the lane holds states ``LANE``, ``LANE + LANES``, ...
+    (every state with one lane: ``LANES`` 1), all of their tiles."""
+    return (LANE + LANES * (t // TILES)) * TILES + t % TILES
+
+
+@triton.jit
 def _tile(tile, here, TILES: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr):
     """Tile ``tile``'s state ``i_n`` and row tile ``i_b``, its call counter in region ``here`` and this
     call's sequence number."""
@@ -245,7 +252,8 @@ def all_scan_hop_kernel(
     INNER: tl.constexpr,  # states per entry of dim 0
     K: tl.constexpr, V: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr,  # bytes of a region's receive buffer and of its flag array
-    NT, TILES: tl.constexpr,  # tiles in all (N states x TILES), row tiles per state
+    NT, TILES: tl.constexpr,  # tiles of the lane (its states x TILES), row tiles per state
+    LANE, LANES,  # the lane whose states the launch moves (_lane_tile)
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits (_wait_at_least): addresses, limit, launch id
@@ -257,7 +265,8 @@ def all_scan_hop_kernel(
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
     if HAS_DST:
         out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
-    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(t, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         if HAS_SRC:  # the previous rank's tile has arrived in this region
             _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
@@ -386,7 +395,7 @@ def all_scan_rounds_kernel(
     table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, compose, 0); 0 where unused
     counters,  # address of the region whose call counters the launch keeps
     K: tl.constexpr, W: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
-    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, STEPS: tl.constexpr,
+    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LANE, LANES, STEPS: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
     COPY: tl.constexpr,  # own is not y_out: each tile starts as own's
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
@@ -406,7 +415,8 @@ def all_scan_rounds_kernel(
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
-    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(t, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, counters, TILES, DATA, FLAGS)
         if COPY:
             for r in range(0, ROWS, BR):
@@ -476,7 +486,7 @@ def all_scan_dense_hop_kernel(
     M_ROW,  # M's row stride (K; a map's transition part: the map's row stride)
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     COLS: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
-    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr,
+    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LANE, LANES,
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
     watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
@@ -494,7 +504,8 @@ def all_scan_dense_hop_kernel(
     cc = tl.arange(0, BC)
     if HAS_DST:
         out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
-    for tile in range(tl.program_id(0), NT, tl.num_programs(0)):
+    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(t, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         i_o, i_h = i_n // INNER, i_n % INNER
         m_base = i_o * M_STRIDE + i_h * K * M_ROW
@@ -551,17 +562,30 @@ def all_scan_dense_hop_kernel(
         tl.store(calls, seq)
 
 
-def _shape(delta, tiles, programs=None):
+def _lane_states(N: int, lane) -> int:
+    """States of lane ``lane = (g, L)`` among N: g, g + L, ... (:func:`_lane_tile`); N where ``lane`` is None."""
+    if lane is None:
+        return N
+    g, L = lane
+    if not 0 <= g < L:
+        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes")
+    return len(range(g, N, L))
+
+
+def _shape(delta, tiles, programs=None, lane=None):
     """Grid and launch constants for N states like ``delta`` (``[B, ..., K, V]``) in ``tiles`` row tiles:
-    one program per tile, or at most ``programs``, each then taking every ``programs``-th tile."""
+    one program per tile, or at most ``programs``, each then taking every ``programs``-th tile. ``lane``:
+    ``(g, L)``, the tiles of lane g of L only (the kernel's ``LANE``, ``LANES``; None: kernels without)."""
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
     rows = K // tiles
     BV = triton.next_power_of_2(V)
     BR = max(1, min(triton.next_power_of_2(rows), 4096 // BV))
-    return (min(N * tiles, programs or N * tiles),), dict(
-        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV, NT=N * tiles,
-        TILES=tiles, num_warps=min(16, max(1, BR * BV // 256)))
+    NT = _lane_states(N, lane) * tiles
+    lanes = {} if lane is None else dict(LANE=lane[0], LANES=lane[1])
+    return (min(NT, programs or NT),), dict(
+        INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V, ROWS=rows, BR=BR, BV=BV, NT=NT,
+        TILES=tiles, num_warps=min(16, max(1, BR * BV // 256)), **lanes)
 
 
 def _watched(watch, like) -> dict:
@@ -583,7 +607,7 @@ def _kernel(kernel, nvshmem: bool):
 
 def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stride, tiles, data_bytes,
                  flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                 pass_through=False, delta_layout=None, g_row=1):
+                 pass_through=False, delta_layout=None, g_row=1, lane=(0, 1)):
     """Launch one hop over one piece, or two consecutive ones (``len(gammas) == 2``), of N states
     x ``tiles`` tiles of rows, each with its own flag (see the module docstring).
 
@@ -601,11 +625,14 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     (:func:`_watched`). ``nvshmem``: move tiles by NVSHMEM puts; ``src`` and ``dst`` are then this
     rank's addresses of the peers' (symmetric) regions and ``pes`` the peers' PEs. ``pass_through``: the
     hop passes the incoming state on unchanged (one piece; ``gammas`` and ``deltas`` are not read: any
-    tensors of the state's dtype, ``deltas[-1]`` of the state's shape).
+    tensors of the state's dtype, ``deltas[-1]`` of the state's shape). ``lane = (g, L)``: only states
+    g, g + L, ... (a lane of the hierarchical scan); nothing is launched where the lane holds none.
     """
     if pass_through and len(gammas) != 1:
         raise ValueError("all_scan_hop: a pass-through hop walks one piece")
-    grid, shape = _shape(s_ins[-1], tiles, programs)
+    grid, shape = _shape(s_ins[-1], tiles, programs, lane)
+    if shape["NT"] == 0:
+        return
     _kernel(all_scan_hop_kernel, nvshmem)[grid](
         x_init, gammas[0], deltas[0], s_ins[0], gammas[-1], deltas[-1], s_ins[-1],
         s_ins[-1] if y_out is None else y_out, *regions, *pes, g_stride, s_stride,
@@ -618,7 +645,7 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
 
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
                        flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                       pass_through=False, delta_layout=None, m_row=None):
+                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1)):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
     states; ``tiles`` column tiles per state (a divisor of V); ``m_row``: their row stride (None: K, a
@@ -632,17 +659,21 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
     BC, BK = triton.next_power_of_2(cols), triton.next_power_of_2(K)
     BR = min(BK, 32)
     dot = delta.dtype == torch.float32 and min(BR, BK, BC) >= 16
-    _kernel(all_scan_dense_hop_kernel, nvshmem)[(min(N * tiles, programs or N * tiles),)](
+    NT = _lane_states(N, lane) * tiles
+    if NT == 0:
+        return
+    _kernel(all_scan_dense_hop_kernel, nvshmem)[(min(NT, programs or NT),)](
         x_init, Ms[0], deltas[0], s_ins[0], Ms[-1], deltas[-1], s_ins[-1], s_ins[-1] if y_out is None else y_out,
         *regions, *pes, m_stride, s_stride, *_delta_layout(delta_layout, s_stride, V), K if m_row is None else m_row,
         INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
-        COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=N * tiles, TILES=tiles,
+        COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=NT, TILES=tiles,
+        LANE=lane[0], LANES=lane[1],
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
         **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
 
 
 def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, *, watch, nvshmem=False,
-                    programs=None):
+                    programs=None, lane=(0, 1)):
     """Launch :func:`all_scan_rounds_kernel`: a run of steps of the hierarchical scan in one launch, from its
     map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
     ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, 0)``
@@ -650,12 +681,14 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
     is, composing what it receives where ``compose`` is set, else taking it as it is); ``counters``: the region
     whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its launch id the first step's
     (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
-    grid, shape = _shape(y_out, tiles, programs)
+    grid, shape = _shape(y_out, tiles, programs, lane)
+    if shape["NT"] == 0:
+        return
     address, report, timeout_ns, who = watch
     _kernel(all_scan_rounds_kernel, nvshmem)[grid](
         own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
         BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
-        STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who,
+        LANE=shape["LANE"], LANES=shape["LANES"], STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who,
         COPY=own.data_ptr() != y_out.data_ptr(), INTERPRETED=not y_out.is_cuda, NVSHMEM=nvshmem,
         num_warps=shape["num_warps"])
 

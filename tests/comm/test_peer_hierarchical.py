@@ -5,7 +5,8 @@ Peer memory here is host shared memory and the Triton hop kernels run under TRIT
 memory on GPUs, NVSHMEM the same kernels with puts: ``tests/gla/test_gpu.py``). Nodes are forced
 (``node_size``): 1 (every rank a node: only the rounds between nodes), 2 and 3 (odd: a node of one rank at
 the end), both layouts, both directions, with and without an initial state, diagonal (GLA) and dense (the
-gated delta rule) transitions, decays near 0 and near 1.
+gated delta rule) transitions, decays near 0 and near 1, states that fill the lanes of B and C evenly, unevenly
+and not at all.
 """
 
 import importlib
@@ -28,11 +29,11 @@ from tests.helpers.streams import recorded_streams
 RANK_POOL = dict(world=4, pg_timeout=120)
 
 
-def _transitions(kind, pieces, k, gen, decay):
+def _transitions(kind, pieces, k, gen, decay, dims=(2, 3)):
     if kind == "dense":
-        return [torch.randn(2, 3, k, k, generator=gen, dtype=torch.float64) / (2 * k ** 0.5) for _ in range(pieces)]
+        return [torch.randn(*dims, k, k, generator=gen, dtype=torch.float64) / (2 * k ** 0.5) for _ in range(pieces)]
     low, high = {"near 0": (0.0, 1e-3), "near 1": (1 - 1e-3, 1.0), "any": (0.0, 1.0)}[decay]
-    return [low + (high - low) * torch.rand(2, 3, k, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+    return [low + (high - low) * torch.rand(*dims, k, generator=gen, dtype=torch.float64) for _ in range(pieces)]
 
 
 def _cases(group, seed, node_sizes, kinds):
@@ -44,15 +45,17 @@ def _cases(group, seed, node_sizes, kinds):
         pieces = layout.num_pieces(P)
         decay = ("any", "near 0", "near 1")[n % 3]
         k, v = 4, 5
-        Ts = _transitions(kind, pieces, k, gen, decay)
-        deltas = [torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) for _ in range(pieces)]
-        init = torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) if with_init else None
+        # states: 6 (as many in every lane of 2 or 3), 5 (lanes of unequal parts), 1 (lanes holding none)
+        dims = ((2, 3), (1, 5), (1, 1))[(n // 3) % 3]
+        Ts = _transitions(kind, pieces, k, gen, decay, dims)
+        deltas = [torch.randn(*dims, k, v, generator=gen, dtype=torch.float64) for _ in range(pieces)]
+        init = torch.randn(*dims, k, v, generator=gen, dtype=torch.float64) if with_init else None
         mine = layout.pieces(me, P)
         my_Ts, my_deltas = [Ts[p] for p in mine], [deltas[p] for p in mine]
         kw = dict(reverse=reverse)
         if n % 2:  # as ScanGLA calls it: the slots are strided views of one batch, written in place
             my_Ts, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_Ts, my_deltas))
-            kw["out"] = torch.full((2, len(mine), 3, k, v), float("nan"), dtype=torch.float64).unbind(1)
+            kw["out"] = torch.full((dims[0], len(mine), dims[1], k, v), float("nan"), dtype=torch.float64).unbind(1)
         route = Route(layout, group, 1, "peer_memory", node_size, "hierarchical")
         entering, last = all_scan(my_Ts, my_deltas, init, route, **kw)
         if "out" in kw and not all(e is o for e, o in zip(entering, kw["out"])):
@@ -85,9 +88,10 @@ def test_hierarchical_scan_over_peer_memory_matches_sequential_fold(pool, seed, 
 
 def test_every_region_is_written_by_one_peer_and_read_by_one():
     """The plans of every rank, for every layout, node size and direction: each launch's destination region is
-    the region its receiver waits on (and the receiver acknowledges into the sender's region), each region is
-    one sender's and one receiver's, a rank's sends come before its receives within a step, and the tree
-    inside a segment takes ceil(log2 n) steps."""
+    the region its receiver waits on (and the receiver acknowledges into the sender's region), each region's
+    tiles of a lane are one sender's and one receiver's (the lanes of B and C share a region, each its own
+    states), a rank's sends come before its receives within a step, and the tree inside a segment takes
+    ceil(log2 n) steps."""
     for P, layout, node_size, reverse in itertools.product((2, 3, 5, 8), Layout, (1, 2, 3), (False, True)):
         nodes = [r // node_size for r in range(P)]
         walk = Walk(layout, P, nodes, reverse)
@@ -96,23 +100,29 @@ def test_every_region_is_written_by_one_peer_and_read_by_one():
             return 0 if rank is None else hash((rank, role, index, slot)) & (2 ** 62 - 1) or 1
 
         plans = {r: messages(_plan(walk, r, region)) for r in range(P)}
-        sends = {}  # destination region -> (sender, its sending region)
+        sends = {}  # (destination region, lane) -> (sender, its sending region)
         for r, plan in plans.items():
             for hop in plan:
                 here, sent, src, dst = hop.regions
                 if dst:
-                    assert dst not in sends, (P, layout, node_size, reverse, hop)
-                    sends[dst] = (r, sent)
+                    assert (dst, hop.lane) not in sends, (P, layout, node_size, reverse, hop)
+                    sends[dst, hop.lane] = (r, sent)
         received = set()
         for r, plan in plans.items():
             for hop in plan:
                 here, sent, src, dst = hop.regions
                 if hop.peers[0] is not None:
-                    sender, sending = sends[here]
+                    sender, sending = sends[here, hop.lane]
                     assert sender == hop.peers[0] and sending == src, (P, layout, node_size, reverse, hop)
-                    assert here not in received
-                    received.add(here)
+                    assert (here, hop.lane) not in received
+                    received.add((here, hop.lane))
         assert received == set(sends), (P, layout, node_size, reverse)
+        # a region several messages share is one lane's tiles each: every lane of one count, none of every state
+        for region_of in ({k[0] for k in sends}, {k[0] for k in received}):
+            for address in region_of:
+                lanes = [lane for a, lane in sends if a == address] or [lane for a, lane in received if a == address]
+                if len(lanes) > 1:
+                    assert None not in lanes and len({L for _, L in lanes}) == 1, (P, layout, node_size, lanes)
         for j in range(1, len(walk.segments)):
             n = len({walk.rank(i) for i in walk.segments[j]})
             steps = {int(h.label.rsplit("step ", 1)[1].rstrip(")")) for plan in plans.values() for h in plan
@@ -207,7 +217,7 @@ def test_the_cost_model_replays_the_device_plans():
     """``comm.shape.hierarchical_steps(..., tree=True)`` (what the cost model and the run-time choice time
     for the device transports) holds the messages the device plans send, phase by phase: A along each
     segment, B between leaders, C into each segment and, step by step, its binomial tree."""
-    from megatron_zeco.comm.shape import hierarchical_steps
+    from megatron_zeco.comm.shape import hierarchical_steps, lanes
 
     for P, layout, node_size, reverse in itertools.product((2, 3, 5, 8, 12), Layout, (1, 2, 3, 4), (False, True)):
         nodes = [r // node_size for r in range(P)]
@@ -227,7 +237,8 @@ def test_the_cost_model_replays_the_device_plans():
             assert sorted(sent[phase]) == sorted(modelled[phase]), (P, layout, node_size, reverse, phase)
         # C's first step, where some segment's state crosses to another rank (not where a zigzag walk turns on
         # one rank), then the trees
-        crosses = any(walk.leader(j) != walk.rank(walk.segments[j + 1][0]) for j in range(len(walk.segments) - 1))
+        order = [list(dict.fromkeys(walk.rank(i) for i in seg)) for seg in walk.segments]
+        crosses = any(g != walk.rank(walk.segments[j + 1][0]) for j, lane in enumerate(lanes(order)[:-1]) for g in lane)
         trees = [step for step in steps if step[0][3] == "C"][int(crosses):]
         holders = [{walk.rank(i) for i in seg} for seg in walk.segments[1:]]
         assert len(trees) == max((fan_steps(len(h)) for h in holders), default=0), (P, layout, node_size, reverse)
