@@ -199,10 +199,10 @@ def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.cons
 
 
 @triton.jit
-def _lane_tile(t, LANE, LANES, TILES: tl.constexpr):
-    """The ``t``-th tile of lane ``LANE`` of ``LANES``: the lane holds states ``LANE``, ``LANE + LANES``, ...
+def _lane_tile(at, LANE, LANES, TILES: tl.constexpr):
+    """The ``at``-th tile of lane ``LANE`` of ``LANES``: the lane holds states ``LANE``, ``LANE + LANES``, ...
     (every state with one lane: ``LANES`` 1), all of their tiles."""
-    return (LANE + LANES * (t // TILES)) * TILES + t % TILES
+    return (LANE + LANES * (at // TILES)) * TILES + at % TILES
 
 
 @triton.jit
@@ -265,8 +265,8 @@ def all_scan_hop_kernel(
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
     if HAS_DST:
         out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
-    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
-        tile = _lane_tile(t, LANE, LANES, TILES)
+    for at in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(at, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         if HAS_SRC:  # the previous rank's tile has arrived in this region
             _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
@@ -415,8 +415,8 @@ def all_scan_rounds_kernel(
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
-    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
-        tile = _lane_tile(t, LANE, LANES, TILES)
+    for at in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(at, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, counters, TILES, DATA, FLAGS)
         if COPY:
             for r in range(0, ROWS, BR):
@@ -504,8 +504,8 @@ def all_scan_dense_hop_kernel(
     cc = tl.arange(0, BC)
     if HAS_DST:
         out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
-    for t in range(tl.program_id(0), NT, tl.num_programs(0)):
-        tile = _lane_tile(t, LANE, LANES, TILES)
+    for at in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(at, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
         i_o, i_h = i_n // INNER, i_n % INNER
         m_base = i_o * M_STRIDE + i_h * K * M_ROW

@@ -162,8 +162,8 @@ MUTATIONS = [
              "the cost model lets a rank's rounds between nodes and its send into the next node, tile by tile "
              "in one launch, each have its link to itself"),
     Mutation("lane-tile-ignores-lane", "megatron_zeco/kernels/scan_hop.py",
-             "return (LANE + LANES * (t // TILES)) * TILES + t % TILES",
-             "return (LANES * (t // TILES)) * TILES + t % TILES",
+             "return (LANE + LANES * (at // TILES)) * TILES + at % TILES",
+             "return (LANES * (at // TILES)) * TILES + at % TILES",
              "every lane of the hierarchical scan's B and C moves lane 0's states"),
     Mutation("lane-parts-into-fresh-maps", "megatron_zeco/comm/peer_hierarchical.py",
              "into = self._map() if hop.lane is None else self._entering(hop.segment)", "into = self._map()",
