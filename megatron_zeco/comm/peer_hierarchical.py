@@ -19,6 +19,13 @@ acknowledgements, call counters and bounded waits (``peer.py``):
 * **C**: the state leaving segment j (its leader's map, whose state it is) goes to the first rank of
   segment j + 1, which passes it to the segment's other ranks in a binomial tree (ceil(log2 n) steps for
   n ranks); each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+* **Lanes** (``comm.shape.lanes``): a map composes state by state (a head, or a document's head), so B and
+  C run in L lanes, L the fewest ranks of a segment whose map goes on. After A the leader hands lane g
+  (g = 1 .. L - 1: the segment's other ranks) its states g, g + L, ... of the map, inside the node; lane g
+  of every segment then runs B's rounds among themselves and sends its part of C into the next segment's
+  first rank, whose region takes every lane's tiles. Between nodes each GPU's link then carries 1/L of
+  every map where the leader's would carry all of them (at 8 GPUs a node, 6 maps of B and C through one
+  link at 256 GPUs). A lane holding no state (fewer states than lanes) launches nothing, on both sides.
 
 A map a rank makes and sends on (the prefix hop ending a segment, a round's compose) leaves from the launch
 that makes it, tile by tile (``_fused``): a launch fewer per message, and the next rank's wait starts as

@@ -109,7 +109,8 @@ def _slow_receiver_worker(rank, world, seed, calls):
     failures = []
     shape = scan_hop._shape
     for layout, call in itertools.product(Layout, range(calls)):  # calls of one layout back to back
-        scan_hop._shape = (lambda delta, tiles, programs=None: shape(delta, tiles, 1)) if (call + rank) % 2 else shape
+        scan_hop._shape = (lambda delta, tiles, programs=None, lane=None: shape(delta, tiles, 1, lane)) if (call + rank) % 2 \
+            else shape
         gen = torch.Generator().manual_seed(seed + call)
         pieces, mine = layout.num_pieces(world), layout.pieces(rank, world)
         gammas = [torch.rand(3, 64, generator=gen, dtype=torch.float64) for _ in range(pieces)]

@@ -295,12 +295,13 @@ def test_zeco_issues_without_host_sync(seed):
     run_ranks(_no_host_sync, 2, seed, backend="nccl", timeout=RANK_TIMEOUT)
 
 
-def _peer_scans(rank, world, seed, delays, transport="peer_memory", shape="chain"):
+def _peer_scans(rank, world, seed, delays, transport="peer_memory", shape="chain", node_size=1):
     """All-Scan through symmetric memory (the Triton hop kernel over NVLink) against a float64
     fold: both layouts and directions, several block counts and shapes, 10 calls each on fresh
     data with no synchronisation between them (the flags must order everything); ``delays``: rank
     1 late at random before and after each scan kernel. ``shape``: ``hierarchical`` runs
-    ``comm/peer_hierarchical.py`` with every rank a node of its own, and dense transitions too."""
+    ``comm/peer_hierarchical.py`` with ``node_size`` ranks a node (1: every rank a node of its own; 2 on four
+    GPUs: B and C in lanes of two), and dense transitions too."""
     from megatron_zeco.comm import inject
 
     group = dist.new_group(list(range(world)))
@@ -322,7 +323,7 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory", shape="chain
             deltas = torch.randn(n, N, K, V, generator=gen, dtype=torch.float64)
             init = torch.randn(N, K, V, generator=gen, dtype=torch.float64) if call % 2 else None
             mine = layout.pieces(rank, world)
-            route = Route(layout, group, blocks, transport, 1 if shape == "hierarchical" else None, shape)
+            route = Route(layout, group, blocks, transport, node_size if shape == "hierarchical" else None, shape)
             with late(call):
                 entering, last = all_scan([gammas[p].cuda().float() for p in mine],
                                           [deltas[p].cuda().float() for p in mine],
@@ -359,17 +360,19 @@ def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+@pytest.mark.parametrize("node_size", [1, 2])
 @pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
-def test_hierarchical_all_scan_on_four_gpus(seed, transport):
-    """The hierarchical shape with every rank a node of its own on four GPUs: the Kogge-Stone rounds between
-    nodes in both layouts (on two ranks only the zigzag walk has any), diagonal maps in ``rounds`` launches,
-    dense ones a launch per round."""
+def test_hierarchical_all_scan_on_four_gpus(seed, transport, node_size):
+    """The hierarchical shape on four GPUs, every rank a node of its own (the Kogge-Stone rounds between nodes
+    in both layouts; on two ranks only the zigzag walk has any) or two nodes of two (B and C in lanes of two:
+    each rank of a node moves half the states between nodes); diagonal maps in ``rounds`` launches, dense
+    ones a launch per round."""
     if transport == "nvshmem":
         import torch.distributed._symmetric_memory as symm_mem
 
         if not symm_mem.is_nvshmem_available():
             pytest.skip("no NVSHMEM in this torch build")
-    failures = run_ranks(_peer_scans, 4, seed, False, transport, "hierarchical", backend="nccl",
+    failures = run_ranks(_peer_scans, 4, seed, False, transport, "hierarchical", node_size, backend="nccl",
                          timeout=RANK_TIMEOUT)
     assert not any(failures), failures
 
