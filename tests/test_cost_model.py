@@ -659,17 +659,22 @@ def test_dense_maps_cross_the_wire_and_cost_their_products():
 
 def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
     """Each delta rule's one-GPU time is fla's own op measured on an H200 (profile_piece.py's fla fwd+bwd
-    rows, back to back), the mean of its runs over the files; a file from another GPU is not read; GLA's is
-    as before."""
+    rows, back to back, and bench_op.py's one-GPU rows), the mean of its runs over the files; a file from
+    another GPU is not read; GLA's is as before."""
     cal = _calibration()
     files = {op: [json.loads((RESULTS / name).read_text(encoding="utf-8")) for name in names] for op, names in {
         "gdn": ("profile-gdn-piece-h200x1-2026-11-26.json", "piece-gdn-h200x1-2026-11-28b.json",
-                "piece-gdn-h200x1-2026-11-30.json"),
-        "kda": ("piece-kda-h200x1-2026-11-28.json",)}.items()}
+                "piece-gdn-h200x1-2026-11-30.json", "piece-gdn-h200x1-2026-11-30b.json"),
+        "kda": ("piece-kda-h200x1-2026-11-28.json", "piece-kda-h200x1-2026-11-30.json")}.items()}
+    # and bench_op.py's one-GPU rows (strategy none, steady) of a run in no forced scan shape
+    ops = {"gdn": [json.loads((RESULTS / "op-gdn-overlap-h200x2-2026-11-30.json").read_text(encoding="utf-8"))],
+           "kda": []}
     for op, datas in files.items():
         for T in (16384, 32768):
             runs = [r["steady_ms"] for data in datas for r in data["rows"] if r["case"] == "fla"
                     and r["direction"] == "fwd+bwd" and r["tokens"] == T]
+            runs += [r["ms"] for data in ops[op] for r in data["rows"] if r.get("strategy") == "none"
+                     and r["mode"] == "steady" and r["tokens_per_gpu"] == T and r["part"] == "op"]
             assert len(runs) >= 1
             assert cal.one_gpu[op]["steady"][T, 16, 128] == pytest.approx(sum(runs) / len(runs), rel=1e-12)
         assert "eager" not in cal.one_gpu[op]
@@ -690,8 +695,8 @@ def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_
     times a piece since replaced); at the measured tokens nearest those projected; zeco and lasp2 pay it, a2a
     (fla's op on other heads) does not, and GLA has none."""
     cal = _calibration()
-    for op, name, cases in (("gdn", "piece-gdn-h200x1-2026-11-30.json", ("piece middle, K1 apart",)),
-                            ("kda", "piece-kda-h200x1-2026-11-28.json", cm.PIECE_CASES)):
+    for op, name, cases in (("gdn", "piece-gdn-h200x1-2026-11-30b.json", cm.PIECE_CASES),
+                            ("kda", "piece-kda-h200x1-2026-11-30.json", cm.PIECE_CASES)):
         shipped = json.loads((SHIPPED / name).read_text(encoding="utf-8"))
         assert tuple(shipped["meta"].get(cm.PIECE_META, cm.PIECE_CASES)) == cases
         rows = [r for r in shipped["rows"] if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]

@@ -24,8 +24,8 @@ acknowledgements, call counters and bounded waits (``peer.py``):
   (g = 1 .. L - 1: the segment's other ranks) its states g, g + L, ... of the map, inside the node; lane g
   of every segment then runs B's rounds among themselves and sends its part of C into the next segment's
   first rank, whose region takes every lane's tiles. Between nodes each GPU's link then carries 1/L of
-  every map where the leader's would carry all of them (at 8 GPUs a node, 6 maps of B and C through one
-  link at 256 GPUs). A lane holding no state (fewer states than lanes) launches nothing, on both sides.
+  every map where the leader's would carry all of them, one per round and C's. A lane holding no state
+  (fewer states than lanes) launches nothing, on both sides.
 
 A map a rank makes and sends on (the prefix hop ending a segment, a round's compose) leaves from the launch
 that makes it, tile by tile (``_fused``): a launch fewer per message, and the next rank's wait starts as
@@ -51,6 +51,7 @@ from .hierarchical import Walk
 from .nodes import group_nodes
 from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles_per_state
 from .shape import fan_steps
+from .shape import lane_part
 from .shape import lanes as shape_lanes
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
@@ -283,24 +284,35 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
     on (the binomial tree). Its tiles go through every step in turn, so that a tile leaves as soon as the
     same tile of the earlier steps has arrived, where launches one per step would each wait for the whole
     of the previous one. The steps keep their order, so a rank's sends still come before its receives of
-    a later step; a segment whose map is kept for another (``keep``, ``fold``) breaks the run."""
-    def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on (and its lane), where a run may hold it
+    a later step; a segment whose map is kept for another (``keep``, ``fold``) breaks the run. Steps of one lane
+    make a launch of that lane's states; steps of several (a leader handing its lanes their parts, then its
+    own lane's rounds; the lanes' parts of a state received, then passed on whole) a launch of every state,
+    each step taking its own lane's tiles only (its ``part`` in the kernel's table)."""
+    def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on, where a run may hold it
         if hop.kind in ("compose", "send") and hop.what == "map":
-            return ("map", hop.segment, hop.lane)
+            return ("map", hop.segment)
         if hop.kind == "receive" or (hop.kind == "send" and hop.what == "entering"):
-            return ("entering", hop.segment, hop.lane)
+            return ("entering", hop.segment)
         return None
 
+    def joins(hop: _Hop, steps: Tuple[_Hop, ...]) -> bool:
+        # a receive starts a run (what it receives is the run's map), except the lanes' parts of one state: a
+        # run of those receives, each into its lane's tiles, then its sends of the whole state
+        if hop.kind == "receive":
+            return hop.lane is not None and all(h.kind == "receive" and h.lane is not None for h in steps)
+        return True
+
     out: List[_Hop] = []
-    for hop in hops:  # a receive only starts a run: what it receives is the run's map
+    for hop in hops:
         last = out[-1] if out else None
-        if last is not None and hop.kind != "receive" and run(hop) is not None \
-                and run(hop) == run(last.steps[0] if last.steps else last):
-            steps = (last.steps or (last,)) + (hop,)
+        steps = (last.steps or (last,)) if last is not None else ()
+        if last is not None and run(hop) is not None and run(hop) == run(steps[0]) and joins(hop, steps):
+            steps += (hop,)
+            lane = steps[0].lane if len({h.lane for h in steps}) == 1 else None
             out[-1] = _Hop("rounds", hop.segment, (), steps[0].regions,
                            (next((h.peers[0] for h in steps if h.peers[0] is not None), None),
                             next((h.peers[1] for h in steps if h.peers[1] is not None), None)),
-                           "; ".join(h.label for h in steps), steps[0].what, hop.carries, steps, hop.lane)
+                           "; ".join(h.label for h in steps), steps[0].what, hop.carries, steps, lane)
             continue
         out.append(hop)
     return out
@@ -354,7 +366,8 @@ class _Channel:
         # each rounds launch's steps (kernels.scan_hop.all_scan_rounds' table), on the device once: a graph
         # replays the address
         self.tables: Dict[Tuple[bool, int], Tensor] = {
-            (reverse, n): torch.tensor([(*step.regions, *self.pes(step), int(step.kind == "compose"), 0)
+            (reverse, n): torch.tensor([(*step.regions, *self.pes(step), int(step.kind == "compose"),
+                                         lane_part(step.lane if hop.lane is None else None))
                                         for step in hop.steps], dtype=torch.int64, device=device)
             for reverse, plan in self._plans.items() for n, hop in enumerate(plan) if hop.kind == "rounds"}
         self._buffers = buffers  # the plans hold raw addresses into them
@@ -548,6 +561,8 @@ class _Run:
             y = self._map()
             first = hop.steps[0]
             if first.kind == "receive" or first.what == "entering":  # the state entering the segment, passed on
+                if first.lane is not None:  # its lanes' parts (one may be here already: carried)
+                    y = self._entering(hop.segment)
                 self._launch_rounds(n, hop, side, y if first.kind == "receive" else self.states[hop.segment], y)
                 self.states[hop.segment] = y
             else:

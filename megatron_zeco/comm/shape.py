@@ -87,7 +87,8 @@ def chain_hops(P: int, layout: str, nodes: Nodes, two_legs: bool = False) -> Tup
 
 
 @functools.lru_cache(maxsize=256)
-def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False, tree: bool = False) -> tuple:
+def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False, tree: bool = False,
+                       merged: bool = True) -> tuple:
     """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
     rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
     tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
@@ -98,7 +99,10 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     at once, and B and C go in lanes (:func:`lanes`): the leader hands each of its run's other lane ranks
     its lane's part of the map (phase B's first step, inside the node), each lane runs the rounds between
     its ranks, and each lane's part of the state leaving a run goes to the first rank of the next; a lane's
-    message is ``what`` + ``/L`` (``"map/8"``: the states of one lane of 8, :func:`message_share`)."""
+    message is ``what`` + ``/L`` (``"map/8"``: the states of one lane of 8, :func:`message_share`).
+    ``merged``: a rank's messages of one step that pass one map on go in one launch (diagonal maps: the
+    leader's parts for its lanes, the parts a segment's first rank receives); else (dense maps) one launch
+    each, a step apiece."""
     node = _node_of(nodes)
     ranks = walk_ranks(P, layout)
     if reverse:
@@ -120,13 +124,15 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     part = (lambda what: what) if L == 1 else (lambda what: f"{what}/{L}")  # noqa: E731
     first = [ranks[s[0]] for s in segments]
     if L > 1:  # the leader hands each lane its part of the map
-        steps.append(tuple((lane[j][0], lane[j][g], part("map"), "B") for j in range(M - 1) for g in range(1, L)))
+        scatter = [tuple((lane[j][0], lane[j][g], part("map"), "B") for j in range(M - 1)) for g in range(1, L)]
+        steps.extend([sum(scatter, ())] if merged else scatter)
     for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
         d = 1 << r
         steps.append(tuple((lane[j][g], lane[j + d][g], part("map"), "B") for g in range(L) for j in range(M - 1 - d)
                            if lane[j][g] != lane[j + d][g]))
-    steps.append(tuple((lane[j][g], first[j + 1], part("state"), "C") for j in range(M - 1) for g in range(L)
-                       if lane[j][g] != first[j + 1]))
+    into = [tuple((lane[j][g], first[j + 1], part("state"), "C") for j in range(M - 1) if lane[j][g] != first[j + 1])
+            for g in range(L)]
+    steps.extend([sum(into, ())] if merged else into)
     if not tree:
         steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
                            for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
@@ -149,6 +155,17 @@ def lanes(holders: Sequence[Sequence[int]]) -> list:
         return [[h[-1]] for h in holders]
     L = min(len(h) for h in holders[:-1])
     return [([h[-1]] + [r for r in h if r != h[-1]])[:L] for h in holders]
+
+
+def lane_part(lane) -> int:
+    """The ``part`` column of a step of ``kernels.scan_hop.all_scan_rounds``' table for ``lane = (g, L)``:
+    ``g * 2**16 + L``, the step moving lane g's states only; 0 (every state) for None."""
+    if lane is None:
+        return 0
+    g, L = lane
+    if not 0 <= g < L < 1 << 16:
+        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes < 65536")
+    return g * (1 << 16) + L
 
 
 def message_share(what: str) -> tuple:

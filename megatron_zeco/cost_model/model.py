@@ -244,7 +244,7 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     device = TRANSPORTS[sw.transport].device
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
-    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device)
+    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device, w.op.transition.tiled_rounds)
     piped = {"A", "B", "C"} if device and w.op.transition.tiled_rounds else {"A"}
 
     def share(what):  # the part of a map or state a message carries: a lane's states (comm.shape.lanes)

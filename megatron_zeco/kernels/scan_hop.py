@@ -392,13 +392,14 @@ def all_scan_close_kernel(
 def all_scan_rounds_kernel(
     own,  # the map this rank's launch starts from (contiguous [N, K, W]: the state's E columns, then the decays)
     y_out,  # where the map it composes goes (contiguous [N, K, W])
-    table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, compose, 0); 0 where unused
+    table,  # int64 [STEPS, 8]: per step (here, sent, src, dst, src_pe, dst_pe, compose, part); 0 where unused
     counters,  # address of the region whose call counters the launch keeps
     K: tl.constexpr, W: tl.constexpr, E: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
     DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LANE, LANES, STEPS: tl.constexpr,
     watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
     COPY: tl.constexpr,  # own is not y_out: each tile starts as own's
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+    PART: tl.constexpr = 1 << 16,  # a step's part: g * PART + L (lane g of L)
 ):
     """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
     (``comm/peer_hierarchical.py``: a leader's rounds of phase B and C's send, or C's receive and sends
@@ -408,7 +409,8 @@ def all_scan_rounds_kernel(
     it has a destination, send the map as it now is (after the acknowledgement of the previous call). ``own`` may be
     ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every step
     before the program takes its next tile, so a round's tile leaves as soon as the same tile of the earlier rounds
-    has arrived, instead of after the whole message. A tile's steps wait only for the same tile of earlier steps on
+    has arrived, instead of after the whole message. A step given a part (lane g of L) takes only that lane's
+    tiles (the lanes' parts of a state received from their ranks into one region, then passed on whole). A tile's steps wait only for the same tile of earlier steps on
     other ranks (or for the previous call), so no wait closes a cycle whatever the number of programs. Each wait
     reports its own step's launch id (``who + s``). Same flags, acknowledgements, bounded waits and poisoning as
     :func:`all_scan_hop_kernel`."""
@@ -428,6 +430,10 @@ def all_scan_rounds_kernel(
             here, sent, src, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
             src_pe, dst_pe = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32)
             compose = tl.load(row + 6) != 0
+            part = tl.load(row + 7)  # 0: every tile; else lane g of L as g * PART + L: that lane's states only
+            if part != 0:
+                if i_n % (part % PART) != part // PART:
+                    src, dst = src * 0, dst * 0
             step_who = who + step
             if src != 0:  # the map sent to this rank: composed under its own (a round of B), or taken as it is
                 _arrived(here, tile, seq, DATA, watch, report, timeout_ns, step_who, INTERPRETED)
@@ -676,9 +682,10 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
                     programs=None, lane=(0, 1)):
     """Launch :func:`all_scan_rounds_kernel`: a run of steps of the hierarchical scan in one launch, from its
     map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
-    ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, 0)``
+    ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, part)``
     (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
-    is, composing what it receives where ``compose`` is set, else taking it as it is); ``counters``: the region
+    is, composing what it receives where ``compose`` is set, else taking it as it is; ``part``: 0, or
+    ``g * 2**16 + L``, the step moving lane g's states of L only: ``comm.shape.lane_part``); ``counters``: the region
     whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its launch id the first step's
     (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
     grid, shape = _shape(y_out, tiles, programs, lane)
