@@ -198,6 +198,9 @@ def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.cons
         _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int64)) + tile, seq, watch)
 
 
+_PART = tl.constexpr(1 << 16)  # a rounds step's part column: g * _PART + L (comm.shape.lane_part)
+
+
 @triton.jit
 def _lane_tile(at, LANE, LANES, TILES: tl.constexpr):
     """The ``at``-th tile of lane ``LANE`` of ``LANES``: the lane holds states ``LANE``, ``LANE + LANES``, ...
@@ -399,7 +402,6 @@ def all_scan_rounds_kernel(
     watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
     COPY: tl.constexpr,  # own is not y_out: each tile starts as own's
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
-    PART: tl.constexpr = 1 << 16,  # a step's part: g * PART + L (lane g of L)
 ):
     """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
     (``comm/peer_hierarchical.py``: a leader's rounds of phase B and C's send, or C's receive and sends
@@ -430,9 +432,9 @@ def all_scan_rounds_kernel(
             here, sent, src, dst = tl.load(row), tl.load(row + 1), tl.load(row + 2), tl.load(row + 3)
             src_pe, dst_pe = tl.load(row + 4).to(tl.int32), tl.load(row + 5).to(tl.int32)
             compose = tl.load(row + 6) != 0
-            part = tl.load(row + 7)  # 0: every tile; else lane g of L as g * PART + L: that lane's states only
+            part = tl.load(row + 7)  # 0: every tile; else lane g of L as g * _PART + L: that lane's states only
             if part != 0:
-                if i_n % (part % PART) != part // PART:
+                if i_n % (part % _PART) != part // _PART:
                     src, dst = src * 0, dst * 0
             step_who = who + step
             if src != 0:  # the map sent to this rank: composed under its own (a round of B), or taken as it is

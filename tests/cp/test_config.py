@@ -114,3 +114,23 @@ def test_each_operator_names_its_backend_check_require_backend(operator, old):
     assert module.require_backend("cpu", torch.float32) is None
     with pytest.warns(DeprecationWarning, match=f"megatron_zeco.{operator}.require_backend"):
         getattr(module, old)("cpu", torch.float32)
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_the_delta_rules_take_the_overlap_as_gla_does(op):
+    """``overlap`` on the delta rules' operators: a bad value fails with the knob's one message; True and
+    False give the same result (on the CPU no side stream runs; on CUDA the scan's hops go beside the local
+    work, tests/gated_delta_rule/test_gpu.py)."""
+    from megatron_zeco import zeco_gated_delta_rule, zeco_kda
+
+    fn = {"gated_delta_rule": zeco_gated_delta_rule, "kda": zeco_kda}[op]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 6, 2, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    g = -torch.rand(1, 6, 2, *((4,) if op == "kda" else ()), generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, 6, 2, generator=gen, dtype=torch.float64)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    with pytest.raises(ValueError, match=BAD["overlap"][1]):
+        fn(q, k, v, g, beta, overlap="yes")
+    on, _ = fn(q, k, v, g, beta, overlap=True)
+    off, _ = fn(q, k, v, g, beta, overlap=False)
+    assert torch.equal(on, off)

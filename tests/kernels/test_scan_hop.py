@@ -20,13 +20,15 @@ tiles = dict(INNER=4, K=64, V=64, ROWS=32, BR=32, BV=64, DATA=65536, FLAGS=64, T
              NVSHMEM=False)
 watched = dict(watch=addr, report=addr, timeout_ns="i64", who="i32", src_pe="i32", dst_pe="i32")
 narrow = dict(D_STRIDE="i32", D_ROW="i32", DV="i32")  # a delta of its own strides and columns
+lane = dict(LANE="i32", LANES="i32")  # the hierarchical scan's lane of states (runtime: one compiled kernel)
 dense = dict(x_init=addr, M=ptr, delta=ptr, s_in=ptr, M2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
-             sent=addr, src=addr, dst=addr, M_STRIDE="i32", S_STRIDE="i32", NT="i32", M_ROW="i32", **narrow, **watched)
+             sent=addr, src=addr, dst=addr, M_STRIDE="i32", S_STRIDE="i32", NT="i32", M_ROW="i32", **narrow, **watched,
+             **lane)
 kernels = [
     (scan_hop.all_scan_hop_kernel,
         dict(x_init=addr, gamma=ptr, delta=ptr, s_in=ptr, gamma2=ptr, delta2=ptr, s_in2=ptr, y_out=ptr, here=addr,
              sent=addr, src=addr, dst=addr, G_STRIDE="i32", S_STRIDE="i32", NT="i32", G_ROW="i32", **narrow,
-             **watched),
+             **watched, **lane),
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True)),
     (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, DOT=True)),
@@ -44,7 +46,7 @@ kernels = [
         dict(LAST=True)),
     (scan_hop.all_scan_rounds_kernel,  # a leader's rounds: the steps' regions read from a device table
         dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64",
-             who="i32"),
+             who="i32", **lane),
         dict(W=65, E=64, BV=128, STEPS=3, COPY=True)),
 ]
 for kernel, signature, flags in kernels:
