@@ -270,8 +270,8 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
                 if phase in ("B", "C") and a // node != b // node:
                     part = share(what)[1]
                     tile = max(sw.message, part * w.map_bytes / K / c.inter.bandwidth, part * w.compose_time(K))
-                    load[a, "out"] += tile
-                    load[b, "in"] += tile
+                    for end in ((a, "out"), (b, "in")):
+                        load[end] += tile
         one = max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))  # a whole map's tile
         drain["C"] = (K - 1) * max(load.values(), default=one)
     return steps, cost, drain

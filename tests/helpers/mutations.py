@@ -121,7 +121,7 @@ MUTATIONS = [
              "x = t[:, None] * x + own_e", "x = x + own_e",
              "a leader's rounds launch composes a received map without its own map's decays"),
     Mutation("rounds-merge-across-segments", "megatron_zeco/comm/peer_hierarchical.py",
-             "run(hop) == run(last.steps[0] if last.steps else last)", "run(hop)[0] == run(last.steps[0] if last.steps else last)[0]",
+             "run(hop) == run(steps[0])", "run(hop)[0] == run(steps[0])[0]",
              "a rounds launch takes in the next launch of another segment this rank leads"),
     Mutation("walk-turn-in-one-segment", "megatron_zeco/comm/hierarchical.py",
              "                    or any(self.owners[k][0] == rank for k in self.segments[-1]):",
@@ -158,9 +158,9 @@ MUTATIONS = [
              "_exp(b_gq[:, None] - b_gq[None, :], G_LOG2)", "_exp(b_gq[None, :] - b_gq[:, None], G_LOG2)",
              "K2 from the queries decays q_i k_j^T by exp(G_j - G_i) (a gate per head), not exp(G_i - G_j)"),
     Mutation("rounds-share-no-link", "megatron_zeco/cost_model/model.py",
-             'load[a, "out"] += tile', 'load[a, "out"] = tile',
-             "the cost model lets a rank's rounds between nodes and its send into the next node, tile by tile "
-             "in one launch, each have its link to itself"),
+             "load[end] += tile", "load[end] = tile",
+             "the cost model lets each of a rank's tiled messages between nodes (its rounds, its send into the "
+             "next node, the lanes' parts it takes in) have its link to itself"),
     Mutation("lane-tile-ignores-lane", "megatron_zeco/kernels/scan_hop.py",
              "return (LANE + LANES * (at // TILES)) * TILES + at % TILES",
              "return (LANES * (at // TILES)) * TILES + at % TILES",
