@@ -218,7 +218,8 @@ def scan_choice(layout: str, nodes: tuple, state_bytes: float, transport: str, c
     # (a map is a state and one more column: counted as a state here)
     device = TRANSPORTS[transport].device
     tree = sum(critical_path(hierarchical_steps(P, layout, tuple(nodes), reverse, device), P,
-                             lambda a, b, what, phase: hop + link(a, b).time(state_bytes)) for reverse in (False, True))
+                             lambda a, b, what, phase: hop + link(a, b).time(state_bytes / message_share(what)[1]))
+               for reverse in (False, True))  # a lane's message: its lane's part of the state
     # equal paths add the same hop times in another order: they may differ in the last bits
     return "hierarchical" if tree < chain and not math.isclose(tree, chain, rel_tol=1e-9) else "chain"
 
