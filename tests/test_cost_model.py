@@ -179,7 +179,7 @@ def test_rounds_between_nodes_share_their_senders_link(layout):
             leaders = collections.Counter(a for step in cm.hierarchical_steps(P, layout, c.gpus_per_node, reverse)
                                           for a, b, _, phase in step
                                           if phase in "BC" and a // c.gpus_per_node != b // c.gpus_per_node)
-            assert 1 <= busiest < max(leaders.values()) - 1, (P, reverse, busiest, max(leaders.values()))
+            assert 0 < busiest < max(leaders.values()) - 1, (P, reverse, busiest, max(leaders.values()))
             depth = sum(1 for step in steps if step[0][3] in "BC")
             for K in (1, 4, 8):
                 phases = cm.hierarchical_phases(w, c, sw, K, reverse)
@@ -187,6 +187,21 @@ def test_rounds_between_nodes_share_their_senders_link(layout):
                 assert phases["C"] - phases["A"] >= floor * (1 - 1e-12), (P, K, reverse)
                 assert phases["C"] - phases["A"] <= floor + depth * (c.inter.latency + sw.hop + w.map_bytes / K
                                                                      / c.inter.bandwidth) * (1 + 1e-12), (P, K)
+
+
+@pytest.mark.parametrize("transport", ["nvshmem", "send_recv"])
+def test_a_senders_messages_of_one_step_share_its_link(transport):
+    """A rank's messages of one step over one link leave through it together: with a slow NVLink and free hops,
+    C inside a node of 8 takes as long as its busiest sender's bytes over that link, the taker of a lane's
+    part sending it to the 7 other ranks (device transports: an all-gather of 1/8 parts) or the first rank
+    sending the whole state to each (send/recv)."""
+    c = cm.Cluster(intra=cm.Link(0.0, 1e9), inter=cm.Link(0.0, 1e15), gpus_per_node=8)
+    sw = dataclasses.replace(FREE, transport=transport)
+    w = workload(16, "contiguous")
+    sent = 7 / 8 * w.state_bytes if transport == "nvshmem" else 7 * w.state_bytes
+    for reverse in (False, True):
+        phases = cm.hierarchical_phases(w, c, sw, 1, reverse)
+        assert phases["C"] - phases["B"] == pytest.approx(sent / c.intra.bandwidth, rel=1e-6), (transport, reverse)
 
 
 @functools.lru_cache(maxsize=1)

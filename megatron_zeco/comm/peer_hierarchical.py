@@ -53,6 +53,7 @@ from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles
 from .shape import fan_steps
 from .shape import lane_part
 from .shape import lanes as shape_lanes
+from .shape import takers as shape_takers
 from .symmetric import PeerBuffers
 from .transition import Dense, Diagonal, Kind, transition_of
 from .transport import Transport
@@ -102,11 +103,13 @@ def messages(plan: Sequence[_Hop]) -> List[_Hop]:
     return [step for hop in plan for step in (hop.steps or (hop,))]
 
 
-def _roles(rounds: int, steps: int) -> List[Tuple[str, int]]:
+def _roles(rounds: int, steps: int, peers: int) -> List[Tuple[str, int]]:
     return ([("A", 0)] + [(f"lane {way}", 0) for way in (_RECEIVE, _SEND)]
             + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
             + [(f"C {way}", 0) for way in (_RECEIVE, _SEND)]
-            + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)])
+            + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)]
+            + [(f"gather {_RECEIVE}", 0) for _ in range(min(peers, 1))]
+            + [(f"gather {_SEND}", k) for k in range(peers)])
 
 
 class _Segments:
@@ -214,6 +217,11 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                 here = region(me, f"B {_RECEIVE}", r, seg.slot_of(j, me))
                 out = region(frm, f"B {_SEND}", r, seg.slot_of(j - d, frm))
                 hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label, lane=part(g)))
+    if rounds:  # C in one launch a rank: lanes into the next segment, then an all-gather inside it
+        hops.extend(_gathered(walk, seg, lanes, me, region))
+        hops = _fused(hops, walk)
+        return _rounds(hops)
+    # C: the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part (into one
     # C: the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part (into one
     # region: the lanes' tiles are apart), then inside that segment in a binomial tree
     for way in (_SEND, _RECEIVE):
@@ -247,8 +255,64 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                         hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering", "C"))
                     elif way == _RECEIVE and b == me:
                         hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label))
-    hops = _fused(hops, walk)
-    return _rounds(hops) if rounds else hops
+    return _fused(hops, walk)
+
+
+def _gathered(walk: Walk, seg: "_Segments", lanes: List[List[int]], me: int,
+              region: Callable[[Optional[int], str, int, int], int]) -> List[_Hop]:
+    """Rank ``me``'s hops of phase C where each rank's run of steps is one launch (diagonal maps): lane g's part
+    of the state leaving segment j goes to the rank of segment j + 1 that takes it (``comm.shape.takers``; kept
+    where that is the lane's own rank), which passes it to each other rank of that segment (an all-gather:
+    every rank receives the parts it does not take, each from its taker). A rank issues its sends of C, then
+    per segment it has pieces in (in walk order) its receipts of the parts it takes, its sends of them and its
+    receipts of the others: one launch, each step moving its lane's tiles only."""
+    hops: List[_Hop] = []
+    M, L = seg.M, len(lanes[0])
+    part = (lambda g: None) if L == 1 else (lambda g: (g, L))  # noqa: E731
+    taker = shape_takers([seg.ranks(j) for j in range(M)], lanes)
+    none = (0, 0, 0, 0)
+    lane = lambda g: f" (lane {g})" if L > 1 else ""  # noqa: E731
+    for j in range(M - 1):
+        for g in range(L):
+            src, to = lanes[j][g], taker[j][g]
+            if src != me:
+                continue
+            label = f"the state entering segment {j + 1}{lane(g)}"
+            if to == me:
+                hops.append(_Hop("carry", j, (), none, (None, None), label, lane=part(g)))
+                continue
+            out = region(me, f"C {_SEND}", 0, seg.slot_of(j, me))
+            into = region(to, f"C {_RECEIVE}", 0, seg.slot_of(j + 1, to))
+            hops.append(_Hop("send", j, (), (out, out, 0, into), (None, to), label, carries="C", lane=part(g)))
+    for j in range(1, M):
+        ranks = seg.ranks(j)
+        if me not in ranks:
+            continue
+        here = region(me, f"gather {_RECEIVE}", 0, seg.slot_of(j, me))
+        mine = [g for g in range(L) if taker[j - 1][g] == me]
+        for g in mine:
+            src = lanes[j - 1][g]
+            if src != me:
+                out = region(src, f"C {_SEND}", 0, seg.slot_of(j - 1, src))
+                hops.append(_Hop("receive", j, (), (region(me, f"C {_RECEIVE}", 0, seg.slot_of(j, me)), 0, out, 0),
+                                 (src, None), f"the state entering segment {j}{lane(g)}", lane=part(g)))
+        for g in mine:
+            for k, other in enumerate(ranks):
+                if other == me:
+                    continue
+                sent = region(me, f"gather {_SEND}", k, seg.slot_of(j, me))
+                into = region(other, f"gather {_RECEIVE}", 0, seg.slot_of(j, other))
+                hops.append(_Hop("send", j, (), (sent, sent, 0, into), (None, other),
+                                 f"the state entering segment {j} (inside its node){lane(g)}", "entering", "C",
+                                 lane=part(g)))
+        for g in range(L):
+            src = taker[j - 1][g]
+            if src == me:
+                continue
+            sent = region(src, f"gather {_SEND}", ranks.index(me), seg.slot_of(j, src))
+            hops.append(_Hop("receive", j, (), (here, 0, sent, 0), (src, None),
+                             f"the state entering segment {j} (inside its node){lane(g)}", lane=part(g)))
+    return hops
 
 
 def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
@@ -297,9 +361,10 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
 
     def joins(hop: _Hop, steps: Tuple[_Hop, ...]) -> bool:
         # a receive starts a run (what it receives is the run's map), except the lanes' parts of one state: a
-        # run of those receives, each into its lane's tiles, then its sends of the whole state
+        # run of steps each on its own lane's tiles (the parts this rank takes, received then passed on, and the
+        # others received), or of those receives then the sends of the whole state
         if hop.kind == "receive":
-            return hop.lane is not None and all(h.kind == "receive" and h.lane is not None for h in steps)
+            return hop.lane is not None and all(h.lane is not None for h in steps)
         return True
 
     out: List[_Hop] = []
@@ -346,9 +411,12 @@ class _Channel:
         rank, world = group.rank(), group.size()
         walks = {reverse: Walk(layout, world, nodes, reverse) for reverse in (False, True)}
         rounds = max(w.rounds for w in walks.values())
-        steps = max((fan_steps(len(_Segments(w).ranks(j))) for w in walks.values() for j in range(1, len(w.segments))),
-                    default=0)
-        roles = {role: n for n, role in enumerate(_roles(rounds, steps))}
+        # C inside a segment: a binomial tree (dense maps: a launch per step), else an all-gather whose sends
+        # from a rank each have a region of their own, one per other rank of the segment
+        sizes = [len(_Segments(w).ranks(j)) for w in walks.values() for j in range(1, len(w.segments))]
+        steps = max((fan_steps(n) for n in sizes), default=0) if dense else 0
+        peers = 0 if dense else max(sizes, default=0)
+        roles = {role: n for n, role in enumerate(_roles(rounds, steps, peers))}
         buffers = PeerBuffers(group, 2 * len(roles) * 2 * size, device, nvshmem)
         self.nvshmem, self.dense = nvshmem, dense
         self._pe = [dist.get_global_rank(group, r) for r in range(world)] if nvshmem else None

@@ -94,15 +94,15 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
     ``"map"`` (a state and its decays) or ``"state"``, phase ``"A"`` (along each node's run of
     pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run). ``tree``: as
-    ``comm.peer_hierarchical`` sends them over the device transports, where a run's first rank passes
-    the state on inside its run in a binomial tree (a step per doubling) instead of to every other rank
-    at once, and B and C go in lanes (:func:`lanes`): the leader hands each of its run's other lane ranks
-    its lane's part of the map (phase B's first step, inside the node), each lane runs the rounds between
-    its ranks, and each lane's part of the state leaving a run goes to the first rank of the next; a lane's
-    message is ``what`` + ``/L`` (``"map/8"``: the states of one lane of 8, :func:`message_share`).
-    ``merged``: a rank's messages of one step that pass one map on go in one launch (diagonal maps: the
-    leader's parts for its lanes, the parts a segment's first rank receives); else (dense maps) one launch
-    each, a step apiece."""
+    ``comm.peer_hierarchical`` sends them over the device transports, where B and C go in lanes
+    (:func:`lanes`): the leader hands each of its run's other lane ranks its lane's part of the map (phase
+    B's first step, inside the node), each lane runs the rounds between its ranks, and each lane's part of
+    the state leaving a run goes into the next run; a lane's message is ``what`` + ``/L`` (``"map/8"``: the
+    states of one lane of 8, :func:`message_share`). ``merged``: a rank's messages of one step that pass one
+    map on go in one launch (diagonal maps: the leader's parts for its lanes; C's parts each to the rank of
+    the next run that takes it, :func:`takers`, which passes it to the run's other ranks, an all-gather in
+    one step); else (dense maps) one launch each, a step apiece, C's parts all to the next run's first rank,
+    which passes the state on in a binomial tree (a step per doubling of the ranks that hold it)."""
     node = _node_of(nodes)
     ranks = walk_ranks(P, layout)
     if reverse:
@@ -130,6 +130,13 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
         d = 1 << r
         steps.append(tuple((lane[j][g], lane[j + d][g], part("map"), "B") for g in range(L) for j in range(M - 1 - d)
                            if lane[j][g] != lane[j + d][g]))
+    if tree and merged:  # C: each lane's part to the rank of the next run that takes it, then to the run's others
+        taker = takers(holders, lane)
+        steps.append(tuple((lane[j][g], taker[j][g], part("state"), "C") for j in range(M - 1) for g in range(L)
+                           if lane[j][g] != taker[j][g]))
+        steps.append(tuple((taker[j][g], other, part("state"), "C") for j in range(M - 1) for g in range(L)
+                           for other in holders[j + 1] if other != taker[j][g]))
+        return tuple(step for step in steps if step)
     into = [tuple((lane[j][g], first[j + 1], part("state"), "C") for j in range(M - 1) if lane[j][g] != first[j + 1])
             for g in range(L)]
     steps.extend([sum(into, ())] if merged else into)
@@ -155,6 +162,20 @@ def lanes(holders: Sequence[Sequence[int]]) -> list:
         return [[h[-1]] for h in holders]
     L = min(len(h) for h in holders[:-1])
     return [([h[-1]] + [r for r in h if r != h[-1]])[:L] for h in holders]
+
+
+def takers(holders: Sequence[Sequence[int]], lane: Sequence[Sequence[int]]) -> list:
+    """``taker[j][g]``: the rank of segment j + 1 that takes lane g's part of the state leaving segment j, where
+    the lanes' parts go straight into the next segment and through it in one all-gather (diagonal maps over
+    the device transports): the lane's own rank where it has a piece in segment j + 1 too (a zigzag walk's
+    turn: kept, no message), else that segment's lane g (its leader, then its other ranks in walk order,
+    round again where it has fewer ranks than lanes). ``holders``, ``lane``: as :func:`lanes` takes and
+    gives them."""
+    out = []
+    for j in range(len(holders) - 1):
+        after = [holders[j + 1][-1]] + [r for r in holders[j + 1] if r != holders[j + 1][-1]]
+        out.append([lane[j][g] if lane[j][g] in after else after[g % len(after)] for g in range(len(lane[j]))])
+    return out
 
 
 def lane_part(lane) -> int:

@@ -244,37 +244,48 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     device = TRANSPORTS[sw.transport].device
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
-    steps = hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device, w.op.transition.tiled_rounds)
+    steps = _sharing(hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device, w.op.transition.tiled_rounds),
+                     c)
     piped = {"A", "B", "C"} if device and w.op.transition.tiled_rounds else {"A"}
 
     def share(what):  # the part of a map or state a message carries: a lane's states (comm.shape.lanes)
-        kind, lanes = message_share(what)
+        kind, lanes = message_share(what[0])
         return kind, math.ceil(w.heads / lanes) / w.heads
 
     def cost(a, b, what, phase):
         kind, part = share(what)
         nbytes, combine = (w.map_bytes, w.compose_time()) if kind == "map" else (w.state_bytes, w.apply_time())
         blocks = K if phase in piped else 1
-        return sw.hop + part * combine / blocks + c.link(a, b).time(part * nbytes / blocks)
+        # the last of the sender's messages of this step over this link arrives once all of them have left
+        return sw.hop + part * combine / blocks + c.link(a, b).time(what[1] * part * nbytes / blocks)
 
     drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
     if "C" in piped:
-        # B and C tile by tile in one launch: a rank's rounds and its send into the next node run at once,
-        # so the pipeline's pace is that of the rank moving most between nodes, every tile of its messages
-        # through its one link (and its composes, and its messages' costs, one after another), sending or
-        # receiving (C's lanes all into the next segment's first rank)
-        node = c.gpus_per_node
+        # B and C tile by tile in one launch: a rank's rounds, its send into the next node and the all-gather
+        # inside it run at once, so the pipeline's pace is that of the busiest link (a GPU's link between
+        # nodes, or its NVLink), every tile of its messages through it (and its composes, and its messages'
+        # costs, one after another), sending or receiving
         load = Counter()
         for step in steps:
             for a, b, what, phase in step:
-                if phase in ("B", "C") and a // node != b // node:
-                    part = share(what)[1]
-                    tile = max(sw.message, part * w.map_bytes / K / c.inter.bandwidth, part * w.compose_time(K))
-                    for end in ((a, "out"), (b, "in")):
+                if phase in ("B", "C") and a != b:
+                    part, link = share(what)[1], c.link(a, b)
+                    tile = max(sw.message, part * w.map_bytes / K / link.bandwidth, part * w.compose_time(K))
+                    for end in ((a, "out", link), (b, "in", link)):
                         load[end] += tile
         one = max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))  # a whole map's tile
         drain["C"] = (K - 1) * max(load.values(), default=one)
     return steps, cost, drain
+
+
+def _sharing(steps: tuple, c: Cluster) -> tuple:
+    """``steps`` with each message's ``what`` made ``(what, n)``: n the messages its sender sends in that step
+    over the same link (inside its node, or between nodes), which leave through it together."""
+    out = []
+    for step in steps:
+        n = Counter((a, c.link(a, b)) for a, b, *_ in step)
+        out.append(tuple((a, b, (what, n[a, c.link(a, b)]), phase) for a, b, what, phase in step))
+    return tuple(out)
 
 
 def hierarchical_time(w: Workload, c: Cluster, sw: Software, K: int = 1, reverse: bool = False) -> float:
