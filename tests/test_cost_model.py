@@ -152,16 +152,30 @@ def test_slowest_hop_paces_the_pipeline():
         assert cm.chain_time(w, c, FREE, K) == pytest.approx(9 * nv + 2 * ib + (K - 1) * pace, rel=1e-12)
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_rounds_between_nodes_share_their_senders_link(layout):
+def test_a_zigzag_walks_rounds_wait_for_whole_messages():
+    """A zigzag walk passes every rank twice, so a rank's steps of B and C for its two runs interleave, a launch
+    each: the model does not pipeline them by tile, and they take as long at every K (only A's chains do not)."""
+    c = cm.Cluster()
+    sw = dataclasses.replace(FREE, transport="nvshmem", hop=5e-6)
+    w = workload(256, "zigzag")
+    for reverse in (False, True):
+        spans = {K: (lambda p: p["C"] - p["A"])(cm.hierarchical_phases(w, c, sw, K, reverse)) for K in (1, 2, 8)}
+        assert spans[2] == pytest.approx(spans[1], rel=1e-12) and spans[8] == pytest.approx(spans[1], rel=1e-12), spans
+    contiguous = {K: (lambda p: p["C"] - p["A"])(cm.hierarchical_phases(workload(256), c, sw, K)) for K in (1, 8)}
+    assert contiguous[8] < contiguous[1], contiguous
+
+
+def test_rounds_between_nodes_share_their_senders_link():
     """Diagonal maps over the device transports go through the rounds and into the next node tile by tile
     in one launch, so a rank's messages between nodes of those phases travel at once, all through its one
     link: from the end of A to the end of C a scan takes at least the busiest such link's bytes (sent or
     received; a lane's message carries its lane's states) over the link's bandwidth; with every tile's path
     counted and the pipeline drained at that pace, no more than that plus each step's cost. In lanes the
-    busiest link carries less than the one leader of each node sending every map would."""
+    busiest link carries less than the one leader of each node sending every map would. (A contiguous walk:
+    a zigzag walk's steps wait for whole messages, the test above.)"""
     from megatron_zeco.comm.shape import message_share
 
+    layout = "contiguous"
     c = cm.Cluster()
     sw = dataclasses.replace(FREE, transport="nvshmem")
     for P in (64, 256, 1024):

@@ -16,14 +16,16 @@ acknowledgements, call counters and bounded waits (``peer.py``):
 * **B**: in round r the leader of segment j passes its map on, unchanged, to the leader of segment
   j + 2^r (a pass-through hop), and composes the one from j - 2^r into its own: a hop whose piece is its
   own map ``(T_j, E_j)``, applied to the map received, ``[E_j | 0] + T_j [E | T]``.
-* **C**: the state leaving segment j (its leader's map, whose state it is) goes to the first rank of
-  segment j + 1, which passes it to the segment's other ranks in a binomial tree (ceil(log2 n) steps for
-  n ranks); each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+* **C**: the state leaving segment j (its leader's map, whose state it is) goes into segment j + 1 and to
+  every rank of it; each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
+  Diagonal maps: each lane's part to the rank of segment j + 1 that takes it (``comm.shape.takers``), which
+  passes it to the segment's other ranks, all in one launch a rank (an all-gather in one step). Dense maps:
+  to the first rank of segment j + 1, which passes it on in a binomial tree (ceil(log2 n) steps, n ranks).
 * **Lanes** (``comm.shape.lanes``): a map composes state by state (a head, or a document's head), so B and
   C run in L lanes, L the fewest ranks of a segment whose map goes on. After A the leader hands lane g
   (g = 1 .. L - 1: the segment's other ranks) its states g, g + L, ... of the map, inside the node; lane g
-  of every segment then runs B's rounds among themselves and sends its part of C into the next segment's
-  first rank, whose region takes every lane's tiles. Between nodes each GPU's link then carries 1/L of
+  of every segment then runs B's rounds among themselves and sends its part of C into the next segment (a
+  region there takes every lane's tiles). Between nodes each GPU's link then carries 1/L of
   every map where the leader's would carry all of them, one per round and C's. A lane holding no state
   (fewer states than lanes) launches nothing, on both sides.
 
@@ -62,9 +64,10 @@ from .watch import watch
 Tensor = torch.Tensor
 
 # The regions of one direction, per local slot: phase A's chain; a lane's part of its segment's map, received
-# and sent (one region for all the leader's lanes: their tiles are apart); per round of B, the maps received and sent;
-# C's state into the next segment, received and sent; per step of the binomial tree inside a segment, the
-# same. (Role, index) -> position: _roles.
+# and sent (one region for all the leader's lanes: their tiles are apart); per round of B, the maps received and
+# sent; C's state into the next segment, received and sent; inside a segment, per step of the binomial tree (dense
+# maps) the same, or the all-gather's parts received (one region: their tiles are apart) and sent, a region per
+# other rank of the segment. (Role, index) -> position: _roles.
 _SEND, _RECEIVE = "send", "receive"
 
 
@@ -187,7 +190,8 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                 here = region(leader, f"lane {_SEND}", 0, seg.slot_of(j, leader))
                 into = region(to, f"lane {_RECEIVE}", 0, seg.slot_of(j, to))
                 if way == _SEND and leader == me:
-                    hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B", lane=part(g)))
+                    hops.append(_Hop("send", j, (), (here, here, 0, into), (None, to), label, carries="B",
+                                     lane=part(g)))
                 elif way == _RECEIVE and to == me:
                     hops.append(_Hop("lane", j, (), (into, 0, here, 0), (leader, None), label, lane=part(g)))
     for r in range(walk.rounds):

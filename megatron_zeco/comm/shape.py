@@ -178,15 +178,18 @@ def takers(holders: Sequence[Sequence[int]], lane: Sequence[Sequence[int]]) -> l
     return out
 
 
+LANE_PART = 1 << 16  # a rounds step's part column holds lane g of L as g * LANE_PART + L
+
+
 def lane_part(lane) -> int:
     """The ``part`` column of a step of ``kernels.scan_hop.all_scan_rounds``' table for ``lane = (g, L)``:
-    ``g * 2**16 + L``, the step moving lane g's states only; 0 (every state) for None."""
+    ``g * LANE_PART + L``, the step moving lane g's states only; 0 (every state) for None."""
     if lane is None:
         return 0
     g, L = lane
-    if not 0 <= g < L < 1 << 16:
-        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes < 65536")
-    return g * (1 << 16) + L
+    if not 0 <= g < L < LANE_PART:
+        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes < {LANE_PART}")
+    return g * LANE_PART + L
 
 
 def message_share(what: str) -> tuple:

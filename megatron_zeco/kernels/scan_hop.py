@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..comm.shape import LANE_PART
 from .nvshmem import fence, put, put_signal
 
 # A flag value with this bit set says that its sender gave up a wait (a peer before it died or
@@ -198,7 +199,7 @@ def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.cons
         _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int64)) + tile, seq, watch)
 
 
-_PART = tl.constexpr(1 << 16)  # a rounds step's part column: g * _PART + L (comm.shape.lane_part)
+_PART = tl.constexpr(LANE_PART)  # a rounds step's part column: g * _PART + L (comm.shape.lane_part)
 
 
 @triton.jit
@@ -408,14 +409,14 @@ def all_scan_rounds_kernel(
     inside a node). Step s of ``table``: where it has a source, wait for call ``seq``'s tile of the map
     sent to it and compose it under this rank's map (``compose``: ``[E | t] <- t [E' | t'] + [E | 0]``,
     the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
-    it has a destination, send the map as it now is (after the acknowledgement of the previous call). ``own`` may be
-    ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every step
-    before the program takes its next tile, so a round's tile leaves as soon as the same tile of the earlier rounds
-    has arrived, instead of after the whole message. A step given a part (lane g of L) takes only that lane's
-    tiles (the lanes' parts of a state received from their ranks into one region, then passed on whole). A tile's steps wait only for the same tile of earlier steps on
-    other ranks (or for the previous call), so no wait closes a cycle whatever the number of programs. Each wait
-    reports its own step's launch id (``who + s``). Same flags, acknowledgements, bounded waits and poisoning as
-    :func:`all_scan_hop_kernel`."""
+    it has a destination, send the map as it now is (after the acknowledgement of the previous call). ``own`` may
+    be ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every
+    step before the program takes its next tile, so a round's tile leaves as soon as the same tile of the earlier
+    rounds has arrived, instead of after the whole message. A step given a part (lane g of L) takes only that
+    lane's tiles (a leader's lanes handed out; the parts of a state a rank takes in and sends on, and the others it
+    receives). A tile's steps wait only for the same tile of earlier steps on other ranks (or for the previous
+    call), so no wait closes a cycle whatever the number of programs. Each wait reports its own step's launch id
+    (``who + s``). Same flags, acknowledgements, bounded waits and poisoning as :func:`all_scan_hop_kernel`."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
@@ -697,7 +698,8 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
     _kernel(all_scan_rounds_kernel, nvshmem)[grid](
         own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
         BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
-        LANE=shape["LANE"], LANES=shape["LANES"], STEPS=table.shape[0], watch=address, report=report, timeout_ns=timeout_ns, who=who,
+        LANE=shape["LANE"], LANES=shape["LANES"], STEPS=table.shape[0], watch=address, report=report,
+        timeout_ns=timeout_ns, who=who,
         COPY=own.data_ptr() != y_out.data_ptr(), INTERPRETED=not y_out.is_cuda, NVSHMEM=nvshmem,
         num_warps=shape["num_warps"])
 

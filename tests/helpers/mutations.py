@@ -168,6 +168,15 @@ MUTATIONS = [
     Mutation("lane-parts-into-fresh-maps", "megatron_zeco/comm/peer_hierarchical.py",
              "into = self._map() if hop.lane is None else self._entering(hop.segment)", "into = self._map()",
              "each lane's part of the state entering a segment lands in a map of its own, the others' parts lost"),
+    Mutation("gather-acks-into-one-region", "megatron_zeco/comm/peer_hierarchical.py",
+             'sent = region(src, f"gather {_SEND}", ranks.index(me), seg.slot_of(j, src))',
+             'sent = region(src, f"gather {_SEND}", 0, seg.slot_of(j, src))',
+             "every rank of a segment acknowledges a taker's part of the state into the region of the taker's first "
+             "send: the acknowledgements of the all-gather's sends collide"),
+    Mutation("step-messages-own-links", "megatron_zeco/cost_model/model.py",
+             "c.link(a, b).time(what[1] * part * nbytes / blocks)", "c.link(a, b).time(part * nbytes / blocks)",
+             "the cost model lets each of a rank's messages of one step (the all-gather's, a leader's lanes) have "
+             "its link to itself"),
     Mutation("kda-decay-without-exp", "megatron_zeco/kda/layer.py",
              "g = -self.A_log.to(fp).exp().unsqueeze(-1) * F.softplus(",
              "g = -self.A_log.to(fp).unsqueeze(-1) * F.softplus(",
