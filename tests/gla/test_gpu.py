@@ -346,16 +346,20 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory", shape="chain
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("delays", [False, True], ids=["", "delayed"])
 @pytest.mark.parametrize("transport", ["peer_memory", "nvshmem"])
-@pytest.mark.parametrize("shape", ["chain", "hierarchical"])
-def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape):
+@pytest.mark.parametrize("shape, node_size", [("chain", 1), ("hierarchical", 1), ("hierarchical", 2)],
+                         ids=["chain", "hierarchical", "hierarchical_one_node"])
+def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape, node_size):
     """Over peer memory and over NVSHMEM (the same kernels; a process has one symmetric-memory backend,
-    so each transport runs in its own processes), in the chain and in the hierarchical shape."""
+    so each transport runs in its own processes), in the chain and in the hierarchical shape: every rank a
+    node of its own, or both one node (``node_size`` 2), where the zigzag walk's two segments hold both
+    ranks: the leader hands the other rank its lane, and the state entering the second segment goes round
+    in an all-gather (diagonal maps) or from its first rank (dense)."""
     if transport == "nvshmem":
         import torch.distributed._symmetric_memory as symm_mem
 
         if not symm_mem.is_nvshmem_available():
             pytest.skip("no NVSHMEM in this torch build")
-    failures = run_ranks(_peer_scans, 2, seed, delays, transport, shape, backend="nccl", timeout=RANK_TIMEOUT)
+    failures = run_ranks(_peer_scans, 2, seed, delays, transport, shape, node_size, backend="nccl", timeout=RANK_TIMEOUT)
     assert not any(failures), failures
 
 
