@@ -53,7 +53,6 @@ from .hierarchical import Walk
 from .nodes import group_nodes
 from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles_per_state
 from .shape import fan_steps
-from .shape import lane_part
 from .shape import lanes as shape_lanes
 from .shape import takers as shape_takers
 from .symmetric import PeerBuffers
@@ -437,6 +436,8 @@ class _Channel:
                        for reverse in (False, True)}
         # each rounds launch's steps (kernels.scan_hop.all_scan_rounds' table), on the device once: a graph
         # replays the address
+        from ..kernels.scan_hop import lane_part
+
         self.tables: Dict[Tuple[bool, int], Tensor] = {
             (reverse, n): torch.tensor([(*step.regions, *self.pes(step), int(step.kind == "compose"),
                                          lane_part(step.lane if hop.lane is None else None))

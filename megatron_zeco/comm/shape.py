@@ -178,20 +178,6 @@ def takers(holders: Sequence[Sequence[int]], lane: Sequence[Sequence[int]]) -> l
     return out
 
 
-LANE_PART = 1 << 16  # a rounds step's part column holds lane g of L as g * LANE_PART + L
-
-
-def lane_part(lane) -> int:
-    """The ``part`` column of a step of ``kernels.scan_hop.all_scan_rounds``' table for ``lane = (g, L)``:
-    ``g * LANE_PART + L``, the step moving lane g's states only; 0 (every state) for None."""
-    if lane is None:
-        return 0
-    g, L = lane
-    if not 0 <= g < L < LANE_PART:
-        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes < {LANE_PART}")
-    return g * LANE_PART + L
-
-
 def message_share(what: str) -> tuple:
     """``(kind, L)`` of a message of :func:`hierarchical_steps`: ``"map"`` -> ``("map", 1)``, a lane's part
     ``"map/8"`` -> ``("map", 8)`` (the states of one lane of 8)."""

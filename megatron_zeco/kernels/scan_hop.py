@@ -51,7 +51,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..comm.shape import LANE_PART
 from .nvshmem import fence, put, put_signal
 
 # A flag value with this bit set says that its sender gave up a wait (a peer before it died or
@@ -199,7 +198,19 @@ def _ack(src, here, tile, seq, src_pe, watch, DATA: tl.constexpr, FLAGS: tl.cons
         _publish((src + DATA + FLAGS).to(tl.pointer_type(tl.int64)) + tile, seq, watch)
 
 
-_PART = tl.constexpr(LANE_PART)  # a rounds step's part column: g * _PART + L (comm.shape.lane_part)
+LANE_PART = 1 << 16  # a rounds step's part column holds lane g of L as g * LANE_PART + L (lane_part)
+_PART = tl.constexpr(LANE_PART)
+
+
+def lane_part(lane) -> int:
+    """The ``part`` column of a step of :func:`all_scan_rounds`' table for ``lane = (g, L)``:
+    ``g * LANE_PART + L``, the step moving lane g's states only; 0 (every state) for None."""
+    if lane is None:
+        return 0
+    g, L = lane
+    if not 0 <= g < L < LANE_PART:
+        raise ValueError(f"lane {g} of {L}: want 0 <= lane < lanes < {LANE_PART}")
+    return g * LANE_PART + L
 
 
 @triton.jit
@@ -688,7 +699,7 @@ def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, 
     ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, part)``
     (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
     is, composing what it receives where ``compose`` is set, else taking it as it is; ``part``: 0, or
-    ``g * 2**16 + L``, the step moving lane g's states of L only: ``comm.shape.lane_part``); ``counters``: the region
+    ``g * LANE_PART + L``, the step moving lane g's states of L only: :func:`lane_part`); ``counters``: the region
     whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its launch id the first step's
     (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
     grid, shape = _shape(y_out, tiles, programs, lane)

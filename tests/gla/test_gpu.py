@@ -359,7 +359,8 @@ def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape, node_s
 
         if not symm_mem.is_nvshmem_available():
             pytest.skip("no NVSHMEM in this torch build")
-    failures = run_ranks(_peer_scans, 2, seed, delays, transport, shape, node_size, backend="nccl", timeout=RANK_TIMEOUT)
+    failures = run_ranks(_peer_scans, 2, seed, delays, transport, shape, node_size, backend="nccl",
+                         timeout=RANK_TIMEOUT)
     assert not any(failures), failures
 
 
