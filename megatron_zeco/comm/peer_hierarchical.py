@@ -224,9 +224,8 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
         hops.extend(_gathered(walk, seg, lanes, me, region))
         hops = _fused(hops, walk)
         return _rounds(hops)
-    # C: the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part (into one
-    # C: the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part (into one
-    # region: the lanes' tiles are apart), then inside that segment in a binomial tree
+    # C (dense maps): the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part
+    # (into one region: the lanes' tiles are apart), then inside that segment in a binomial tree
     for way in (_SEND, _RECEIVE):
         for j in range(M - 1):
             first = walk.rank(seg.first(j + 1))
