@@ -110,7 +110,7 @@ def _roles(rounds: int, steps: int, peers: int) -> List[Tuple[str, int]]:
             + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
             + [(f"C {way}", 0) for way in (_RECEIVE, _SEND)]
             + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)]
-            + [(f"gather {_RECEIVE}", 0) for _ in range(min(peers, 1))]
+            + ([(f"gather {_RECEIVE}", 0)] if peers else [])
             + [(f"gather {_SEND}", k) for k in range(peers)])
 
 

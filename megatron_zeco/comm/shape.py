@@ -161,7 +161,12 @@ def lanes(holders: Sequence[Sequence[int]]) -> list:
     if len(holders) < 2:
         return [[h[-1]] for h in holders]
     L = min(len(h) for h in holders[:-1])
-    return [([h[-1]] + [r for r in h if r != h[-1]])[:L] for h in holders]
+    return [_lane_order(h)[:L] for h in holders]
+
+
+def _lane_order(holders: Sequence[int]) -> list:
+    """A segment's distinct ranks (walk order) in lane order: its leader (the last), then the others."""
+    return [holders[-1]] + [r for r in holders if r != holders[-1]]
 
 
 def takers(holders: Sequence[Sequence[int]], lane: Sequence[Sequence[int]]) -> list:
@@ -173,7 +178,7 @@ def takers(holders: Sequence[Sequence[int]], lane: Sequence[Sequence[int]]) -> l
     gives them."""
     out = []
     for j in range(len(holders) - 1):
-        after = [holders[j + 1][-1]] + [r for r in holders[j + 1] if r != holders[j + 1][-1]]
+        after = _lane_order(holders[j + 1])
         out.append([lane[j][g] if lane[j][g] in after else after[g % len(after)] for g in range(len(lane[j]))])
     return out
 

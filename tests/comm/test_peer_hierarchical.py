@@ -248,11 +248,11 @@ def test_the_cost_model_replays_the_device_plans():
                 modelled[phase].append((a, b))
         for phase in "ABC":
             assert sorted(sent[phase]) == sorted(modelled[phase]), (P, layout, node_size, reverse, merged, phase)
-        inside = [step for step in steps if step[0][3] == "C" and all(nodes[a] == nodes[b] for a, b, *_ in step)]
-        holders = [{walk.rank(i) for i in seg} for seg in walk.segments[1:]]
         if merged:  # at most the lanes' parts into the next segments, then the all-gather
             assert len([step for step in steps if step[0][3] == "C"]) <= 2, (P, layout, node_size, reverse)
             continue
+        inside = [step for step in steps if step[0][3] == "C" and all(nodes[a] == nodes[b] for a, b, *_ in step)]
+        holders = [{walk.rank(i) for i in seg} for seg in walk.segments[1:]]
         # C's first steps, where some segment's state crosses to another rank (not where a zigzag walk turns on
         # one rank), a step per lane, then the trees
         order = [list(dict.fromkeys(walk.rank(i) for i in seg)) for seg in walk.segments]
