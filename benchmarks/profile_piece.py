@@ -22,10 +22,7 @@ k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward
   a zero tensor, not None). ``piece middle, K1 inside K2``: the middle piece with Qt formed chunk by chunk
   inside K2 (``fused_maps``), where the pieces make it with a kernel of its own (K1) that K2 reads.
   ``piece middle, one stream``: the middle piece with its maps after fla's state pass on the current
-  stream rather than beside it on a second one (what the side stream buys). ``piece middle, waves=W``
-  (``--waves``): the middle piece cut into the sub-pieces that fill W waves of the SMs with K2's programs
-  (``sub_piece_waves``; as built: 2); ``piece middle, value block B`` (``--value-blocks``): K4 and K5 on
-  B value columns per program (``value_block``).
+  stream rather than beside it on a second one (what the side stream buys).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
   operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
@@ -83,10 +80,6 @@ def parse_args(argv=None):
                    help="CP sizes whose a2a rank work is simulated (divisors of --heads)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="run only cases whose name starts with one of these (e.g. fla piece 'a2a P=2')")
-    p.add_argument("--waves", type=float, nargs="*", default=[],
-                   help="cases 'piece middle, waves=W': sub-pieces filling W waves of the SMs with K2")
-    p.add_argument("--value-blocks", type=int, nargs="*", default=[],
-                   help="cases 'piece middle, value block B': B value columns per K4 / K5 program")
     p.add_argument("--forward-only", action="store_true", help="time the forward alone (fla refuses its backward)")
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=3)
@@ -247,12 +240,6 @@ def cases_for(args, ops, T, device):
                     lambda b=bwd: piece_case(ops, x(), "middle", b, side_stream=False)))
         out.append(("H", "piece middle, K1 inside K2", direction,
                     lambda b=bwd: piece_case(ops, x(), "middle", b, fused_maps=True)))
-        for W in args.waves:
-            out.append(("H", f"piece middle, waves={W:g}", direction,
-                        lambda b=bwd, W=W: piece_case(ops, x(), "middle", b, sub_piece_waves=W)))
-        for BV in args.value_blocks:
-            out.append(("H", f"piece middle, value block {BV}", direction,
-                        lambda b=bwd, BV=BV: piece_case(ops, x(), "middle", b, value_block=BV)))
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"

@@ -73,10 +73,6 @@ class FlaPiece(Piece):
     # K1 apart, Qt stored in R's dtype; True: K1 inside K2, Qt never stored (profile_piece.py's
     # "K1 inside K2" case times the two)
     fused_maps = False
-    # sub-pieces so that K2 fills this many waves of the SMs (``choose_sub_pieces``), and value columns per
-    # K4 / K5 program (None: the kernels' default); profile_piece.py's "waves" and "value block" cases time others
-    sub_piece_waves = 2.0
-    value_block = None
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
@@ -86,7 +82,7 @@ class FlaPiece(Piece):
         packed = cu_seqlens is not None  # else B sequences of T tokens: B segments for this package's kernels
         offsets = tuple(int(x) for x in cu_seqlens_cpu) if packed else tuple(range(0, (B + 1) * T, T))
         fla_kw = fla_varlen(offsets, CHUNK, q.device) if packed else {}
-        plan = segment_plan(offsets, CHUNK, H, K, q.device, self.sub_piece_waves)
+        plan = segment_plan(offsets, CHUNK, H, K, q.device)
         self.q, self.k, self.v, self.beta = (x.contiguous() for x in (q, k, v, beta))
         self.plan = plan
         self.kw = {n: x for n, x in fla_kw.items() if n != "cu_seqlens_cpu"}
@@ -95,7 +91,7 @@ class FlaPiece(Piece):
                                                                chunk_size=CHUNK, **self.kw)
         # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
         self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=self.side_stream,
-                                          fused=self.fused_maps, block_v=self.value_block)
+                                          fused=self.fused_maps)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
             **fla_kw)

@@ -561,23 +561,10 @@ def plan_sub_pieces(cu_seqlens_cpu: Tensor, chunk_size: int, heads: int, K: int,
 
 
 @functools.lru_cache(maxsize=64)
-def segment_plan(offsets: Tuple[int, ...], chunk_size: int, heads: int, K: int, device: torch.device,
-                 waves: float = 2.0) -> SubPieces:
+def segment_plan(offsets: Tuple[int, ...], chunk_size: int, heads: int, K: int, device: torch.device) -> SubPieces:
     """:func:`plan_sub_pieces` over segments at ``offsets``, made once per shape (a layer's pieces have the
     same segments every step of an unpacked batch)."""
-    return plan_sub_pieces(torch.tensor(offsets, dtype=torch.long), chunk_size, heads, K, device, waves=waves)
-
-
-def default_block_v(V: int) -> int:
-    """Value columns per K4 / K5 program: 64 (fewer for V < 64)."""
-    return min(triton.next_power_of_2(V), 64)
-
-
-def _block_v(V: int, block_v: Optional[int]) -> int:
-    BV = block_v or default_block_v(V)
-    if BV < 16 or BV & (BV - 1):
-        raise ValueError(f"block_v must be a power of two of at least 16, got {BV}")
-    return min(BV, max(16, triton.next_power_of_2(V)))
+    return plan_sub_pieces(torch.tensor(offsets, dtype=torch.long), chunk_size, heads, K, device)
 
 
 def _check(plan: SubPieces, precision: str, **tensors: Tensor) -> None:
@@ -699,12 +686,10 @@ def prefix_maps(L: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
 
 
 def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubPieces, *,
-                      precision: str = "tf32x3", out_dtype: Optional[torch.dtype] = None,
-                      block_v: Optional[int] = None) -> Tensor:
+                      precision: str = "tf32x3", out_dtype: Optional[torch.dtype] = None) -> Tensor:
     """K4: ``o [B, T, H, V]`` = o0 + R_c (P_j S_in[n]) per chunk, in float32, rounded once to
     ``out_dtype`` (default o0's). o0 ``[B, T, H, V]``, R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``,
-    S_in ``[N, H, K, V]``; ``block_v`` value columns per program (default :func:`default_block_v`; each
-    program reads its chunk's R once). A new tensor (o0 is not written)."""
+    S_in ``[N, H, K, V]``. A new tensor (o0 is not written)."""
     _check(plan, precision, o0=o0, R=R)
     H, V = o0.shape[2], o0.shape[3]
     K = R.shape[-1]
@@ -713,7 +698,7 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
     out = torch.empty(o0.shape, dtype=out_dtype or o0.dtype, device=o0.device)
     if plan.num_pieces:
         tables = plan.tables(o0.device)
-        BK, BV = triton.next_power_of_2(K), _block_v(V, block_v)
+        BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 64)
         X = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=o0.device)
         delta_entering_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
             P.contiguous(), S_in.contiguous(), X, tables["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
@@ -724,17 +709,15 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
     return out
 
 
-def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
-                  block_v: Optional[int] = None) -> Tensor:
+def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precision: str = "tf32x3") -> Tensor:
     """K5: ``A [N, H, K, V]`` (float32), the gradient of ``<do, o>`` with respect to each segment's
-    entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``; ``block_v`` as
-    :func:`output_correction`'s."""
+    entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``."""
     _check(plan, precision, R=R, do=do)
     H, K = R.shape[2], R.shape[3]
     V = do.shape[-1]
     A = torch.empty(plan.num_segments, H, K, V, dtype=torch.float32, device=R.device)
     tables = plan.tables(R.device)
-    BV = _block_v(V, block_v)
+    BV = min(triton.next_power_of_2(V), 64)
     Z = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=R.device)
     if plan.num_pieces:
         delta_grad_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
@@ -794,14 +777,12 @@ class PieceCorrection:
     Args:
         q, k: ``[B, T, HQ, K]``; w: ``[B, T, H, K]`` fla's WY factor; g: G ``[B, T, H]`` or ``[B, T, H, K]``
             (base 2, fla's); aqk: ``[B, T, H, BT]`` fla's in-chunk attention (a gate per key channel);
-            plan: the piece's :class:`SubPieces`; fused: K1 inside K2 (:func:`piece_transition`); block_v: value
-            columns per K4 / K5 program (:func:`output_correction`).
+            plan: the piece's :class:`SubPieces`; fused: K1 inside K2 (:func:`piece_transition`).
     """
 
     def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False,
-                 block_v: Optional[int] = None):
-        self.plan, self.block_v = plan, block_v
+                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False):
+        self.plan = plan
         self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
         self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None
         compute = lambda: piece_transition(q, k, w, g, scale, plan, aqk=aqk, r_dtype=q.dtype,  # noqa: E731
@@ -828,9 +809,8 @@ class PieceCorrection:
     def output(self, o0: Tensor, S_in: Tensor) -> Tensor:
         """K4: the piece's output ``[B, T, H, V]`` (o0's dtype) entered by ``S_in [N, H, K, V]`` float32, from
         its output from a zero entering state ``o0``."""
-        return output_correction(o0, self.R, self.P, S_in.contiguous(), self.plan, precision=self.precision,
-                                 block_v=self.block_v)
+        return output_correction(o0, self.R, self.P, S_in.contiguous(), self.plan, precision=self.precision)
 
     def entering_grad(self, do: Tensor) -> Tensor:
         """K5: ``A [N, H, K, V]`` float32, the gradient of ``<do, o>`` with respect to ``S_in``."""
-        return entering_grad(self.R, self.P, do, self.plan, precision=self.precision, block_v=self.block_v)
+        return entering_grad(self.R, self.P, do, self.plan, precision=self.precision)

@@ -502,34 +502,6 @@ def test_segment_plan_is_the_plan_made_once_per_shape():
         (want.segments, want.pieces, want.chunks, want.piece_offsets)
     assert dc.segment_plan(offsets, 64, 4, 32, torch.device("cpu")) is plan
     assert dc.segment_plan(offsets[:-1], 64, 4, 32, torch.device("cpu")).segments == want.segments[:-1]
-    long = (0, 4096)  # 64 chunks: runs of 32 for two waves of one processor's programs, of 8 for eight
-    more = dc.segment_plan(long, 64, 1, 32, torch.device("cpu"), 8.0)  # the pieces' sub_piece_waves
-    assert more.pieces == dc.plan_sub_pieces(torch.tensor(long), 64, 1, 32, torch.device("cpu"), waves=8.0).pieces
-    assert (more.num_pieces, dc.segment_plan(long, 64, 1, 32, torch.device("cpu")).num_pieces) == (8, 2)
-
-
-@pytest.mark.parametrize("block_v", [16, 32, 64, 128])
-def test_value_blocks_of_the_output_and_its_gradient(seed, block_v):
-    """K4 and K5 on ``block_v`` value columns per program (the pieces' ``value_block``): V = 64 in four, two
-    or one block, or one block wider than V (masked), each against the float64 reference; other widths are
-    refused."""
-    from megatron_zeco.kernels import delta_correction as dc
-
-    lengths, H, K, V = [37, 70], 2, 32, 64
-    _, (q, k, w, G), _, _, _ = _kernel_inputs(seed, lengths, H, K, V, torch.float32, "head")
-    plan = ref.SubPieces(_cu(lengths), 16, 2)
-    R, P, _ = dc.piece_transition(q, k, w, G, K ** -0.5, plan, precision="ieee")
-    gen = torch.Generator().manual_seed(seed + 3)
-    o0, do = (torch.randn(1, plan.tokens, H, V, generator=gen).to(DEVICE) for _ in range(2))
-    S_in = torch.randn(plan.num_segments, H, K, V, generator=gen).to(DEVICE)
-    o = dc.output_correction(o0, R, P, S_in, plan, precision="ieee", block_v=block_v)
-    A = dc.entering_grad(R, P, do, plan, precision="ieee", block_v=block_v)
-    errors = {"o": rel_err(_d(o), ref.output_correction(_d(o0), _d(R), _d(P), _d(S_in), plan)),
-              "A": rel_err(_d(A), ref.entering_grad(_d(R), _d(P), _d(do), plan))}
-    assert max(errors.values()) < TOL32, errors
-    assert rel_err(o.cpu(), o0.cpu()) > 0.05
-    with pytest.raises(ValueError, match="block_v"):
-        dc.output_correction(o0, R, P, S_in, plan, precision="ieee", block_v=24)
 
 _COMPILE = r'''
 import sys
