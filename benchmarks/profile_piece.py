@@ -22,9 +22,7 @@ k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward
   a zero tensor, not None). ``piece middle, K1 inside K2``: the middle piece with Qt formed chunk by chunk
   inside K2 (``fused_maps``), where the pieces make it with a kernel of its own (K1) that K2 reads.
   ``piece middle, one stream``: the middle piece with its maps after fla's state pass on the current
-  stream rather than beside it on a second one (what the side stream buys). ``piece middle, maps issued
-  first``: the maps issued on the side stream before fla's state pass rather than after it
-  (``state_pass_first``).
+  stream rather than beside it on a second one (what the side stream buys).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
   operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds
@@ -242,8 +240,6 @@ def cases_for(args, ops, T, device):
                     lambda b=bwd: piece_case(ops, x(), "middle", b, side_stream=False)))
         out.append(("H", "piece middle, K1 inside K2", direction,
                     lambda b=bwd: piece_case(ops, x(), "middle", b, fused_maps=True)))
-        out.append(("H", "piece middle, maps issued first", direction,
-                    lambda b=bwd: piece_case(ops, x(), "middle", b, state_pass_first=False)))
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"

@@ -41,7 +41,7 @@ import torch
 
 from ..common.backend import fla_varlen, require_fla
 from ..cp.operator import Piece
-from ..kernels.delta_correction import PieceCorrection, issue_point, segment_plan
+from ..kernels.delta_correction import PieceCorrection, segment_plan
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for the gated delta rule
@@ -73,8 +73,6 @@ class FlaPiece(Piece):
     # K1 apart, Qt stored in R's dtype; True: K1 inside K2, Qt never stored (profile_piece.py's
     # "K1 inside K2" case times the two)
     fused_maps = False
-    # fla's state pass issued before the maps; False: after them (profile_piece.py's "maps issued first" case)
-    state_pass_first = True
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
@@ -91,25 +89,15 @@ class FlaPiece(Piece):
         self.g = fla.chunk_local_cumsum(g.contiguous(), chunk_size=CHUNK, scale=fla.RCP_LN2, **self.kw)
         w, u, self.A_wy = fla.chunk_gated_delta_rule_fwd_intra(k=self.k, v=self.v, g=self.g, beta=self.beta,
                                                                chunk_size=CHUNK, **self.kw)
-        # the maps beside fla's state pass (on a side stream; fla's backward recomputes w), issued after it: the
-        # state pass's few programs start at once, the maps fill the SMs it leaves (issued first, K1's many
-        # programs would hold every SM until their last wave, the state pass waiting behind them)
-        ready = issue_point(q.device)
-        if not self.state_pass_first:
-            self._correction(w, ready)
+        # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
+        self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=self.side_stream,
+                                          fused=self.fused_maps)
         self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
             k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
             **fla_kw)
-        if self.state_pass_first:
-            self._correction(w, ready)
         self.correction.join()
         self.o0 = None
         self._local = None
-
-    def _correction(self, w: Tensor, ready) -> None:
-        """K1..K3 (:class:`PieceCorrection`) after the work ``ready`` marks, beside what follows."""
-        self.correction = PieceCorrection(self.q, self.k, w, self.g, self.scale, self.plan, beside=self.side_stream,
-                                          fused=self.fused_maps, after=ready)
 
     @property
     def M(self) -> Tensor:

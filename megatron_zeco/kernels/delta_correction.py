@@ -81,7 +81,7 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
     "fused_maps", "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection",
-    "side_stream", "issue_point",
+    "side_stream",
 ]
 
 
@@ -764,12 +764,6 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[device]
 
 
-def issue_point(device: torch.device) -> Optional["torch.cuda.Event"]:
-    """An event at the end of the work issued so far on the current CUDA stream (None elsewhere): what a
-    :class:`PieceCorrection` made after more work was issued waits for (``after``)."""
-    return torch.cuda.current_stream(device).record_event() if torch.device(device).type == "cuda" else None
-
-
 class PieceCorrection:
     """What the state entering one piece adds to it, for an operator's piece on fla's kernels: K1..K3
     before the scan (``R``, ``P`` and the segments' transitions ``M``), K4 and K5 after it.
@@ -783,14 +777,11 @@ class PieceCorrection:
     Args:
         q, k: ``[B, T, HQ, K]``; w: ``[B, T, H, K]`` fla's WY factor; g: G ``[B, T, H]`` or ``[B, T, H, K]``
             (base 2, fla's); aqk: ``[B, T, H, BT]`` fla's in-chunk attention (a gate per key channel);
-            plan: the piece's :class:`SubPieces`; fused: K1 inside K2 (:func:`piece_transition`); after: with
-            ``beside``, the side stream waits for this event (:func:`issue_point`) instead of for all the work
-            issued so far on the current stream.
+            plan: the piece's :class:`SubPieces`; fused: K1 inside K2 (:func:`piece_transition`).
     """
 
     def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
-                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False,
-                 after: Optional["torch.cuda.Event"] = None):
+                 aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False):
         self.plan = plan
         self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
         self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None
@@ -799,10 +790,7 @@ class PieceCorrection:
         if self._side is None:
             self.R, self.P, self.M = compute()
             return
-        if after is not None:
-            self._side.wait_event(after)
-        else:
-            self._side.wait_stream(torch.cuda.current_stream(q.device))
+        self._side.wait_stream(torch.cuda.current_stream(q.device))
         with torch.cuda.stream(self._side):
             self.R, self.P, self.M = compute()
         for t in (q, k, w, g, aqk):  # read on the side stream; the caller may drop them before it is done
