@@ -45,7 +45,9 @@ package (fla, megatron_zeco, triton, torch, other Python, C builtins) and its co
 iterations run under torch.profiler:
 CUDA time and launches per kernel name per iteration, and each kernel's grid and block (the
 number of programs of fla's sequential state passes). The autotuned config of every fla kernel
-that ran is recorded too. Prints tables as it goes and rewrites ``--out`` (JSON) after each case.
+that ran is recorded too. With ``--timeline`` one more iteration, issued behind a GPU sleep, is traced:
+each kernel's stream, start and end (µs from the first kernel's start), which shows what runs beside
+what. Prints tables as it goes and rewrites ``--out`` (JSON) after each case.
 
 fla 0.6 refuses the gated delta rule's backward on Hopper with Triton 3.4 - 3.7.0 (its issue
 #640): use Triton >= 3.7.1, or ``--forward-only``.
@@ -87,6 +89,8 @@ def parse_args(argv=None):
     p.add_argument("--top", type=int, default=14, help="kernels printed per case")
     p.add_argument("--host-profile", type=int, default=5, metavar="N",
                    help="calls per case under cProfile: the host's issue time by package and function (0: off)")
+    p.add_argument("--timeline", action="store_true",
+                   help="trace one iteration per case: each kernel's stream, start and end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--autotune", action="store_true",
                    help="autotune every kernel instead of replaying the configs recorded for this GPU")
@@ -240,6 +244,9 @@ def cases_for(args, ops, T, device):
                     lambda b=bwd: piece_case(ops, x(), "middle", b, side_stream=False)))
         out.append(("H", "piece middle, K1 inside K2", direction,
                     lambda b=bwd: piece_case(ops, x(), "middle", b, fused_maps=True)))
+        if args.op == "gdn":
+            out.append(("H", "piece middle, state pass not urgent", direction,
+                        lambda b=bwd: piece_case(ops, x(), "middle", b, urgent_state_pass=False)))
     for P in args.a2a_world:
         for direction, bwd in directions:
             group = "H" if P == 1 else f"H/{P}"
@@ -403,17 +410,37 @@ def kernel_times(run, iters):
             calls[event.name] += 1 / iters
     table = {n: {"us": t, "calls": round(calls[n], 2)} for n, t in us.most_common()}
     launches = collections.defaultdict(list)
-    with tempfile.TemporaryDirectory() as tmp:  # grids live in the trace's kernel events only
+    for e in _trace(prof):  # grids live in the trace's kernel events only
+        shape = [e.get("args", {}).get("grid"), e.get("args", {}).get("block")]
+        if shape not in launches[e["name"]]:
+            launches[e["name"]].append(shape)
+    return table, dict(launches)
+
+
+def _trace(prof):
+    """The kernel events of a torch.profiler run's chrome trace."""
+    with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
-    for e in trace.get("traceEvents", []):
-        if e.get("cat") == "kernel":
-            shape = [e.get("args", {}).get("grid"), e.get("args", {}).get("block")]
-            if shape not in launches[e["name"]]:
-                launches[e["name"]].append(shape)
-    return table, dict(launches)
+    return [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+
+
+def timeline(run, cycles_per_ms):
+    """``[[kernel, stream, start µs, end µs], ...]`` of one ``run`` issued behind a GPU sleep (so that
+    the host is ahead of the GPU), in order of start, times from the first kernel's start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda._sleep(int(20 * cycles_per_ms))
+        run()
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in _trace(prof) if "spin_kernel" not in e["name"]), key=lambda e: e["ts"])
+    t0 = kernels[0]["ts"] if kernels else 0.0
+    return [[short(e["name"]), e.get("args", {}).get("stream"), round(e["ts"] - t0, 1),
+             round(e["ts"] + e["dur"] - t0, 1)] for e in kernels]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,6 +469,10 @@ def print_case(row, top):
         grid = row["launches"].get(name, [])
         print(f"  {short(name):64s} {k['us']:9.1f} us {k['calls']:5.1f}x {100 * k['us'] / total:5.1f}%  "
               + " ".join(f"grid{tuple(s[0] or ())}" for s in grid[:2]), flush=True)
+    if row.get("timeline"):
+        print("  timeline (µs from the first kernel):", flush=True)
+        for name, stream, start, end in row["timeline"]:
+            print(f"    stream {stream!s:>4} {start:8.1f} .. {end:8.1f} ({end - start:7.1f})  {name}", flush=True)
     if row.get("host_by_package_ms"):
         print("  host issue by package (cProfile, ms per call): "
               + ", ".join(f"{p} {ms:.3f}" for p, ms in row["host_by_package_ms"].items()), flush=True)
@@ -543,6 +574,8 @@ def measure(args, make, cycles):
     row["kernels"], row["launches"] = kernel_times(run, args.profile_iters)
     if args.host_profile:
         row["host_by_package_ms"], row["host_top"] = host_profile(run, args.host_profile, cycles)
+    if args.timeline:
+        row["timeline"] = timeline(run, cycles)
     return row
 
 

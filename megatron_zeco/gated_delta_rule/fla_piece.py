@@ -11,7 +11,8 @@ linear in ``S_in`` (``megatron_zeco/kernels/delta_correction.py``, shared with K
 so, per piece:
 
 forward: fla's cumsum and WY transform; then, side by side, fla's state pass from a zero state
-    (``E``) and this package's maps (``Qt``, the transformed queries ``R_c = Qt_c M_{<c}`` over
+    (``E``; on a stream of the highest priority, so that its few programs take their SMs ahead of the
+    maps' many) and this package's maps (``Qt``, the transformed queries ``R_c = Qt_c M_{<c}`` over
     sub-pieces of the piece computed in parallel, their prefix products ``P`` and ``M``: on a
     second CUDA stream, beside fla's state pass, which leaves most SMs idle) -- while the scan is in
     flight, fla's output kernel (``o^0``) -- once ``S_in`` is there, ``o = o^0 + R (P S_in)``, every
@@ -33,6 +34,7 @@ Built on fla-core's internal functions (signatures of fla-core 0.6, ``common.bac
 imported on first use.
 """
 
+import contextlib
 import functools
 from types import SimpleNamespace
 from typing import Optional, Tuple
@@ -41,7 +43,7 @@ import torch
 
 from ..common.backend import fla_varlen, require_fla
 from ..cp.operator import Piece
-from ..kernels.delta_correction import PieceCorrection, segment_plan
+from ..kernels.delta_correction import PieceCorrection, segment_plan, urgent_stream
 
 Tensor = torch.Tensor
 CHUNK = 64  # fla's chunk size for the gated delta rule
@@ -73,6 +75,9 @@ class FlaPiece(Piece):
     # K1 apart, Qt stored in R's dtype; True: K1 inside K2, Qt never stored (profile_piece.py's
     # "K1 inside K2" case times the two)
     fused_maps = False
+    # fla's state pass on a stream of the highest priority (``urgent_stream``); False: on the current stream
+    # (profile_piece.py's "state pass not urgent" case)
+    urgent_state_pass = True
 
     def __init__(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float,
                  cu_seqlens: Optional[Tensor] = None, cu_seqlens_cpu: Optional[Tensor] = None):
@@ -92,9 +97,20 @@ class FlaPiece(Piece):
         # the maps beside fla's state pass (on a side stream; fla's backward recomputes w)
         self.correction = PieceCorrection(self.q, self.k, w, self.g, scale, self.plan, beside=self.side_stream,
                                           fused=self.fused_maps)
-        self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
-            k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
-            **fla_kw)
+        urgent = urgent_stream(q.device) if self.urgent_state_pass and q.device.type == "cuda" else None
+        if urgent is not None:  # fla's state pass ahead of K1's pending programs
+            main = torch.cuda.current_stream(q.device)
+            urgent.wait_stream(main)
+            for t in (self.k, w, u, self.g):
+                t.record_stream(urgent)
+        with torch.cuda.stream(urgent) if urgent is not None else contextlib.nullcontext():
+            self.h, self.v_new, self.E = fla.chunk_gated_delta_rule_fwd_h(
+                k=self.k, w=w, u=u, g=self.g, initial_state=None, output_final_state=True, chunk_size=CHUNK,
+                **fla_kw)
+        if urgent is not None:
+            main.wait_stream(urgent)
+            for t in (self.h, self.v_new, self.E):
+                t.record_stream(main)
         self.correction.join()
         self.o0 = None
         self._local = None

@@ -81,7 +81,7 @@ PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
     "fused_maps", "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection",
-    "side_stream",
+    "side_stream", "urgent_stream",
 ]
 
 
@@ -762,6 +762,20 @@ def side_stream(device: torch.device) -> "torch.cuda.Stream":
     if device not in _SIDE_STREAMS:
         _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     return _SIDE_STREAMS[device]
+
+
+_URGENT_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def urgent_stream(device: torch.device) -> "torch.cuda.Stream":
+    """A CUDA stream of the highest priority (one per device, made on first use): a piece's state pass on it
+    takes the SMs as they free up, ahead of the programs K1..K3 have pending on :func:`side_stream`."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _URGENT_STREAMS:
+        _URGENT_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps
+    return _URGENT_STREAMS[device]
 
 
 class PieceCorrection:
