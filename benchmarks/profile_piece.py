@@ -22,7 +22,9 @@ k L2-normalised, beta = sigmoid. Cases, each forward alone (``fwd``) and forward
   a zero tensor, not None). ``piece middle, K1 inside K2``: the middle piece with Qt formed chunk by chunk
   inside K2 (``fused_maps``), where the pieces make it with a kernel of its own (K1) that K2 reads.
   ``piece middle, one stream``: the middle piece with its maps after fla's state pass on the current
-  stream rather than beside it on a second one (what the side stream buys).
+  stream rather than beside it on a second one (what the side stream buys). ``piece middle, state pass
+  not urgent`` (gdn): fla's state pass on the current stream rather than on one of the highest priority
+  (``urgent_state_pass``).
 * ``a2a P=p``: one rank's work in strategy a2a at CP=p (``cp/a2a.py: head_all_to_all`` around the
   operator's local op) with each all-to-all replaced by a same-size device copy
   (``x.contiguous()`` then a copy into ``torch.empty_like``, as ``comm.functional._AllToAll`` feeds

@@ -752,30 +752,28 @@ def piece_transition(q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, p
 # ------------------------------------------------------------------------------------------ a piece's correction
 
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+_URGENT_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+
+
+def _stream(streams: Dict[torch.device, "torch.cuda.Stream"], device: torch.device, **kw) -> "torch.cuda.Stream":
+    """``streams``' CUDA stream of ``device`` (made on first use with ``kw``)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in streams:
+        streams[device] = torch.cuda.Stream(device, **kw)
+    return streams[device]
 
 
 def side_stream(device: torch.device) -> "torch.cuda.Stream":
     """The CUDA stream K1..K3 run on beside a piece's own work (one per device, made on first use)."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
-
-
-_URGENT_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
+    return _stream(_SIDE_STREAMS, device)
 
 
 def urgent_stream(device: torch.device) -> "torch.cuda.Stream":
     """A CUDA stream of the highest priority (one per device, made on first use): a piece's state pass on it
     takes the SMs as they free up, ahead of the programs K1..K3 have pending on :func:`side_stream`."""
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _URGENT_STREAMS:
-        _URGENT_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is higher; torch clamps
-    return _URGENT_STREAMS[device]
+    return _stream(_URGENT_STREAMS, device, priority=-1)  # lower is higher; torch clamps
 
 
 class PieceCorrection:

@@ -562,3 +562,25 @@ def test_kernels_compile_for_hopper():
         if "ptxas" in err and "not found" in err:
             pytest.skip("Triton's CUDA backend has no ptxas here")
         assert proc.returncode == 0 and out.strip().endswith("ok"), err[-3000:]
+
+
+def test_the_pieces_streams_are_one_per_device_the_state_pass_at_the_highest_priority(monkeypatch):
+    """K1..K3's side stream at the default priority and the state pass's stream at the highest (its few programs
+    take the SMs ahead of the maps' pending ones; torch clamps -1 to the device's range), each made once per
+    device."""
+    from megatron_zeco.kernels import delta_correction as dc
+
+    made = []
+
+    class Recorder:
+        def __init__(self, device, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    monkeypatch.setattr(dc, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(dc, "_URGENT_STREAMS", {})
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    urgent, side = dc.urgent_stream(a), dc.side_stream(a)
+    assert dc.urgent_stream(a) is urgent and dc.side_stream(a) is side and urgent is not side
+    assert dc.urgent_stream(b) is not urgent
+    assert made == [(a, -1), (a, 0), (b, -1)]
