@@ -63,3 +63,20 @@ def fla_results(op, x: Dict[str, torch.Tensor], inputs: Iterable[str], dtype: to
     if h is not None:
         out["dh0"] = grads[-1]
     return {n: t.detach().cpu() for n, t in out.items()}
+
+
+def assert_float32_piece_as_close_as_fla(piece, S_in: torch.Tensor, o: torch.Tensor, E: torch.Tensor,
+                                         M: torch.Tensor, o_ref: torch.Tensor, theirs: Dict[str, torch.Tensor],
+                                         tolerance: float) -> None:
+    """A float32 delta-rule piece entered by ``S_in`` (float64) with output ``o`` against the float64 chunked
+    form (``E``, ``M``, ``o_ref``) and fla's own float32 op on one GPU from the same entering states
+    (``theirs``: its ``o`` and ``ht``, :func:`fla_results`): the piece's transition to 1e-4 (this package's
+    kernels keep float32 accuracy); its leaving state and output no further off than twice fla's (whose
+    state pass, which gives the piece its ``E``, multiplies in TF32), fla's within ``tolerance``."""
+    S_ref = (M @ S_in.to(M.device) + E).cpu()
+    S_out = (piece.M @ S_in.to(piece.M.device, torch.float32) + piece.E).cpu()
+    ours = {"S_out": rel_err(S_out, S_ref), "o": rel_err(o.cpu(), o_ref.cpu())}
+    fla = {"S_out": rel_err(theirs["ht"], S_ref), "o": rel_err(theirs["o"], o_ref.cpu())}
+    assert rel_err(piece.M, M) < 1e-4
+    assert max(fla.values()) < tolerance, fla
+    assert all(ours[n] <= 2 * fla[n] + 1e-6 for n in ours), (ours, fla)

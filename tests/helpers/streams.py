@@ -36,3 +36,16 @@ def recorded_streams(log):
         yield main, side, current
     finally:
         torch.cuda.current_stream, torch.cuda.stream = saved
+
+
+def made_streams(monkeypatch):
+    """``torch.cuda.Stream`` stood in for by a recorder: returns the list each stream made appends its
+    ``(device, priority)`` to."""
+    made = []
+
+    class Recorder:
+        def __init__(self, device, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    return made

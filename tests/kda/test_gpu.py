@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeco import Layout, zeco_kda
-from tests.helpers.bounds import fla_results, joined_errors, over_bounds
+from tests.helpers.bounds import assert_float32_piece_as_close_as_fla, fla_results, joined_errors, over_bounds
 from tests.helpers.distributed import run_ranks
 from tests.helpers.reference import kda_problem, reference, rel_err
 
@@ -238,12 +238,6 @@ def test_piece_in_float32_over_long_segments_is_as_close_to_float64_as_fla(seed)
     exact = {n: x[n].cuda() for n in NAMES}
     E, M = chunk_kda_state(exact["k"], exact["v"], exact["g"], exact["beta"], cu_seqlens=cu.cuda())
     o_ref, _ = chunk_kda(*exact.values(), 64 ** -0.5, S_in.cuda(), cu_seqlens=cu.cuda())
-    S_ref = (M @ S_in.cuda() + E).cpu()
     theirs = fla_results(fla_chunk_kda, x, NAMES, torch.float32, 64 ** -0.5, S_in, torch.zeros_like(S_in), cu,
                          g_dtype=torch.float32, backward=False)
-    S_out = (piece.M @ S_in.cuda().float() + piece.E).cpu()
-    ours = {"S_out": rel_err(S_out, S_ref), "o": rel_err(o.cpu(), o_ref.cpu())}
-    fla = {"S_out": rel_err(theirs["ht"], S_ref), "o": rel_err(theirs["o"], o_ref.cpu())}
-    assert rel_err(piece.M, M) < 1e-4
-    assert max(fla.values()) < TOLERANCE[torch.float32], fla
-    assert all(ours[n] <= 2 * fla[n] + 1e-6 for n in ours), (ours, fla)
+    assert_float32_piece_as_close_as_fla(piece, S_in, o, E, M, o_ref, theirs, TOLERANCE[torch.float32])

@@ -569,14 +569,9 @@ def test_the_pieces_streams_are_one_per_device_the_state_pass_at_the_highest_pri
     take the SMs ahead of the maps' pending ones; torch clamps -1 to the device's range), each made once per
     device."""
     from megatron_zeco.kernels import delta_correction as dc
+    from tests.helpers.streams import made_streams
 
-    made = []
-
-    class Recorder:
-        def __init__(self, device, priority=0):
-            made.append((device, priority))
-
-    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    made = made_streams(monkeypatch)
     monkeypatch.setattr(dc, "_SIDE_STREAMS", {})
     monkeypatch.setattr(dc, "_URGENT_STREAMS", {})
     a, b = torch.device("cuda", 0), torch.device("cuda", 1)
