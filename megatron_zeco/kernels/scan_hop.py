@@ -480,14 +480,15 @@ def all_scan_rounds_kernel(
 @triton.jit
 def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
     """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (rows ``M_ROW`` apart), ``x`` the
-    ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in IEEE float32, never TF32 (``DOT``),
-    or products summed elementwise (float64, and blocks under 16)."""
+    ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in three TF32 passes on tensor cores
+    (``DOT``: float32 accuracy, each operand split into a TF32 head and tail), or products summed elementwise
+    (float64, and blocks under 16)."""
     rows = r + tl.arange(0, BR)
     kk = tl.arange(0, BK)
     m = tl.load(M + m_base + rows[:, None] * M_ROW + kk[None, :], mask=(rows[:, None] < K) & (kk[None, :] < K),
                 other=0.0)
     if DOT:
-        y = tl.dot(m, x, input_precision="ieee")
+        y = tl.dot(m, x, input_precision="tf32x3")
     else:
         y = tl.sum(m[:, :, None] * x[None, :, :], axis=1)
     return rows, y
