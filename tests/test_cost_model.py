@@ -697,7 +697,8 @@ def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
                 "piece-gdn-h200x1-2026-11-30c.json"),
         "kda": ("piece-kda-h200x1-2026-11-28.json", "piece-kda-h200x1-2026-11-30.json")}.items()}
     # and bench_op.py's one-GPU rows (strategy none, steady) of a run in no forced scan shape
-    ops = {"gdn": [json.loads((RESULTS / "op-gdn-overlap-h200x2-2026-11-30.json").read_text(encoding="utf-8"))],
+    ops = {"gdn": [json.loads((RESULTS / name).read_text(encoding="utf-8"))
+                   for name in ("op-gdn-overlap-h200x2-2026-11-30.json", "op-gdn-overlap-h200x2-2026-11-30b.json")],
            "kda": []}
     for op, datas in files.items():
         for T in (16384, 32768):
@@ -766,7 +767,7 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     beside that work (when the successor holds the state with the overlap, against the hop's time after the
     in-chunk work without) are bench_overlap.py's measurements, read off its rows here; as built they count
     over the device transports only (over send/recv the overlap is off by default) and for the operators whose
-    rules turn it on (GLA; the gated delta rule's forward hides too little)."""
+    rules turn it on (GLA and the gated delta rule; not KDA, whose overlap is not measured)."""
     data = json.loads((RESULTS / "overlap-h200x1-2026-11-29c.json").read_text(encoding="utf-8"))
     at = {(r["op"], r["tokens"], r["arrival_us"], r["mode"]): r for r in data["rows"] if r["side_priority"] == "high"}
     gla = lambda arrival, mode, key: at["gla", 16384, arrival, mode][key]  # noqa: E731
@@ -784,7 +785,7 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
     # the gated delta rule's, from its newest file: work beside the scan in both directions (before_grads)
-    (serial,) = [r for r in json.loads((RESULTS / "overlap-gdn-h200x1-2026-11-30.json").read_text(encoding="utf-8"))[
+    (serial,) = [r for r in json.loads((RESULTS / "overlap-gdn-h200x1-2026-11-30b.json").read_text(encoding="utf-8"))[
         "rows"] if (r["mode"], r["arrival_us"]) == ("serial", 0)]
     assert gdn.hidden[1] == pytest.approx(serial["bwd_local_ms"] / serial["bwd_ms"], rel=1e-12)
     assert gdn.hidden[0] > 0.0 and gdn.hidden[1] > 0.1 and gdn.aside[1] > 1
@@ -803,13 +804,17 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     got = cm.layer_time("zeco", w, c, sw, 32) - cm.layer_time("zeco", bare, c, sw, 32) + sum(scans)
     assert got == pytest.approx(want, rel=1e-9)
     assert cm.layer_time("zeco", w, c, sw, 32) < cm.layer_time("zeco", bare, c, sw, 32)
-    # the gated delta rule's overlap is off by default: measured, not counted
+    # the gated delta rule's overlap is on (measured and counted); KDA's is off: shares given to it count nothing
     gdn_bare = dataclasses.replace(gdn, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
-    assert cm.layer_time("zeco", gdn, c, sw, 32) == cm.layer_time("zeco", gdn_bare, c, sw, 32)
+    assert cm.layer_time("zeco", gdn, c, sw, 32) < cm.layer_time("zeco", gdn_bare, c, sw, 32)
+    kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
+    kda_shared = dataclasses.replace(kda, hidden=gdn.hidden, spin=gdn.spin, aside=gdn.aside)
+    assert cm.layer_time("zeco", kda_shared, c, sw, 32) == cm.layer_time("zeco", kda, c, sw, 32)
     assert any(line.startswith("# overlap as built (gla): over peer_memory and nvshmem the hops run beside 42% / 49%")
                for line in _cli("--gpus", "16"))
-    assert any(line.startswith("# overlap as built (gdn): off by default")
+    assert any(line.startswith("# overlap as built (gdn): over peer_memory and nvshmem the hops run beside")
                for line in _cli("--gpus", "16", "--op", "gdn"))
+    assert any(line.startswith("# overlap as built (kda): not measured") for line in _cli("--gpus", "16", "--op", "kda"))
 
 
 def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
@@ -874,8 +879,8 @@ def test_recorded_delta_rule_efficiencies_are_the_models():
     table = {m.group(1): [float(x) for x in m.group(*range(2, 8))] for m in re.finditer(
         rf"^\| (.+?) \| {pair} \| {pair} \| {pair} \|$", SCALING.read_text(encoding="utf-8"), flags=re.M)}
     cal = _calibration()
-    rows = {"zeco: the hierarchical shape in the device kernels over NVSHMEM (*projected*; its overlap off)":
-                ("zeco-hierarchical", ["nvshmem"]),
+    rows = {"zeco: the hierarchical shape in the device kernels over NVSHMEM (*projected*; its overlap measured on "
+            "one GPU)": ("zeco-hierarchical", ["nvshmem"]),
             "zeco: hierarchical over send/recv (measured message costs, *projected* products)":
                 ("zeco-hierarchical", ["send_recv"]),
             "zeco: chain over NVSHMEM (*projected*)": ("zeco-chain", None),

@@ -23,7 +23,7 @@ FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
-FP32_FLOPS = 67e12  # flop/s, H200 FP32 without tensor cores (NVIDIA spec): the dense hop's IEEE float32 products
+FP32_FLOPS = 67e12  # flop/s, H200 FP32 without tensor cores (NVIDIA spec): what the dense hop's products are charged
 
 
 # ---------------------------------------------------------------------------------------------- operators
@@ -61,7 +61,7 @@ class Dense:
 
     Applying it to a state block of c columns is a K x K by K x c product, composing two a K x K by
     K x K product (``comm/transition.py``); both are charged at :data:`FP32_FLOPS` (the hop kernels
-    multiply in IEEE float32). Blocks of columns are independent; a zigzag walk runs as one chain
+    multiply in three TF32 passes on tensor cores, float32 accuracy). Blocks of columns are independent; a zigzag walk runs as one chain
     (the return leg's composed maps would carry K x K more per message)."""
 
     block_dim = "v_dim"

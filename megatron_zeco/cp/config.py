@@ -69,10 +69,11 @@ RULES = {
     "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport=None, auto_overlap=True,
                  knobs=frozenset({"piece_split", "node_size"})),
     # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default;
-    # the delta rules' in-chunk work (the forward's zero-state pass) is shorter than what their dense hop loses
-    # on few programs, and their backward has none: no side stream unless asked for
+    # over a device transport the gated delta rule's hops run beside its piece's work that needs no scan result
+    # (the forward's output from a zero state, the backward's recompute of the chunk states): measured on one
+    # and two GPUs (docs/scaling.md, "The overlap, measured on one GPU"); KDA's is not measured: off
     "gated_delta_rule": Rules("the gated delta rule", ("zeco", "lasp2", "a2a"), blocks="columns",
-                              auto_transport=Transport.SEND_RECV, auto_overlap=False),
+                              auto_transport=Transport.SEND_RECV, auto_overlap=True),
     "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport=Transport.SEND_RECV,
                  auto_overlap=False),
 }

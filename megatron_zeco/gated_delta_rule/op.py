@@ -86,7 +86,8 @@ def zeco_gated_delta_rule(
             (one node; on the CPU under ``TRITON_INTERPRET=1``) or ``nvshmem``: the dense hop kernel;
             ``auto``: what ``cp.config.RULES["gated_delta_rule"]`` says.
         overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local work
-            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what ``cp.config.RULES`` says for this operator (off).
+            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what
+            ``cp.config.RULES`` says for this operator (on over ``peer_memory`` and ``nvshmem``).
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective), at the first call of each group,
             knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan

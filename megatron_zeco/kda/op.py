@@ -78,7 +78,8 @@ def zeco_kda(
         transport: ``zeco`` only: ``send_recv``, ``peer_memory`` or ``nvshmem`` (the dense hop
             kernel); ``auto``: what ``cp.config.RULES["kda"]`` says.
         overlap: ``zeco`` and ``lasp2`` on CUDA: the scan runs on a side stream beside the local work
-            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what ``cp.config.RULES`` says for this operator (off).
+            that needs no entering state (the piece's ``before_output`` and ``before_grads``). None (default): what
+            ``cp.config.RULES`` says for this operator (off).
         validate: all-gather a description of every rank's inputs and raise the same ``ValueError``
             on all ranks if any is unusable (one small collective), at the first call of each group,
             knobs and input shapes, dtypes and devices; later calls alike reuse that check and the plan

@@ -124,9 +124,10 @@ def _fla(x, refused, cu_seqlens=None):
     return _backward(lambda: fla_results(*args), refused) or fla_results(*args, backward=False)
 
 
-def _two_ranks(rank, world, seed, strategy):
-    """``strategy`` in both layouts, unpacked (initial and final state) and packed (both splits), bf16:
-    ``{case: (each result's relative error over the whole sequence, fla's on one GPU over the same tokens)}``."""
+def _two_ranks(rank, world, seed, strategy, packed=True, transport="auto", overlap=None):
+    """``strategy`` in both layouts, unpacked (initial and final state) and, with ``packed``, packed (both
+    splits), bf16: ``{case: (each result's relative error over the whole sequence, fla's on one GPU over the
+    same tokens)}``. ``transport``, ``overlap``: the unpacked cases' (zeco_gated_delta_rule's keywords)."""
     group = dist.new_group(list(range(world)))
     x = delta_problem(seed, B=2, T=2 * 320, H=4, K=64, V=64)
     ref = reference(x)
@@ -136,7 +137,7 @@ def _two_ranks(rank, world, seed, strategy):
     for layout in Layout:
         shard = {n: layout.shard(x[n], rank, world) if n in (*NAMES, "do") else x[n] for n in x}
         got = _run(shard, torch.bfloat16, ht_weight=1 / world, refused=refused, group=group, strategy=strategy,
-                   layout=layout, num_blocks=2 if strategy == "zeco" else 1)
+                   layout=layout, num_blocks=2 if strategy == "zeco" else 1, transport=transport, overlap=overlap)
         whole = {"ht": got["ht"]}
         for n in (n for n in ("o", "dq", "dk", "dv", "dg", "dbeta") if n in got):
             parts = [torch.empty_like(got[n]).cuda() for _ in range(world)]
@@ -147,6 +148,8 @@ def _two_ranks(rank, world, seed, strategy):
             dist.all_reduce(dh0, group=group)
             whole["dh0"] = dh0.cpu()
         out[strategy, layout.value] = ({n: rel_err(whole[n], ref[n]) for n in whole}, fla)
+    if not packed:
+        return out, refused[:1]
     p = delta_problem(seed + 1, B=1, T=640, H=4, K=64, V=64, initial_state=False)
     p.update(h0=None, dht=None)
     for per_document, docs in ((False, [1, 70, 300, 5, 100, 164]), (True, [120, 8, 400, 112])):
@@ -168,18 +171,34 @@ def _two_ranks(rank, world, seed, strategy):
     return out, refused[:1]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("strategy", ["zeco", "lasp2", "a2a"])
-def test_two_gpus_every_strategy_matches_float64(seed, strategy):
-    """Each case's bf16 results within the bound of fla's own error on one GPU over the same tokens (a test
-    per strategy: on a cold machine their compiles run side by side under pytest-xdist)."""
-    results = run_ranks(_two_ranks, 2, seed, strategy, backend="nccl", timeout=900)
+def _within_fla(results):
+    """Every rank's every case within the bound of fla's own error (``_two_ranks``' results); a skip naming
+    fla's refusal where only the forward could be checked."""
     bad = {(r, case): over for r, (each, _) in enumerate(results) for case, (errors, fla) in each.items()
            if (over := over_bounds(errors, fla))}
     assert not bad, bad
     refused = [m for _, refused in results for m in refused]
     if refused:
         pytest.skip(f"forward checked; fla refuses the gated delta rule's backward here: {refused[0]}")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("strategy", ["zeco", "lasp2", "a2a"])
+def test_two_gpus_every_strategy_matches_float64(seed, strategy):
+    """Each case's bf16 results within the bound of fla's own error on one GPU over the same tokens (a test
+    per strategy: on a cold machine their compiles run side by side under pytest-xdist)."""
+    results = run_ranks(_two_ranks, 2, seed, strategy, backend="nccl", timeout=900)
+    _within_fla(results)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("overlap", [None, False], ids=["overlap_as_built", "no_overlap"])
+def test_two_gpus_over_peer_memory_match_float64(seed, overlap):
+    """zeco over peer memory (the dense hop kernel, its products on tensor cores), both layouts, the scan
+    beside the piece's work as built (``overlap=None``: on) and after it, within the bound of fla's own error
+    on one GPU."""
+    results = run_ranks(_two_ranks, 2, seed, "zeco", False, "peer_memory", overlap, backend="nccl", timeout=900)
+    _within_fla(results)
 
 
 @pytest.mark.slow
