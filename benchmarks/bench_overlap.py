@@ -9,12 +9,12 @@ in-chunk work that needs no entering state (``Piece.before_output``, ``Piece.bef
 beside it; without, that work is issued first and the hop after it, on the current stream.
 
 One process plays both ends of one link. The predecessor's hop (the real ``all_scan_hop``, or
-``all_scan_dense_hop`` for the gated delta rule, storing into this rank's receive buffer and raising its
+``all_scan_dense_hop`` for the delta rules, storing into this rank's receive buffer and raising its
 flags, in device memory) runs on a stream of its own, of the highest priority (on its own GPU it would not
 queue behind this rank's work), behind a GPU sleep of ``--arrival`` microseconds,
 counted from the end of the piece's summary (forward) or of ``entering_grad`` (backward): when the state
-reaches this rank. This rank's piece (``gla/fla_piece.py``, ``gated_delta_rule/fla_piece.py``; B = 1, H heads
-of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in each direction the one hop
+reaches this rank. This rank's piece (``gla/fla_piece.py``, ``gated_delta_rule/fla_piece.py``,
+``kda/fla_piece.py``; B = 1, H heads of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in each direction the one hop
 that waits:
 
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--op", nargs="+", default=["gla", "gdn"], choices=["gla", "gdn"])
+    p.add_argument("--op", nargs="+", default=["gla", "gdn"], choices=["gla", "gdn", "kda"])
     p.add_argument("--tokens", type=int, nargs="+", default=[16384, 32768])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
@@ -122,13 +122,17 @@ class Link:
 def make_piece(op, T, H, D, device, seed):
     import profile_piece  # this folder's
 
-    x = profile_piece.make_inputs(T, H, D, seed, device, op="kda" if op == "gla" else "gdn")
+    x = profile_piece.make_inputs(T, H, D, seed, device, op="gdn" if op == "gdn" else "kda")  # gla: gates per channel
     if op == "gla":
         from megatron_zeco.gla.fla_piece import FlaPiece
 
         inputs = [x[n] for n in ("q", "k", "v", "g")]
-    else:
+    elif op == "gdn":
         from megatron_zeco.gated_delta_rule.fla_piece import FlaPiece
+
+        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    else:
+        from megatron_zeco.kda.fla_piece import FlaPiece
 
         inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
     return (lambda: FlaPiece(*inputs, x["scale"])), x
@@ -142,7 +146,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     make, x = make_piece(op, T, args.heads, args.dim, device, seed=T)
     piece = make()
     E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
-    dense = op == "gdn"
+    dense = op != "gla"  # the delta rules' K x K maps
     link = Link(E, dense, device, args.aside_programs)
     trans = piece.transition.reshape(E.shape[0], args.dim, *((args.dim,) if dense else ())).contiguous()
     # the predecessor's own summary and entering state (random: only its arrival time matters here)
