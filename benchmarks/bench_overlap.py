@@ -14,8 +14,8 @@ flags, in device memory) runs on a stream of its own, of the highest priority (o
 queue behind this rank's work), behind a GPU sleep of ``--arrival`` microseconds,
 counted from the end of the piece's summary (forward) or of ``entering_grad`` (backward): when the state
 reaches this rank. This rank's piece (``gla/fla_piece.py``, ``gated_delta_rule/fla_piece.py``,
-``kda/fla_piece.py``; B = 1, H heads of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its scan in each direction the one hop
-that waits:
+``kda/fla_piece.py``; B = 1, H heads of K = V = ``--dim``, bf16) then runs as ``cp/scan.py`` runs it, its
+scan in each direction the one hop that waits:
 
 * ``serial``: the in-chunk work, then the waiting hop on the current stream (overlap off);
 * ``overlap``: the waiting hop on the side stream on ``ASIDE_PROGRAMS`` programs (``--aside-programs``), the
@@ -122,19 +122,12 @@ class Link:
 def make_piece(op, T, H, D, device, seed):
     import profile_piece  # this folder's
 
+    import importlib
+
     x = profile_piece.make_inputs(T, H, D, seed, device, op="gdn" if op == "gdn" else "kda")  # gla: gates per channel
-    if op == "gla":
-        from megatron_zeco.gla.fla_piece import FlaPiece
-
-        inputs = [x[n] for n in ("q", "k", "v", "g")]
-    elif op == "gdn":
-        from megatron_zeco.gated_delta_rule.fla_piece import FlaPiece
-
-        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    else:
-        from megatron_zeco.kda.fla_piece import FlaPiece
-
-        inputs = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    package = {"gla": "gla", "gdn": "gated_delta_rule", "kda": "kda"}[op]
+    FlaPiece = importlib.import_module(f"megatron_zeco.{package}.fla_piece").FlaPiece
+    inputs = [x[n] for n in ("q", "k", "v", "g", *(() if op == "gla" else ("beta",)))]
     return (lambda: FlaPiece(*inputs, x["scale"])), x
 
 

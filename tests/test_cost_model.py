@@ -814,7 +814,8 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
                for line in _cli("--gpus", "16"))
     assert any(line.startswith("# overlap as built (gdn): over peer_memory and nvshmem the hops run beside")
                for line in _cli("--gpus", "16", "--op", "gdn"))
-    assert any(line.startswith("# overlap as built (kda): not measured") for line in _cli("--gpus", "16", "--op", "kda"))
+    assert any(line.startswith("# overlap as built (kda): not measured")
+               for line in _cli("--gpus", "16", "--op", "kda"))
 
 
 def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():

@@ -61,8 +61,8 @@ class Dense:
 
     Applying it to a state block of c columns is a K x K by K x c product, composing two a K x K by
     K x K product (``comm/transition.py``); both are charged at :data:`FP32_FLOPS` (the hop kernels
-    multiply in three TF32 passes on tensor cores, float32 accuracy). Blocks of columns are independent; a zigzag walk runs as one chain
-    (the return leg's composed maps would carry K x K more per message)."""
+    multiply in three TF32 passes on tensor cores, float32 accuracy). Blocks of columns are independent; a
+    zigzag walk runs as one chain (the return leg's composed maps would carry K x K more per message)."""
 
     block_dim = "v_dim"
     two_legs = False

@@ -337,7 +337,8 @@ def _peer_scans(rank, world, seed, delays, transport="peer_memory", shape="chain
             errors = [rel_err(entering[s].cpu(), want[p]) for s, p in enumerate(layout.pieces(rank, world))]
             if last is not None:
                 errors.append(rel_err(last.cpu(), x))
-            if max(errors) > (1e-5 if is_dense else 1e-6):  # the dense products in float32 (tl.dot: three TF32 passes)
+            # the dense products in float32 (tl.dot: three TF32 passes)
+            if max(errors) > (1e-5 if is_dense else 1e-6):
                 failures.append(f"{(N, K, V)} {layout.value} reverse={reverse} blocks={blocks} dense={is_dense} "
                                 f"call {call}: {max(errors):.1e}")
     return failures

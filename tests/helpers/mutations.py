@@ -87,7 +87,8 @@ MUTATIONS = [
     Mutation("overlap-off-for-the-gated-delta-rule", "megatron_zeco/cp/config.py",
              "auto_transport=Transport.SEND_RECV, auto_overlap=True),\n    \"kda\"",
              "auto_transport=Transport.SEND_RECV, auto_overlap=False),\n    \"kda\"",
-             "overlap=None leaves the gated delta rule's hops on the current stream, behind work they could run beside"),
+             "overlap=None leaves the gated delta rule's hops on the current stream, behind the work they could "
+             "run beside"),
     Mutation("overlap-on-for-kda", "megatron_zeco/cp/config.py",
              "blocks=\"columns\", auto_transport=Transport.SEND_RECV,\n                 auto_overlap=False)",
              "blocks=\"columns\", auto_transport=Transport.SEND_RECV,\n                 auto_overlap=True)",
