@@ -27,6 +27,7 @@ the shipped record extended, to be copied over it. Every process of the run shar
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -124,8 +125,9 @@ def run(step, command, env, logs, clock):
     print(f"\n=== {step}: {' '.join(command)}", flush=True)
     env = {**env, tuning.COMPILE_LOG_ENV: os.path.join(logs, "compiles", step)}
     with open(os.path.join(logs, f"{step}.log"), "w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        with _interruptible_children():
+            proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    text=True, start_new_session=True)
         stopped = []
         timer = None if left is None else threading.Timer(left, lambda: (stopped.append(1), _stop(proc)))
         if timer is not None:
@@ -140,6 +142,22 @@ def run(step, command, env, logs, clock):
     status = STOPPED if stopped else status
     print(f"=== {step}: exit {status} after {seconds:.0f} s", flush=True)
     return status, seconds
+
+
+@contextlib.contextmanager
+def _interruptible_children():
+    """Start processes that take SIGINT: a shell starts its background jobs with SIGINT ignored and their
+    children inherit that, so a step started from one would miss the interrupt that lets it write its report.
+    A handler (unlike an ignored signal) is reset to the default in a new program, which Python turns into
+    KeyboardInterrupt. The check's own disposition is restored once the step has started."""
+    ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _stop(*procs):

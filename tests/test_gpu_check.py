@@ -3,7 +3,10 @@ and the summary it prints (the steps themselves need GPUs)."""
 
 import importlib.util
 import os
+import signal
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("gpu_check", os.path.join(ROOT, "benchmarks", "gpu_check.py"))
@@ -17,9 +20,18 @@ SLOW_STEP = ("import sys, time\n"
              "except KeyboardInterrupt:\n    print('interrupted: wrote its report', flush=True)\n    sys.exit(2)\n")
 
 
-def test_a_step_past_the_time_limit_is_interrupted_first_and_reported_stopped(tmp_path):
+@pytest.mark.parametrize("sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["handled", "ignored"])
+def test_a_step_past_the_time_limit_is_interrupted_first_and_reported_stopped(tmp_path, sigint):
+    """Also when the check itself runs with SIGINT ignored (a shell's background job), which its steps would
+    inherit; the check's own disposition is left as it was."""
     clock = gpu_check.Clock(2.0)
-    status, seconds = gpu_check.run("slow", [sys.executable, "-c", SLOW_STEP], dict(os.environ), str(tmp_path), clock)
+    previous = signal.signal(signal.SIGINT, sigint)
+    try:
+        status, seconds = gpu_check.run("slow", [sys.executable, "-c", SLOW_STEP], dict(os.environ), str(tmp_path),
+                                        clock)
+        assert signal.getsignal(signal.SIGINT) == sigint
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert status == gpu_check.STOPPED and seconds < 30
     log = (tmp_path / "slow.log").read_text()
     assert "interrupted: wrote its report" in log  # SIGINT came first, so pytest can write its JUnit file
