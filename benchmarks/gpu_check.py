@@ -21,8 +21,9 @@ Autotuned kernels replay the configs recorded for this GPU's chip (``megatron_ze
 ``megatron_zeco/common/tuning.py``), so a cold machine compiles one config per kernel and key; the tests,
 which check numerics, run a kernel's first config where the record has no pick for their shapes
 (``untuned``); ``--autotune`` autotunes everything instead. ``--record DIR`` records the benchmarks' picks:
-the shipped record is replayed and every kernel and key it lacks is autotuned once for all the check's processes (the others wait for its pick); ``DIR/record.json`` is then
-the shipped record extended, to be copied over it. Every process of the run shares one Triton cache
+the shipped record is replayed and every kernel and key it lacks is autotuned once for all the check's
+processes (the others wait for its pick); ``DIR/record.json`` is then the shipped record extended, to be
+copied over it. Every process of the run shares one Triton cache
 (``$TRITON_CACHE_DIR``, by default a folder under the system's temp dir).
 """
 
