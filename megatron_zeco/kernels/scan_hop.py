@@ -664,21 +664,32 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     )
 
 
+def dense_block_rows(K: int, columns: int, dtype: torch.dtype) -> int:
+    """Rows of ``M`` a dense hop's program multiplies at a time, for a tile of ``columns`` columns: 64 on tensor
+    cores (float32 tiles of 16 columns or more; ``benchmarks/bench_hop.py --dense-block-rows`` times the
+    choices), else 32 (elementwise products, each row block holding rows x K x columns of them in registers)."""
+    dot = dtype == torch.float32 and min(triton.next_power_of_2(K), triton.next_power_of_2(columns)) >= 16
+    return min(triton.next_power_of_2(K), 64 if dot else 32)
+
+
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
                        flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1)):
+                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1), block_rows=None):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
     states; ``tiles`` column tiles per state (a divisor of V); ``m_row``: their row stride (None: K, a
-    map's transition part: the map's). Other arguments as :func:`all_scan_hop`."""
+    map's transition part: the map's); ``block_rows``: rows of ``M`` a program multiplies at a time, a power
+    of two (None: :func:`dense_block_rows`). Other arguments as :func:`all_scan_hop`."""
     if pass_through and len(Ms) != 1:
         raise ValueError("all_scan_dense_hop: a pass-through hop walks one piece")
+    if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
+        raise ValueError(f"all_scan_dense_hop: block_rows must be a power of two, got {block_rows}")
     delta = s_ins[-1]  # of the state's shape
     K, V = delta.shape[-2:]
     N = delta.numel() // (K * V)
     cols = V // tiles
     BC, BK = triton.next_power_of_2(cols), triton.next_power_of_2(K)
-    BR = min(BK, 32)
+    BR = min(BK, block_rows or dense_block_rows(K, cols, delta.dtype))
     dot = delta.dtype == torch.float32 and min(BR, BK, BC) >= 16
     NT = _lane_states(N, lane) * tiles
     if NT == 0:

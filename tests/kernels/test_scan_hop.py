@@ -1,12 +1,13 @@
 """The All-Scan hop kernels (megatron_zeco/kernels/scan_hop.py) compile for the GPU. What they compute
 is tested through the scans that launch them (tests/comm/test_all_scan.py, test_faults.py: peer memory
-under TRITON_INTERPRET=1)."""
+under TRITON_INTERPRET=1); here, the dense hop's row blocks on one state without peers."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("triton")
 
@@ -31,7 +32,8 @@ kernels = [
              **watched, **lane),
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True)),
     (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot
-        dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, DOT=True)),
+        dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, BR=64,
+             DOT=True)),
     (scan_hop.all_scan_dense_hop_kernel, {**dense, **{name: "*fp64" for name in ("M", "delta", "s_in", "M2", "delta2",
                                                                                    "s_in2", "y_out")}},
         dict(HAS_SRC=True, HAS_INIT=False, HAS_DST=True, KEEP_Y=False, TWO=False, COLS=8, BC=8, BK=64, BR=8,
@@ -73,3 +75,56 @@ def test_scan_kernels_compile_for_hopper():
     if "ptxas" in done.stderr and "not found" in done.stderr:
         pytest.skip("Triton's CUDA backend has no ptxas here")
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+def _dense_hop_alone(x, M, delta, tiles, **kw):
+    """``M x + delta`` by one dense hop with no peers (the state read from memory, the result kept)."""
+    from megatron_zeco.comm import peer
+    from megatron_zeco.comm.watch import watch
+    from megatron_zeco.kernels import scan_hop
+
+    H, K, V = x.shape[-3:]
+    data, flags, size = peer.region_bytes(H, K, V, x.dtype, tiles, nvshmem=False)
+    region = torch.zeros(size, dtype=torch.uint8)
+    w = watch(x.device)
+    bounded = w.arguments(w.launch_id(("test_scan_hop", id(region)), lambda: ("test", (None, None))), 60.0)
+    y, s_in = torch.empty_like(x), torch.empty_like(x)
+    here = region.data_ptr()
+    scan_hop.all_scan_dense_hop(x.data_ptr(), [M], [delta], [s_in], y, (here, here, 0, 0), K * K, K * V, tiles, data,
+                                flags, has_src=False, has_init=True, has_dst=False, watch=bounded, **kw)
+    w.check()
+    assert torch.equal(s_in, x)  # the state it took in, as a hop keeps it for the piece
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("block_rows", [None, 16, 32, 64])
+def test_dense_hop_row_blocks_match_float64(dtype, block_rows):
+    """Every choice of rows per product (the default :func:`dense_block_rows`: 64 for float32 on tensor cores)
+    gives ``M x + delta`` of a 2 x 64 x 64 state in two column tiles, to float32's accuracy (three TF32 passes)
+    or float64's (products summed elementwise)."""
+    from megatron_zeco.kernels import scan_hop
+
+    g = torch.Generator().manual_seed(int(os.environ.get("ZECO_SEED", "0")) % 2 ** 31)
+    x, delta = (torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    M = torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) / 8
+    want = M @ x + delta
+    y = _dense_hop_alone(x.to(dtype), M.to(dtype), delta.to(dtype), tiles=2, block_rows=block_rows)
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    assert (y.double() - want).abs().max() <= tol * want.abs().max()
+    if block_rows is None:
+        assert scan_hop.dense_block_rows(64, 32, dtype) == (64 if dtype == torch.float32 else 32)
+
+
+def test_dense_block_rows_falls_back_off_tensor_cores():
+    """Tiles too narrow for ``tl.dot`` (under 16 columns) and float64 take 32 rows at a time (their products
+    are held elementwise in registers); a block-rows request that is not a power of two is refused."""
+    from megatron_zeco.kernels import scan_hop
+
+    assert scan_hop.dense_block_rows(128, 32, torch.float32) == 64
+    assert scan_hop.dense_block_rows(128, 8, torch.float32) == 32
+    assert scan_hop.dense_block_rows(16, 32, torch.float32) == 16
+    assert scan_hop.dense_block_rows(128, 32, torch.float64) == 32
+    x = torch.zeros(1, 1, 16, 16)
+    with pytest.raises(ValueError, match="power of two"):
+        _dense_hop_alone(x, torch.zeros(1, 1, 16, 16), x, tiles=1, block_rows=48)

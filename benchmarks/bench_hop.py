@@ -1,0 +1,160 @@
+"""The GPU time of one All-Scan hop kernel alone: GLA's diagonal combine against the delta rules' dense one.
+
+    python benchmarks/bench_hop.py --heads 16 --dim 128 --blocks 1 2 4 8 --out results/hop.json
+
+A device transport's hop (``kernels/scan_hop.py``) waits for the previous rank's state, combines it with
+its piece's map and sends the result on. Here the state is already there (``has_init``: read from memory,
+no peer, no flags to wait for) and the result stays on this GPU (``KEEP_Y``), so what is timed is the
+kernel's own work: its launch on the GPU, the loads of the map and the state, the combine and the stores.
+Per kind and All-Scan block count ``K`` (the state cut into K blocks, each a launch as a pipelined chain
+sends it; rows for the diagonal, value columns for the dense maps):
+
+* ``diagonal``: ``all_scan_hop``, ``gamma * S + delta`` (GLA), a K x V state per head;
+* ``dense``: ``all_scan_dense_hop``, ``M S + delta`` (the gated delta rule, KDA), ``M`` K x K;
+* ``dense map``: ``all_scan_dense_hop`` over a map ``[S | T]`` (K x (V + K)): what the hierarchical scan's
+  compose of two dense maps runs.
+
+Each on every program (as the chain's hops run) and on ``comm/peer.py: ASIDE_PROGRAMS`` (beside the in-chunk
+work, with the overlap); the dense hops with the rows of ``M`` a program multiplies at a time as built, or each
+of ``--dense-block-rows``. GPU time per launch: the median kernel duration from the profiler over ``--iters``
+launches issued back to back, float32 states. The cost model reads the dense hops' time beyond the
+diagonal one's at the same blocks (``cost_model.calibration.hop_rows``).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KINDS = ("diagonal", "dense", "dense map")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128, help="K = V")
+    p.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8], help="All-Scan block counts K")
+    p.add_argument("--dense-block-rows", type=int, nargs="+", default=None,
+                   help="rows of M the dense hops multiply at a time, each a row (default: as built, "
+                        "kernels/scan_hop.py: dense_block_rows)")
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--out", default="results/hop.json")
+    return p.parse_args(argv)
+
+
+class Hop:
+    """One hop of ``kind`` over H states (or maps), from memory into memory, on ``programs`` programs."""
+
+    def __init__(self, kind, H, D, blocks, programs, device, block_rows=None):
+        from megatron_zeco.comm import peer
+        from megatron_zeco.comm.watch import watch
+        from megatron_zeco.kernels import scan_hop
+
+        dense = kind != "diagonal"
+        width = D + (D if kind == "dense map" else 0)
+        g = torch.Generator(device=device).manual_seed(0)
+        self.x = torch.randn(1, H, D, width, device=device, generator=g)
+        self.delta = torch.randn(1, H, D, width, device=device, generator=g)
+        self.s_in = torch.empty_like(self.x)
+        self.y = torch.empty_like(self.x)
+        if dense:
+            self.t = torch.randn(1, H, D, D, device=device, generator=g) / D ** 0.5
+        else:
+            self.t = torch.rand(1, H, D, device=device, generator=g)
+        self.tiles = peer.tiles_per_state(D, width, dense, blocks)
+        data, flags, size = peer.region_bytes(H, D, width, torch.float32, self.tiles, nvshmem=False)
+        self.region = torch.zeros(size, dtype=torch.uint8, device=device)
+        w = watch(device)
+        self.bounded = w.arguments(w.launch_id(("bench_hop", kind), lambda: ("bench_hop", (None, None))), 60.0)
+        self.watcher = w
+        self.launch = scan_hop.all_scan_dense_hop if dense else scan_hop.all_scan_hop
+        self.stride = D * (D if dense else 1)
+        self.data, self.flags, self.programs = data, flags, programs
+        self.rows, self.as_built = {}, True
+        if dense:
+            built = scan_hop.dense_block_rows(D, width // self.tiles, torch.float32)
+            self.rows, self.as_built = dict(block_rows=block_rows or built), block_rows in (None, built)
+
+    def __call__(self):
+        here = self.region.data_ptr()
+        self.launch(self.x.data_ptr(), [self.t], [self.delta], [self.s_in], self.y, (here, here, 0, 0), self.stride,
+                    self.x[0, 0].numel(), self.tiles, self.data, self.flags, has_src=False, has_init=True,
+                    has_dst=False, watch=self.bounded, programs=self.programs, **self.rows)
+
+    def expected(self):
+        if self.t.dim() == 4:
+            return self.t.double() @ self.x.double() + self.delta.double()
+        return self.t.double()[..., None] * self.x.double() + self.delta.double()
+
+
+def kernel_us(fn, iters):
+    """Median GPU duration of the kernels ``fn`` launches, over ``iters`` calls issued back to back."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    durations = [e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    if len(durations) < iters:
+        raise RuntimeError(f"the profiler saw {len(durations)} kernels of {iters} launches")
+    return statistics.median(durations)
+
+
+def meta(args):
+    import triton
+
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                         stderr=subprocess.DEVNULL).strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
+            "versions": {"torch": torch.__version__, "triton": triton.__version__}, "command": " ".join(sys.argv),
+            "heads": args.heads, "dim": args.dim}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_hop.py needs a CUDA GPU")
+    from megatron_zeco.comm.peer import ASIDE_PROGRAMS
+
+    device = torch.device("cuda")
+    rows = []
+    cases = [("diagonal", None)] + [(kind, rows) for kind in KINDS[1:] for rows in args.dense_block_rows or [None]]
+    for blocks in args.blocks:
+        for programs in (None, ASIDE_PROGRAMS):
+            for kind, block_rows in cases:
+                hop = Hop(kind, args.heads, args.dim, blocks, programs, device, block_rows)
+                hop()
+                torch.cuda.synchronize()
+                hop.watcher.check()
+                err = (hop.y.double() - hop.expected()).abs().max().item()
+                scale = hop.expected().abs().max().item()
+                if not err <= 1e-5 * scale:
+                    raise RuntimeError(f"{kind} hop, {blocks} blocks: off by {err:.3g} (scale {scale:.3g})")
+                us = kernel_us(hop, args.iters)
+                row = dict(part="hop", kind=kind, blocks=blocks, tiles=hop.tiles,
+                           programs=programs or hop.tiles * args.heads, aside=programs is not None,
+                           block_rows=hop.rows.get("block_rows"), as_built=hop.as_built, us=us)
+                rows.append(row)
+                print(f"{kind:10s} K={blocks:2d} tiles/state {hop.tiles:3d} programs {row['programs']:4d} rows "
+                      f"{row['block_rows'] or '-':>3} {us:8.2f} us", flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta(args), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
