@@ -761,13 +761,13 @@ def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_
     assert cm.layer_time("a2a", w, c, sw) == cm.layer_time("a2a", bare, c, sw)
 
 
-def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_transports():
+def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_transports(monkeypatch):
     """What the scan's overlap hides (the in-chunk work's share of each direction, without the overlap and the
     state arriving at once), costs (that work slowed beside a spinning hop) and how much slower a hop runs
     beside that work (when the successor holds the state with the overlap, against the hop's time after the
     in-chunk work without) are bench_overlap.py's measurements, read off its rows here; as built they count
     over the device transports only (over send/recv the overlap is off by default) and for the operators whose
-    rules turn it on (GLA and the gated delta rule; not KDA, whose overlap is not measured)."""
+    rules turn it on (all three as built; an operator whose rules leave it off counts nothing)."""
     data = json.loads((RESULTS / "overlap-h200x1-2026-11-29c.json").read_text(encoding="utf-8"))
     at = {(r["op"], r["tokens"], r["arrival_us"], r["mode"]): r for r in data["rows"] if r["side_priority"] == "high"}
     gla = lambda arrival, mode, key: at["gla", 16384, arrival, mode][key]  # noqa: E731
@@ -784,11 +784,13 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     assert 0.3 < hidden[0] < 0.6 and 0.3 < hidden[1] < 0.6  # GLA's in-chunk attention and gradients
     assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
-    # the gated delta rule's, from its newest file: work beside the scan in both directions (before_grads)
-    (serial,) = [r for r in json.loads((RESULTS / "overlap-gdn-h200x1-2026-11-30b.json").read_text(encoding="utf-8"))[
-        "rows"] if (r["mode"], r["arrival_us"]) == ("serial", 0)]
-    assert gdn.hidden[1] == pytest.approx(serial["bwd_local_ms"] / serial["bwd_ms"], rel=1e-12)
-    assert gdn.hidden[0] > 0.0 and gdn.hidden[1] > 0.1 and gdn.aside[1] > 1
+    # the delta rules', from their newest file: work beside the scan in both directions (before_grads)
+    newest = json.loads((RESULTS / "overlap-dense-h200x1-2026-12-01.json").read_text(encoding="utf-8"))["rows"]
+    kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
+    for op, workload in (("gdn", gdn), ("kda", kda)):
+        (serial,) = [r for r in newest if (r["op"], r["mode"], r["arrival_us"]) == (op, "serial", 0)]
+        assert workload.hidden[1] == pytest.approx(serial["bwd_local_ms"] / serial["bwd_ms"], rel=1e-12), op
+        assert workload.hidden[0] > 0.0 and workload.hidden[1] > 0.1 and workload.aside[1] > 1, op
     assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None)
     assert cm.overlap_shares(cal, cm.GLA, 16384, 128)[0][2] == "high"  # the side stream as built
     c = cm.Cluster()
@@ -804,17 +806,23 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     got = cm.layer_time("zeco", w, c, sw, 32) - cm.layer_time("zeco", bare, c, sw, 32) + sum(scans)
     assert got == pytest.approx(want, rel=1e-9)
     assert cm.layer_time("zeco", w, c, sw, 32) < cm.layer_time("zeco", bare, c, sw, 32)
-    # the gated delta rule's overlap is on (measured and counted); KDA's is off: shares given to it count nothing
-    gdn_bare = dataclasses.replace(gdn, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
-    assert cm.layer_time("zeco", gdn, c, sw, 32) < cm.layer_time("zeco", gdn_bare, c, sw, 32)
-    kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
-    kda_shared = dataclasses.replace(kda, hidden=gdn.hidden, spin=gdn.spin, aside=gdn.aside)
-    assert cm.layer_time("zeco", kda_shared, c, sw, 32) == cm.layer_time("zeco", kda, c, sw, 32)
+    # the delta rules' overlap is on (measured and counted); an operator whose rules leave it off counts nothing
+    from megatron_zeco.cp.config import RULES
+
+    for workload in (gdn, kda):
+        bare = dataclasses.replace(workload, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
+        assert cm.layer_time("zeco", workload, c, sw, 32) < cm.layer_time("zeco", bare, c, sw, 32), workload.op.name
+    monkeypatch.setitem(RULES, "kda", dataclasses.replace(RULES["kda"], auto_overlap=False))
+    bare = dataclasses.replace(kda, hidden=(0.0, 0.0), spin=(0.0, 0.0), aside=(1.0, 1.0))
+    assert cm.layer_time("zeco", kda, c, sw, 32) == cm.layer_time("zeco", bare, c, sw, 32)
+    assert any(line.startswith("# overlap as built (kda): off by default")
+               for line in _cli("--gpus", "16", "--op", "kda"))
+    monkeypatch.undo()
     assert any(line.startswith("# overlap as built (gla): over peer_memory and nvshmem the hops run beside 42% / 49%")
                for line in _cli("--gpus", "16"))
     assert any(line.startswith("# overlap as built (gdn): over peer_memory and nvshmem the hops run beside")
                for line in _cli("--gpus", "16", "--op", "gdn"))
-    assert any(line.startswith("# overlap as built (kda): not measured")
+    assert any(line.startswith("# overlap as built (kda): over peer_memory and nvshmem the hops run beside")
                for line in _cli("--gpus", "16", "--op", "kda"))
 
 
@@ -861,7 +869,7 @@ def test_command_line_prints_rows_for_each_operator():
     assert [line.startswith("lasp1") and "cannot run: not built for" in line for line in blocks[1]] == [
         line.startswith("lasp1") for line in blocks[1]]
     assert not any("cannot run" in line for line in blocks[0] if line.startswith("lasp1"))
-    # the delta rule's device transports run a hop kernel not timed: marked projected
+    # at 256 GPUs the device transport is NVSHMEM, whose costs are projected
     for line in blocks[1] + blocks[2]:
         if "transport=peer_memory" in line or "transport=nvshmem" in line:
             assert "(projected)" in line, line
@@ -871,6 +879,43 @@ def test_command_line_prints_rows_for_each_operator():
         with contextlib.redirect_stderr(io.StringIO()) as err:
             cm.main(["--gpus", "8", "--op", "gdn", "--regime", "eager"])
     assert "no measured one-GPU eager op time of gdn" in err.getvalue()
+
+
+def test_the_dense_hop_is_the_timed_kernel_over_the_device_transports_and_the_products_over_send_recv():
+    """The delta rules' hop over peer memory and NVSHMEM costs the measured per-hop cost (GLA's) plus what the
+    dense hop kernel takes beyond GLA's, read off bench_hop.py's newest file (one launch for the whole state, every
+    program, the rows per product as built), per block of K; over send/recv the combine is PyTorch's products,
+    charged at the stated FP32 rate. Rows of the hop on few programs, or of other rows per product, are not read."""
+    data = json.loads((RESULTS / "hop-h200x1-2026-12-01.json").read_text(encoding="utf-8"))
+    us = {r["kind"]: r["us"] for r in data["rows"] if r["blocks"] == 1 and not r["aside"] and r["as_built"]}
+    want = ((us["dense"] - us["diagonal"]) * 1e-6, (us["dense map"] - us["diagonal"]) * 1e-6)
+    cal = _calibration()
+    assert cal.dense_hop[16, 128] == pytest.approx(want, rel=1e-12)
+    slower = [r for r in data["rows"] if r["blocks"] == 1 and not r["aside"] and r["kind"] != "diagonal"
+              and not r["as_built"]]
+    assert slower and all(r["us"] > us[r["kind"]] for r in slower)  # the rows per product as built are the faster
+    assert cm.hop_rows("x.json", dict(data, rows=[dict(r, aside=True) for r in data["rows"]])) == []
+    for op in (cm.GDN, cm.KDA):
+        w = cm.projection_workload(cal, 256, 16384, op=op)
+        assert w.dense_hop == cal.dense_hop[16, 128]
+        assert w.hop_apply_time(True, 4) == pytest.approx(want[0] / 4) and w.hop_compose_time(True) == want[1]
+        assert w.hop_apply_time(False, 4) == w.apply_time(4) and w.hop_compose_time(False) == w.compose_time()
+        untimed = dataclasses.replace(w, dense_hop=())
+        c = cm.Cluster()
+        for transport in ("send_recv", "nvshmem"):
+            sw = cal.sw(transport)
+            for shape in ("chain", "hierarchical"):
+                timed, stated = (cm.layer_time("zeco", x, c, sw, 8, shape) for x in (w, untimed))
+                if transport == "send_recv":
+                    assert timed == stated, (op.name, shape)
+                else:
+                    assert timed > stated, (op.name, shape)  # the kernel is slower than the stated rate's products
+    assert cm.projection_workload(cal, 256, 16384, op=cm.GLA).dense_hop == ()
+    header = [x for x in _cli("--gpus", "8", "--op", "gdn") if x.startswith("# gdn:")]
+    assert len(header) == 1 and "beyond GLA's hop per combine / compose (measured, one GPU)" in header[0], header
+    # over peer memory on one node the dense hop is timed: not marked projected
+    assert any("transport=peer_memory shape=chain" in x and "(projected)" not in x
+               for x in _cli("--gpus", "8", "--op", "gdn"))
 
 
 def test_recorded_delta_rule_efficiencies_are_the_models():

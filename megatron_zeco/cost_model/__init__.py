@@ -5,8 +5,9 @@ each (weak scaling). Efficiency is ``t(none) / t(strategy)`` at the same tokens 
 The operator (``OPERATORS``: GLA, the gated delta rule, KDA) sets what crosses ranks through one
 :class:`Operator`: its piece maps' transition, diagonal (a K-vector per head, GLA) or dense (K x K,
 the delta rules), gives the state and map bytes, the blocks' dim and the matrix products a hop
-computes (charged at the stated ``FP32_FLOPS``; a diagonal's elementwise work is inside the
-measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
+computes (charged at the stated ``FP32_FLOPS`` over send/recv, and over the device transports at the
+dense hop kernel's measured time beyond a diagonal one's, ``hop_rows``, where timed; a diagonal's
+elementwise work is inside the measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
 * ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - hidden * t_dir / aside)
@@ -53,9 +54,10 @@ no GPU (importing it through the ``megatron_zeco`` package imports torch with th
 from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, chain_hops, critical_path,
                           hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 from ..comm.transport import Transport
-from .calibration import (BUILD, BUILD_META, DATA, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP, PARTS, PASS_UNITS,
-                          PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate, calibration_rows,
-                          default_rows, file_rows, load_rows, op_time_rows, overlap_rows, piece_rows)
+from .calibration import (BUILD, BUILD_META, DATA, HOP, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP, PARTS,
+                          PASS_UNITS, PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate,
+                          calibration_rows, default_rows, file_rows, hop_rows, load_rows, op_time_rows, overlap_rows,
+                          piece_rows)
 from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACTION, GDN, GLA, HBM_BANDWIDTH, KDA,
                     LAYOUTS, OPERATORS, REGIMES, SHAPES, STRATEGIES, Dense, Diagonal, Operator, Software, Workload,
                     best_blocks, blocks, chain_time, efficiency, gather_time, hierarchical_phases, hierarchical_time,
@@ -73,9 +75,9 @@ __all__ = [
     "best_blocks", "blocks", "chain_time", "efficiency", "gather_time", "hierarchical_phases", "hierarchical_time",
     "layer_time", "scan_time",
     # the calibration
-    "BUILD", "BUILD_META", "DATA", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP", "PARTS", "PASS_UNITS", "PIECE",
-    "PIECE_CASES", "PIECE_META", "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows",
-    "file_rows", "load_rows", "op_time_rows", "overlap_rows", "piece_rows",
+    "BUILD", "BUILD_META", "DATA", "HOP", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP", "PARTS", "PASS_UNITS",
+    "PIECE", "PIECE_CASES", "PIECE_META", "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows",
+    "file_rows", "hop_rows", "load_rows", "op_time_rows", "overlap_rows", "piece_rows",
     # projections and the command line
     "Choice", "LayerShape", "main", "overlap_shares", "piece_share", "project", "projection_workload", "zeco_choices",
 ]

@@ -35,6 +35,7 @@ PARTS = ("op", "kernel", "scan", "model")  # the rows a result file holds that t
 ONE_GPU = "one_gpu"  # the part of another operator's one-GPU op time, as file_rows gives it
 PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op, as file_rows gives it
 OVERLAP = "overlap"  # the part of a piece's local work its scan can hide, as file_rows gives it (bench_overlap.py)
+HOP = "hop"  # the part of a dense hop kernel's time beyond a diagonal one's, as file_rows gives it (bench_hop.py)
 MIN_HIDDEN = 0.01  # in-chunk work below this share of a direction counts as none (overlap_rows)
 PIECE_CASES = ("piece first", "piece middle", "piece last")  # profile_piece.py's cases of the piece as built
 # A profile_piece.py file's meta key naming the cases that time the piece as built now, where the build changed
@@ -84,6 +85,9 @@ class Calibration:
     # beside a spinning hop, how many times longer a hop takes beside it than alone, and the side stream's
     # priority they were measured with (overlap_rows)
     overlap: dict[str, dict[tuple[int, int, int], tuple]] = field(default_factory=dict)
+    # (heads, dim) -> (state, map): seconds a dense hop kernel takes beyond a diagonal one, combining a state
+    # with a map, and composing two maps (hop_rows)
+    dense_hop: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
 
     def sw(self, transport: str, regime: str = "steady") -> Software:
         """The code as built with its All-Scan over ``transport``, in ``regime``."""
@@ -122,8 +126,9 @@ def default_rows() -> list[dict]:
 def calibration_rows(data: dict) -> list[dict]:
     """The rows of a result file ``{"meta": {...}, "rows": [...]}`` that the calibration reads, as
     written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
-    accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` rows of the device
-    the model describes (``bench_overlap.py``'s, read by :func:`overlap_rows`). None of a file whose scan
+    accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` and :data:`HOP` rows of the
+    device the model describes (``bench_overlap.py``'s and ``bench_hop.py``'s, read by :func:`overlap_rows` and
+    :func:`hop_rows`). None of a file whose scan
     shape was forced (``meta["scan_shape"]``: ``bench_op.py`` under ``$MEGATRON_ZECO_SCAN_SHAPE``): such a
     file compares the shapes side by side; the calibration's points are runs in the shape ``auto`` takes.
     None either of a file that reruns an earlier version of the code beside the current one
@@ -131,8 +136,8 @@ def calibration_rows(data: dict) -> list[dict]:
     if "scan_shape" in data.get("meta", {}) or "rerun_of" in data.get("meta", {}):
         return []
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
-    overlap = [r for r in data.get("rows", []) if _overlap_as_built(r)
-               and DEVICE in data.get("meta", {}).get("device", "")]
+    here = DEVICE in data.get("meta", {}).get("device", "")
+    overlap = [r for r in data.get("rows", []) if here and (_overlap_as_built(r) or _hop_as_built(r))]
     return gla + op_time_rows(data) + overlap
 
 
@@ -175,6 +180,29 @@ def _overlap_as_built(row: dict) -> bool:
     """Whether ``row`` is a :data:`OVERLAP` row of the hops as built: on ``comm.peer.ASIDE_PROGRAMS``
     programs (rows without the field predate the option and ran so)."""
     return row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
+
+
+def _hop_as_built(row: dict) -> bool:
+    """Whether ``row`` is a ``bench_hop.py`` row of a hop kernel as the chain runs it: on every program, the dense
+    hops with the rows per product as built."""
+    return row.get("part") == HOP and not row.get("aside") and row.get("as_built", True)
+
+
+def hop_rows(name: str, data: dict) -> list[dict]:
+    """What a dense hop kernel costs beyond a diagonal one, from ``bench_hop.py``'s rows on the device the model
+    describes: per heads and dim, the GPU time of ``all_scan_dense_hop`` combining a state with a map (``state``)
+    and composing two maps (``map``), less that of GLA's ``all_scan_hop`` on the same state, at one All-Scan
+    block (the whole state in one launch, as a chain hop takes it), each on every program. Part :data:`HOP`,
+    ``seconds``, ``date`` the file's."""
+    meta = data.get("meta", {})
+    if DEVICE not in meta.get("device", ""):
+        return []
+    us = {r["kind"]: r["us"] for r in data.get("rows", []) if _hop_as_built(r) and r.get("blocks") == 1}
+    if "diagonal" not in us:
+        return []
+    return [dict(part=HOP, what=what, heads=meta["heads"], dim=meta["dim"],
+                 seconds=max(0.0, us[kind] - us["diagonal"]) * 1e-6, date=meta.get("date", ""), file=name)
+            for what, kind in (("state", "dense"), ("map", "dense map")) if kind in us]
 
 
 def overlap_rows(name: str, data: dict) -> list[dict]:
@@ -228,7 +256,7 @@ def file_rows(name: str, data: dict) -> list[dict]:
     (timed one call from an empty queue).
     """
     times = ([_one_gpu_row(name, data["meta"], r) for r in op_time_rows(data)] + piece_rows(name, data)
-             + overlap_rows(name, data))
+             + overlap_rows(name, data) + hop_rows(name, data))
     rows = [r for r in calibration_rows(data) if r.get("op", "gla") == "gla" and r["part"] in PARTS]
     if not rows:
         return times
@@ -357,7 +385,7 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     modelled as its file's meta says it was measured (:data:`META`): its build's passes, the
     version of the scan code over each transport, zeco's transport.
     """
-    fit = _Fit([r for r in rows if r["part"] not in (ONE_GPU, PIECE, OVERLAP)], cluster, build)
+    fit = _Fit([r for r in rows if r["part"] not in (ONE_GPU, PIECE, OVERLAP, HOP)], cluster, build)
     residuals = fit.kernel_residuals() + fit.scan_residuals() + fit.op_residuals()
     outside = fit.outside_ms()
     residuals += fit.model_residuals(outside)
@@ -365,7 +393,8 @@ def calibrate(rows: list[dict], cluster: Cluster = Cluster(), build: str = BUILD
     return Calibration(builds[build], builds, fit.transports(), fit.nccl_call, fit.op_ms, _mean_per_shape(outside),
                        residuals, {GLA.name: fit.op_ms, **_one_gpu_times([r for r in rows if r["part"] == ONE_GPU])},
                        _piece_shares([r for r in rows if r["part"] == PIECE]),
-                       _overlaps([r for r in rows if r["part"] == OVERLAP]))
+                       _overlaps([r for r in rows if r["part"] == OVERLAP]),
+                       _dense_hops([r for r in rows if r["part"] == HOP]))
 
 
 class _Fit:
@@ -683,6 +712,14 @@ def _overlaps(rows: list[dict]) -> dict[str, dict[tuple[int, int, int], tuple]]:
             out.setdefault(op, {})[shape] = (*((r["hidden"], r["spin"], r["aside"]) for r in (fwd, bwd)),
                                              fwd["priority"])
     return out
+
+
+def _dense_hops(rows: list[dict]) -> dict[tuple[int, int], tuple[float, float]]:
+    """``Calibration.dense_hop``: per heads and dim, the newest file's (by date, then name) state and map times,
+    where it has both: the hop kernel as built."""
+    newest = {(r["heads"], r["dim"], r["what"]): r for r in sorted(rows, key=lambda r: (r["date"], r["file"]))}
+    return {(h, d): (newest[h, d, "state"]["seconds"], newest[h, d, "map"]["seconds"])
+            for h, d, what in newest if what == "state" and (h, d, "map") in newest}
 
 
 def _mean_per_shape(outside: dict[tuple, float]) -> dict[tuple[int, int, int, int], float]:

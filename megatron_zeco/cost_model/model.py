@@ -23,7 +23,7 @@ FWD_FRACTION = 0.80 / 3.44  # forward share of fla chunk_gla fwd+bwd, 16K tokens
 ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 FOLD_LAUNCH = {"eager": 10e-6, "steady": 4e-6}  # per folded piece: two elementwise kernels (host ~5 us, GPU ~2 us each)
 CHUNK = 64  # tokens per chunk of the local op (fla's and chunk.py's)
-FP32_FLOPS = 67e12  # flop/s, H200 FP32 without tensor cores (NVIDIA spec): what the dense hop's products are charged
+FP32_FLOPS = 67e12  # flop/s, H200 FP32 without tensor cores (NVIDIA spec): what dense products are charged untimed
 
 
 # ---------------------------------------------------------------------------------------------- operators
@@ -60,13 +60,14 @@ class Dense:
     """The linear part of the delta rules' piece map ``S -> M S + E``: a K x K matrix per head.
 
     Applying it to a state block of c columns is a K x K by K x c product, composing two a K x K by
-    K x K product (``comm/transition.py``); both are charged at :data:`FP32_FLOPS` (the hop kernels
-    multiply in three TF32 passes on tensor cores, float32 accuracy). Blocks of columns are independent; a
-    zigzag walk runs as one chain (the return leg's composed maps would carry K x K more per message)."""
+    K x K product (``comm/transition.py``); both are charged at :data:`FP32_FLOPS`, or, in the device transports'
+    hop kernels where one was timed, at the measured time beyond a diagonal hop's (``Workload.dense_hop``).
+    Blocks of columns are independent; a zigzag walk runs as one chain (the return leg's composed maps would
+    carry K x K more per message)."""
 
     block_dim = "v_dim"
     two_legs = False
-    hop_timed = False  # the dense hop kernel (kernels/scan_hop.py) has not been timed on GPUs
+    hop_timed = False  # the device transports' scans ran GLA's maps only (their dense hop kernel: Workload.dense_hop)
     tiled_rounds = False  # a column tile of T_j T reads all of T_j: each round waits for the whole previous one
 
     @staticmethod
@@ -150,6 +151,9 @@ class Workload:
     hidden: tuple[float, float] = (0.0, 0.0)
     spin: tuple[float, float] = (0.0, 0.0)
     aside: tuple[float, float] = (1.0, 1.0)
+    # seconds the device transports' dense hop kernel takes beyond a diagonal one's, combining a state with a map
+    # and composing two maps (measured: bench_hop.py); () where not timed: its products at FP32_FLOPS
+    dense_hop: tuple = ()
 
     @property
     def pieces(self) -> int:
@@ -174,6 +178,16 @@ class Workload:
     def compose_time(self, K: int = 1) -> float:
         """Seconds of the matrix products composing two maps (one of K blocks of their states)."""
         return self.op.compose_flops(self.heads, self.k_dim, self.v_dim) / K / FP32_FLOPS
+
+    def hop_apply_time(self, device: bool, K: int = 1) -> float:
+        """Seconds a hop's combine of one of K blocks adds to the measured per-hop cost: on a device transport
+        the dense hop kernel's time beyond a diagonal one's where timed (:attr:`dense_hop`), else the
+        products (:meth:`apply_time`; none for a diagonal)."""
+        return self.dense_hop[0] / K if device and self.dense_hop else self.apply_time(K)
+
+    def hop_compose_time(self, device: bool, K: int = 1) -> float:
+        """:meth:`hop_apply_time` for the compose of two maps (:meth:`compose_time`)."""
+        return self.dense_hop[1] / K if device and self.dense_hop else self.compose_time(K)
 
     @property
     def pass_bytes(self) -> int:  # read by one state pass: k, v, g (or q, g, dO)
@@ -222,7 +236,7 @@ def chain_time(w: Workload, c: Cluster, sw: Software, K: int) -> float:
     intra, inter, local = _chain_hops(w, c, sw)
     block = w.state_bytes / K
     wires = [block / link.bandwidth for n, link in ((intra, c.intra), (inter, c.inter)) if n]
-    pace = max(sw.message, *wires, w.apply_time(K), 0.0)
+    pace = max(sw.message, *wires, w.hop_apply_time(TRANSPORTS[sw.transport].device, K), 0.0)
     return sw.scan_call + sum(n * tau for n, tau in _hop_times(w, c, sw, K)) + (K - 1) * pace
 
 
@@ -230,7 +244,7 @@ def _hop_times(w: Workload, c: Cluster, sw: Software, K: int) -> list[tuple[int,
     """(number, seconds) of the chain's hops inside nodes, between nodes and on the same rank, for one
     block (the same-rank turn of a zigzag chain: a combine, no wire)."""
     intra, inter, local = _chain_hops(w, c, sw)
-    block, combine = w.state_bytes / K, sw.hop + w.apply_time(K)
+    block, combine = w.state_bytes / K, sw.hop + w.hop_apply_time(TRANSPORTS[sw.transport].device, K)
     taus = [(intra, combine + c.intra.time(block)), (inter, combine + c.inter.time(block)), (local, combine)]
     return [(n, tau) for n, tau in taus if n]
 
@@ -257,12 +271,13 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
 
     def cost(a, b, what, phase):
         kind, part = share(what)
-        nbytes, combine = (w.map_bytes, w.compose_time()) if kind == "map" else (w.state_bytes, w.apply_time())
+        nbytes, combine = ((w.map_bytes, w.hop_compose_time(device)) if kind == "map"
+                           else (w.state_bytes, w.hop_apply_time(device)))
         blocks = K if phase in piped else 1
         # the last of the sender's messages of this step over this link arrives once all of them have left
         return sw.hop + part * combine / blocks + c.link(a, b).time(what[1] * part * nbytes / blocks)
 
-    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.compose_time(K))}
+    drain = {"A": (K - 1) * max(sw.message, w.map_bytes / K / c.intra.bandwidth, w.hop_compose_time(device, K))}
     if "C" in piped:
         # B and C tile by tile in one launch: a rank's rounds, its send into the next node and the all-gather
         # inside it run at once, so the pipeline's pace is that of the busiest link (a GPU's link between
@@ -273,10 +288,12 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
             for a, b, what, phase in step:
                 if phase in ("B", "C") and a != b:
                     part, link = share(what)[1], c.link(a, b)
-                    tile = max(sw.message, part * w.map_bytes / K / link.bandwidth, part * w.compose_time(K))
+                    tile = max(sw.message, part * w.map_bytes / K / link.bandwidth,
+                               part * w.hop_compose_time(device, K))
                     for end in ((a, "out", link), (b, "in", link)):
                         load[end] += tile
-        one = max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.compose_time(K))  # a whole map's tile
+        # a whole map's tile
+        one = max(sw.message, w.map_bytes / K / c.inter.bandwidth, w.hop_compose_time(device, K))
         drain["C"] = (K - 1) * max(load.values(), default=one)
     return steps, cost, drain
 

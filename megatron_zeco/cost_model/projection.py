@@ -10,8 +10,8 @@ from ..comm.shape import INFINIBAND, TRANSPORTS, Cluster, Link
 from ..comm.transport import Transport
 from ..cp.config import RULES
 from .calibration import Calibration, calibrate, default_rows, load_rows
-from .model import (DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Operator, Workload, best_blocks,
-                    layer_time)
+from .model import (DEVICE, FP32_FLOPS, GLA, LAYOUTS, OPERATORS, REGIMES, SHAPES, Dense, Operator, Workload,
+                    best_blocks, layer_time)
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
                         head_dim: int = 128, regime: str = "steady", op: Operator = GLA) -> Workload:
     """A layer of ``op`` at ``tokens`` per GPU: its one-GPU op time measured in ``regime`` at the fewest tokens
     with this head dim, scaled linearly in tokens and heads (docs/scaling.md, "Limits"), and the share a ZeCO
-    piece's own work adds to it where measured (the delta rules'), at the measured tokens nearest ``tokens``."""
+    piece's own work adds to it where measured (the delta rules'), at the measured tokens nearest ``tokens``, and
+    its dense hop kernel's time where timed at these heads and dims (``Calibration.dense_hop``)."""
     times = cal.one_gpu.get(op.name, {}).get(regime, {})
     if not times:
         raise ValueError(f"no measured one-GPU {regime} op time of {op.name} on the {DEVICE} in the calibration "
@@ -48,7 +49,8 @@ def projection_workload(cal: Calibration, P: int, tokens: int, layout: str = "co
     fwd, bwd, _ = overlap_shares(cal, op, tokens, head_dim)[0]
     return Workload(P=P, tokens=tokens, heads=heads, k_dim=head_dim, v_dim=head_dim, op_ms=op_ms, layout=layout, op=op,
                     piece_share=piece_share(cal, op, tokens, head_dim)[0], hidden=(fwd[0], bwd[0]),
-                    spin=(fwd[1], bwd[1]), aside=(fwd[2], bwd[2]))
+                    spin=(fwd[1], bwd[1]), aside=(fwd[2], bwd[2]),
+                    dense_hop=cal.dense_hop.get((heads, head_dim), ()) if op.transition is Dense else ())
 
 
 def overlap_shares(cal: Calibration, op: Operator, tokens: int, head_dim: int) -> tuple[tuple, Optional[int]]:
@@ -77,7 +79,7 @@ def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "stead
                  transports=None) -> list[Choice]:
     """ZeCO at its best K over each transport and shape that can run this group (peer memory on one
     node only), fastest first; projected where the transport's costs are (:meth:`Calibration.projected`)
-    or its hop kernel has not run the operator's maps."""
+    or its hop kernel has not been timed with the operator's maps (a dense one: ``Workload.dense_hop``)."""
     out = []
     for name in transports or TRANSPORTS:
         transport = TRANSPORTS[name]
@@ -89,7 +91,8 @@ def zeco_choices(w: Workload, c: Cluster, cal: Calibration, regime: str = "stead
                 K, t = 1, layer_time("zeco", w, c, sw, 1, shape)  # one message per step: K does not apply
             else:
                 K, t = best_blocks(w, c, sw, shape)
-            projected = cal.projected(name) or (transport.device and not w.op.transition.hop_timed)
+            timed = w.op.transition.hop_timed or bool(w.dense_hop)
+            projected = cal.projected(name) or (transport.device and not timed)
             out.append(Choice("zeco", t, w.op_ms * 1e-3 / t, name, shape, K, projected))
     return sorted(out, key=lambda ch: ch.seconds)
 
@@ -207,10 +210,17 @@ def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
     what its scan costs rest on, and its piece's own work (measured at ``piece_tokens``, or not)."""
     piece = (f"the ZeCO piece {1 + w.piece_share:.3f}x the one-GPU op (measured, GPU time at {piece_tokens} tokens)"
              if piece_tokens else "the ZeCO piece's own work not measured (not counted)")
+    products = (f"{w.apply_time() * 1e6:.2f} us per combine and {w.compose_time() * 1e6:.2f} us per compose at "
+                f"{FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated)")
+    if w.dense_hop:
+        hop = (f"{products} over send_recv; the dense hop kernel (peer_memory, nvshmem) "
+               f"{w.hop_apply_time(True) * 1e6:.2f} / {w.hop_compose_time(True) * 1e6:.2f} us beyond GLA's hop per "
+               f"combine / compose (measured, one GPU)")
+    else:
+        hop = f"{products}; the dense hop kernel (peer_memory, nvshmem) not timed (projected)"
     return (f"# {w.op.name}: dense K x K maps: {w.state_bytes / 2 ** 20:g} MiB per state hop, "
-            f"{w.map_bytes / 2 ** 20:g} MiB per map message; {w.apply_time() * 1e6:.2f} us per combine and "
-            f"{w.compose_time() * 1e6:.2f} us per compose at {FP32_FLOPS / 1e12:g} TFLOP/s FP32 (stated); scan costs "
-            f"measured with GLA's maps, the dense hop kernel (peer_memory, nvshmem) not timed (projected); {piece}")
+            f"{w.map_bytes / 2 ** 20:g} MiB per map message; {hop}; scan costs otherwise measured with GLA's maps; "
+            f"{piece}")
 
 
 def _overlap_source(w: Workload, tokens: Optional[int], shares: tuple) -> str:

@@ -69,13 +69,13 @@ RULES = {
     "gla": Rules("GLA", ("zeco", "lasp1", "lasp2", "a2a"), blocks="rows", auto_transport=None, auto_overlap=True,
                  knobs=frozenset({"piece_split", "node_size"})),
     # auto stays the group's messages for the dense hop kernel until GPU timings make peer memory the default;
-    # over a device transport the gated delta rule's hops run beside its piece's work that needs no scan result
+    # over a device transport the delta rules' hops run beside their pieces' work that needs no scan result
     # (the forward's output from a zero state, the backward's recompute of the chunk states): measured on one
-    # and two GPUs (docs/scaling.md, "The overlap, measured on one GPU"); KDA's is not measured: off
+    # GPU for both, on two for the gated delta rule (docs/scaling.md, "The overlap, measured on one GPU")
     "gated_delta_rule": Rules("the gated delta rule", ("zeco", "lasp2", "a2a"), blocks="columns",
                               auto_transport=Transport.SEND_RECV, auto_overlap=True),
     "kda": Rules("KDA", ("zeco", "lasp2", "a2a"), blocks="columns", auto_transport=Transport.SEND_RECV,
-                 auto_overlap=False),
+                 auto_overlap=True),
 }
 
 
@@ -98,7 +98,7 @@ class CPConfig:
         num_blocks: pipeline blocks of the All-Scan (a divisor of the head dim the rules name).
         transport: ``auto``, ``send_recv``, ``peer_memory`` or ``nvshmem``.
         overlap: a side CUDA stream for the scan; None: on for ``zeco`` over a device transport where the
-            operator's rules say so (``Rules.auto_overlap``: GLA).
+            operator's rules say so (``Rules.auto_overlap``: every operator built here).
         piece_split: sub-pieces per piece, batched (GLA); None: chosen per call.
         packed_split: ``document``, ``sequence`` or ``auto`` (from Megatron-LM's arguments).
         node_size: ranks of the CP group per node (GLA's hierarchical scan); None: from the hosts.

@@ -200,11 +200,11 @@ def _default_overlap_worker(rank, world):
 
 def test_the_overlap_is_on_by_default_where_the_operators_rules_say_so():
     """``overlap=None`` resolves once, in the plan: the side stream over a device transport for GLA (its in-chunk
-    attention and gradients hide the scan) and the gated delta rule (its zero-state output, its backward's
-    recompute), not for KDA (its rules' ``auto_overlap``), never over send/recv; set, it is what was asked for."""
+    attention and gradients hide the scan) and the delta rules (their zero-state output, their backward's
+    recompute), as their rules' ``auto_overlap`` says, never over send/recv; set, it is what was asked for."""
     for got in run_ranks(_default_overlap_worker, 2):
         for (operator, transport, overlap), on in got.items():
-            want = overlap if overlap is not None else (operator != "kda" and transport == "peer_memory")
+            want = overlap if overlap is not None else transport == "peer_memory"
             assert on is want, (operator, transport, overlap, on)
 
 
