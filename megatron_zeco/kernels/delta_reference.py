@@ -181,11 +181,12 @@ class SubPieces:
 def choose_sub_pieces(cu_seqlens: Union[Tensor, Sequence[int]], chunk_size: int, heads: int, column_blocks: int,
                       processors: int, waves: float = 2.0, min_chunks: int = 4) -> List[int]:
     """Sub-pieces per segment so that the sequential kernel (K2, ``sub-pieces x heads x column_blocks``
-    programs) fills ``waves`` times ``processors`` (SMs), with runs of at least ``min_chunks`` chunks
+    programs, each walking its run of chunks) fills ``waves`` times ``processors`` (SMs) and no more: a
+    partly filled extra wave would take as long as a full one. Runs of at least ``min_chunks`` chunks
     (shorter runs cost more in K3..K5 than they win): one common run length over all segments."""
     cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)]
     nt = [-(-(b - a) // chunk_size) for a, b in zip(cu, cu[1:])]
-    wanted = max(1, math.ceil(waves * processors / max(1, heads * column_blocks)))
+    wanted = max(1, math.floor(waves * processors / max(1, heads * column_blocks)))
     run = max(min_chunks, math.ceil(sum(nt) / wanted), 1)
     return [max(1, -(-n // run)) for n in nt]
 

@@ -91,12 +91,16 @@ def test_plan_cuts_whole_chunks_per_segment():
 
 
 def test_choose_sub_pieces_fills_the_device():
-    """The default split gives K2 at least two waves of programs unless runs would get shorter than
-    ``min_chunks`` chunks."""
+    """The default split gives K2 as many programs as two waves of the SMs hold and no more (a third wave
+    partly filled would take as long as a full one), unless runs would get shorter than ``min_chunks``
+    chunks."""
     counts = ref.choose_sub_pieces([0, 16384], 64, heads=16, column_blocks=2, processors=132)
-    assert counts == [9] and 9 * 16 * 2 >= 2 * 132
+    assert counts == [8] and 8 * 16 * 2 <= 2 * 132 < 9 * 16 * 2
+    assert ref.choose_sub_pieces([0, 16384], 64, heads=16, column_blocks=2, processors=128) == [8]  # exactly two
     assert ref.choose_sub_pieces([0, 1024], 64, heads=16, column_blocks=2, processors=132) == [4]
-    assert ref.choose_sub_pieces([0, 60, 60, 4000], 64, 16, 2, 132) == [1, 1, 9]  # SubPieces clamps the empty one
+    assert ref.choose_sub_pieces([0, 60, 60, 4000], 64, 16, 2, 132) == [1, 1, 8]  # SubPieces clamps the empty one
+    assert ref.choose_sub_pieces([0, 16384], 64, heads=64, column_blocks=2, processors=132) == [2]
+    assert ref.choose_sub_pieces([0, 16384], 64, heads=512, column_blocks=2, processors=132) == [1]  # one at least
 
 
 # ------------------------------------------------------------------------------------------ float64 decomposition
