@@ -7,7 +7,8 @@ The operator (``OPERATORS``: GLA, the gated delta rule, KDA) sets what crosses r
 the delta rules), gives the state and map bytes, the blocks' dim and the matrix products a hop
 computes (charged at the stated ``FP32_FLOPS`` over send/recv, and over the device transports at the
 dense hop kernel's measured time beyond a diagonal one's, ``hop_rows``, where timed; a diagonal's
-elementwise work is inside the measured hop). The equations, the figures and their sources are in ``docs/scaling.md``; in short:
+elementwise work is inside the measured hop). The equations, the figures and their sources are in
+``docs/scaling.md``; in short:
 
 * ``none``:  ``t_op``, the measured one-GPU time of the local op (an input).
 * ``zeco``:  ``t_op (1 + extra + piece) + passes + sum over fwd/bwd of max(0, scan - hidden * t_dir / aside)

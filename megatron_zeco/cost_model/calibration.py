@@ -128,9 +128,9 @@ def calibration_rows(data: dict) -> list[dict]:
     written: those of :data:`PARTS` for GLA (not another operator's, ``bench_op.py --op gdn``, nor
     accuracy, memory or profile rows), :func:`op_time_rows`, and the :data:`OVERLAP` and :data:`HOP` rows of the
     device the model describes (``bench_overlap.py``'s and ``bench_hop.py``'s, read by :func:`overlap_rows` and
-    :func:`hop_rows`). None of a file whose scan
-    shape was forced (``meta["scan_shape"]``: ``bench_op.py`` under ``$MEGATRON_ZECO_SCAN_SHAPE``): such a
-    file compares the shapes side by side; the calibration's points are runs in the shape ``auto`` takes.
+    :func:`hop_rows`). None of a file whose scan shape was forced (``meta["scan_shape"]``: ``bench_op.py``
+    under ``$MEGATRON_ZECO_SCAN_SHAPE``): such a file compares the shapes side by side; the calibration's
+    points are runs in the shape ``auto`` takes.
     None either of a file that reruns an earlier version of the code beside the current one
     (``meta["rerun_of"]``: its commit): it compares versions on one machine."""
     if "scan_shape" in data.get("meta", {}) or "rerun_of" in data.get("meta", {}):
