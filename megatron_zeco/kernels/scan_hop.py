@@ -664,12 +664,18 @@ def all_scan_hop(x_init, gammas, deltas, s_ins, y_out, regions, g_stride, s_stri
     )
 
 
+def _tensor_cores(dtype: torch.dtype, *block_dims: int) -> bool:
+    """Whether a dense hop's products run as ``tl.dot`` (``_dense_product``'s ``DOT``): float32 blocks whose
+    every dimension is 16 or more."""
+    return dtype == torch.float32 and min(block_dims) >= 16
+
+
 def dense_block_rows(K: int, columns: int, dtype: torch.dtype) -> int:
     """Rows of ``M`` a dense hop's program multiplies at a time, for a tile of ``columns`` columns: 64 on tensor
     cores (float32 tiles of 16 columns or more; ``benchmarks/bench_hop.py --dense-block-rows`` times the
     choices), else 32 (elementwise products, each row block holding rows x K x columns of them in registers)."""
-    dot = dtype == torch.float32 and min(triton.next_power_of_2(K), triton.next_power_of_2(columns)) >= 16
-    return min(triton.next_power_of_2(K), 64 if dot else 32)
+    BK = triton.next_power_of_2(K)
+    return min(BK, 64 if _tensor_cores(dtype, BK, triton.next_power_of_2(columns)) else 32)
 
 
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
@@ -690,7 +696,7 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
     cols = V // tiles
     BC, BK = triton.next_power_of_2(cols), triton.next_power_of_2(K)
     BR = min(BK, block_rows or dense_block_rows(K, cols, delta.dtype))
-    dot = delta.dtype == torch.float32 and min(BR, BK, BC) >= 16
+    dot = _tensor_cores(delta.dtype, BR, BK, BC)
     NT = _lane_states(N, lane) * tiles
     if NT == 0:
         return
