@@ -827,6 +827,36 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
                for line in _cli("--gpus", "16", "--op", "kda"))
 
 
+def test_hop_pace_alone_is_a_what_if_of_the_hops_pace_alone():
+    """``--hop-pace alone`` (``Calibration.with_hops_alone``): the hops beside the local op as fast as alone
+    (``aside`` 1), all else as measured, so the overlap hides more of the scan over the device transports and
+    nothing changes where it is off (send/recv); its rows and the overlap line say it is a what-if."""
+    cal, c = _calibration(), cm.Cluster()
+    alone_cal = cal.with_hops_alone()
+    assert alone_cal.overlap.keys() == cal.overlap.keys() and cal.overlap != alone_cal.overlap
+    for op in (cm.GLA, cm.GDN, cm.KDA):
+        w = cm.projection_workload(cal, 256, 16384, op=op)
+        alone = cm.projection_workload(alone_cal, 256, 16384, op=op)
+        assert min(w.aside) > 1 and alone == dataclasses.replace(w, aside=(1.0, 1.0)), op.name
+        for transport, faster in (("nvshmem", True), ("send_recv", False)):
+            sw = cal.sw(transport)
+            t, t_alone = (cm.layer_time("zeco", x, c, sw, 8, "hierarchical") for x in (w, alone))
+            assert (t_alone < t) if faster else (t_alone == t), (op.name, transport)
+        measured, what_if = (next(ch for ch in cm.project(k, 256, 16384, "contiguous", layer=cm.LayerShape(op=op))
+                                  if ch.strategy == "zeco") for k in (cal, alone_cal))
+        assert what_if.efficiency > measured.efficiency, op.name
+    lines = _cli("--gpus", "256", "--op", "gdn", "--hop-pace", "alone")
+    header = [line for line in lines if line.startswith("# overlap as built (gdn):")]
+    (_, _, af), (_, _, ab), _ = cm.overlap_shares(cal, cm.GDN, 16384, 128)[0]
+    assert len(header) == 1 and f"{af:.1f}x / {ab:.1f}x as long as alone there as measured, WHAT IF" in header[0]
+    rows = [line for line in lines if not line.startswith("#")]
+    assert rows and all(LINE.match(line) for line in rows)
+    for line in rows:
+        device = "transport=peer_memory" in line or "transport=nvshmem" in line
+        assert ("(what if: --hop-pace alone)" in line) == device, line
+    assert not any("what if" in line.lower() for line in _cli("--gpus", "256", "--op", "gdn"))
+
+
 def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
     """A file that times the side stream at both priorities (``bench_overlap.py --side-priority``) gives the
     rows of the highest (as built); one with the default priority's alone, those; rows of another program count

@@ -97,6 +97,14 @@ class Calibration:
             raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
         return self.transports[transport, regime]
 
+    def with_hops_alone(self) -> "Calibration":
+        """A what-if: this calibration with the scan's hops as fast beside the local op as alone (``aside``
+        1 in every overlap measurement), all else as measured (``--hop-pace alone``)."""
+        alone = {op: {shape: (*((hidden, spin, 1.0) for hidden, spin, _ in (fwd, bwd)), priority)
+                      for shape, (fwd, bwd, priority) in shapes.items()}
+                 for op, shapes in self.overlap.items()}
+        return replace(self, overlap=alone)
+
     def projected(self, transport: str) -> bool:
         """Whether ``transport``'s costs are projected (priced from another transport's measurements)."""
         return transport == NVSHMEM_PROJECTION["transport"] and self.transports[transport, "steady"] == replace(

@@ -132,12 +132,13 @@ def project(cal: Calibration, P: int, tokens: int, layout: str, cluster: Cluster
     return out
 
 
-def _format(ch: Choice, layout: str) -> str:
+def _format(ch: Choice, layout: str, hops_alone: bool = False) -> str:
     if ch.why_not:
         return f"{ch.strategy:<18} layout={layout:<10} cannot run: {ch.why_not} efficiency=0.000"
     scan = ""
     if ch.transport:
-        scan = (f" transport={ch.transport}{' (projected)' if ch.projected else ''} shape={ch.shape} "
+        what_if = " (what if: --hop-pace alone)" if hops_alone and TRANSPORTS[ch.transport].device else ""
+        scan = (f" transport={ch.transport}{' (projected)' if ch.projected else ''}{what_if} shape={ch.shape} "
                 f"K={ch.K}")
     return f"{ch.strategy:<18} layout={layout:<10}{scan} time_ms={ch.seconds * 1e3:.3f} efficiency={ch.efficiency:.3f}"
 
@@ -175,14 +176,20 @@ def main(argv=None) -> None:
     parser.add_argument("--results", default=None,
                         help="glob of measured result files to calibrate on instead, e.g. 'docs/results/*.json' "
                              "of a checkout (default: the package's calibration data)")
+    parser.add_argument("--hop-pace", choices=("measured", "alone"), default="measured",
+                        help="measured: the scan's hops beside the local op at the pace measured there (default); "
+                             "alone: what if they kept their pace alone (the local op still slowed beside them as "
+                             "measured), e.g. on SMs of their own")
     args = parser.parse_args(argv)
+    hops_alone = args.hop_pace == "alone"
     for name, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
                         ("--node-size", args.node_size), ("--heads", args.heads)):
         if value < 1:
             parser.error(f"{name} must be a positive integer, got {value}")
     ops = [OPERATORS[name] for name in dict.fromkeys(
         name for asked in args.op or [GLA.name] for name in (OPERATORS if asked == "all" else [asked]))]
-    cal = calibrate(load_rows(args.results) if args.results else default_rows())
+    measured = calibrate(load_rows(args.results) if args.results else default_rows())
+    cal = measured.with_hops_alone() if hops_alone else measured
     cluster = Cluster(inter=Link(args.ib_latency_us * 1e-6, args.ib_bandwidth_gbs * 1e9), gpus_per_node=args.node_size)
     for op in ops:
         try:
@@ -197,12 +204,12 @@ def main(argv=None) -> None:
               f"{cluster.inter.bandwidth / 1e9:g} GB/s")
         if not op.transition.hop_timed:
             print(_scan_source(w, piece_share(cal, op, args.tokens_per_gpu, args.head_dim)[1]))
-        shares, measured_at = overlap_shares(cal, op, args.tokens_per_gpu, args.head_dim)
-        print(_overlap_source(w, measured_at, shares))
+        shares, measured_at = overlap_shares(measured, op, args.tokens_per_gpu, args.head_dim)
+        print(_overlap_source(w, measured_at, shares, hops_alone))
         for layout in args.layout or LAYOUTS:
             for ch in project(cal, args.gpus, args.tokens_per_gpu, layout, cluster, args.regime,
                               LayerShape(args.heads, args.head_dim, op), args.transport):
-                print(_format(ch, layout))
+                print(_format(ch, layout, hops_alone))
 
 
 def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
@@ -223,21 +230,24 @@ def _scan_source(w: Workload, piece_tokens: Optional[int]) -> str:
             f"{piece}")
 
 
-def _overlap_source(w: Workload, tokens: Optional[int], shares: tuple) -> str:
+def _overlap_source(w: Workload, tokens: Optional[int], shares: tuple, hops_alone: bool = False) -> str:
     """The header's line on the scan's overlap as built: what its hops hide of each direction's local op and
     what they cost it (measured at ``tokens``, ``shares`` as :func:`overlap_shares` gives them), or that it is
-    not measured."""
+    not measured; with ``hops_alone`` (``--hop-pace alone``) the hops' pace as measured and the what-if."""
     if tokens is None:
         return f"# overlap as built ({w.op.name}): not measured, nothing of the scan hidden"
-    (hf, hb), (sf, sb), (af, ab) = w.hidden, w.spin, w.aside
+    (hf, hb), (sf, sb) = w.hidden, w.spin
+    af, ab = shares[0][2], shares[1][2]  # as measured (``w`` has them 1 under --hop-pace alone)
     measured = (f"measured, one GPU at {tokens} tokens, the side stream of "
                 f"{'the highest' if shares[2] == 'high' else 'default'} priority")
     if not RULES[w.op.rules].auto_overlap:
         return (f"# overlap as built ({w.op.name}): off by default ({measured}: its hops would run beside "
                 f"{hf:.0%} / {hb:.0%} of the forward / backward local op, {af:.1f}x / {ab:.1f}x as long as alone)")
+    pace = f"each hop {af:.1f}x / {ab:.1f}x as long as alone"
+    if hops_alone:
+        pace += " there as measured, WHAT IF as fast as alone (--hop-pace alone)"
     return (f"# overlap as built ({w.op.name}): over peer_memory and nvshmem the hops run beside {hf:.0%} / {hb:.0%} "
-            f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them, each hop {af:.1f}x / {ab:.1f}x "
-            f"as long as alone ({measured})")
+            f"of the forward / backward local op, {sf:.0%} / {sb:.0%} slower beside them, {pace} ({measured})")
 
 
 def _title(op: Operator) -> str:
