@@ -22,16 +22,16 @@ diagonal one's at the same blocks (``cost_model.calibration.hop_rows``).
 """
 
 import argparse
-import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overlap import meta  # noqa: E402  (benchmarks/, beside this script: the same meta, heads and dim)
 
 KINDS = ("diagonal", "dense", "dense map")
 
@@ -109,19 +109,6 @@ def kernel_us(fn, iters):
     if len(durations) < iters:
         raise RuntimeError(f"the profiler saw {len(durations)} kernels of {iters} launches")
     return statistics.median(durations)
-
-
-def meta(args):
-    import triton
-
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                         stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {"device": torch.cuda.get_device_name(), "date": datetime.date.today().isoformat(), "commit": commit,
-            "versions": {"torch": torch.__version__, "triton": triton.__version__}, "command": " ".join(sys.argv),
-            "heads": args.heads, "dim": args.dim}
 
 
 def main(argv=None):
