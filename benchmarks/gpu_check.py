@@ -91,6 +91,19 @@ def environment(args, step):
     return env
 
 
+def inherited_tests_mode(args, env_before=None):
+    """A line warning that the tests' tuned-config mode comes from the environment and autotunes (anything but
+    ``untuned``: every kernel and key the record lacks is autotuned, which from a cold cache takes longer than
+    the tests themselves), or None."""
+    env_before = os.environ if env_before is None else env_before
+    mode = env_before.get(tuning.ENV)
+    if args.autotune or mode in (None, "untuned"):
+        return None
+    return (f"gpu_check: the tests run with ${tuning.ENV}={mode} from the environment: every kernel and key "
+            f"without a recorded pick is autotuned (minutes per kernel from a cold cache); unset it to run them "
+            f"untuned, as the check does by default")
+
+
 class Clock:
     """The check's deadline (``--time-limit``): seconds left, None for no limit."""
 
@@ -401,6 +414,9 @@ def main(argv=None):
                        "configs": {"tests": environment(args, "tests")[tuning.ENV], "bench": env[tuning.ENV]},
                        "command": " ".join(sys.argv)}}
     if "tests" not in args.skip:
+        note = inherited_tests_mode(args)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         report["tests"] = run_tests(args, environment(args, "tests"), logs, info["gpus"], clock)
     if "bench" not in args.skip:
         report["bench"] = run_bench(args, env, logs, info["gpus"], clock)

@@ -88,3 +88,17 @@ def test_every_test_that_needs_a_gpu_is_in_a_file_the_check_runs():
     assert found, "no GPU test found: the pattern no longer matches how GPU tests skip"
     assert found <= set(gpu_check.TEST_FILES), sorted(found - set(gpu_check.TEST_FILES))
     assert all(os.path.exists(os.path.join(ROOT, name)) for name in gpu_check.TEST_FILES)
+
+
+@pytest.mark.parametrize("mode", [None, "untuned", "auto", "off", "record:/tmp/picks"])
+def test_a_tests_mode_inherited_from_the_environment_that_autotunes_is_named(mode):
+    """The tests run ``untuned`` unless the environment says otherwise; a setting that autotunes is named
+    before the tests start, since from a cold cache it takes longer than the tests."""
+    args = gpu_check.parse_args([])
+    env = {} if mode is None else {gpu_check.tuning.ENV: mode}
+    note = gpu_check.inherited_tests_mode(args, env)
+    if mode in (None, "untuned"):
+        assert note is None
+    else:
+        assert f"{gpu_check.tuning.ENV}={mode}" in note and "unset it" in note
+    assert gpu_check.inherited_tests_mode(gpu_check.parse_args(["--autotune"]), env) is None
