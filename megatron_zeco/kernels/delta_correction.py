@@ -25,11 +25,15 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
     K3 ``delta_prefix_kernel``    P_j = L_{j-1} ... L_0 (P_0 = I), the segment's M       grid (K/BC, segments, H)
   after the scan delivered S_in:
     K4 ``delta_entering_kernel``  X_j = P_j S_in, the sub-piece's share of S_in          grid (V/BV, sub-pieces, H)
-       ``delta_output_kernel``    o_c = o^0_c + R_c X_j, every chunk at once (float32,
-                                  rounded once)                                          grid (V/BV, chunks, H)
+       ``delta_output_kernel``    o_c = o^0_c + R_c X_j per chunk of a run (float32,
+                                  rounded once), X_j read once per run                   grid (V/BV, runs, H)
   backward, from the outputs' gradient do:
-    K5 ``delta_grad_kernel``      Z_j = P_j^T sum_{c in j} R_c^T do_c                    grid (V/BV, sub-pieces, H)
-       ``delta_grad_sum_kernel``  A_n = sum_{j in n} Z_j (in order: deterministic)       grid (KV/BLOCK, segments, H)
+    K5 ``delta_grad_kernel``      Z_r = P_j^T sum_{c in r} R_c^T do_c, r a run of j      grid (V/BV, runs, H)
+       ``delta_grad_sum_kernel``  A_n = sum_{r in n} Z_r (in order: deterministic)       grid (KV/BLOCK, segments, H)
+
+K4 and K5 run over runs of a few chunks of a sub-piece (``SubPieces.runs``; ``chunks_per_run`` picks
+the longest runs that still make a few programs per SM), so the parallel kernels read each sub-piece's
+``[K, V]`` block once per run rather than once per chunk.
 
 ``A`` is the gradient of ``<do, o>`` with respect to ``S_in``; the entering state's full gradient is
 ``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's backward
@@ -66,6 +70,7 @@ Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bi
 """
 
 import functools
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -77,11 +82,13 @@ from .delta_reference import SubPieces, choose_sub_pieces
 
 Tensor = torch.Tensor
 PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
+# K4's and K5's programs per SM (``chunks_per_run``)
+RUN_WAVES = 4.0
 
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
     "fused_maps", "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection",
-    "side_stream", "urgent_stream",
+    "side_stream", "urgent_stream", "chunks_per_run", "RUN_WAVES",
 ]
 
 
@@ -448,41 +455,46 @@ def _delta_entering_kernel(P, s_in, X, pieces, H: tl.constexpr, K: tl.constexpr,
 
 
 @triton.jit
-def _delta_output_kernel(o0, r, X, out, chunks, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+def _delta_output_kernel(o0, r, X, out, runs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
                          INTERPRETED: tl.constexpr):
-    """K4 (second part), one chunk c of sub-piece j, head and block of BV value columns: ``out = o0 + R_c X_j``,
-    summed in float32 and rounded once. o0, out ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]``
-    float32; BK >= K. Every chunk is a program of its own: no chunk waits for another."""
-    i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(chunks + i_c * 4).to(tl.int64)
-    eos = tl.load(chunks + i_c * 4 + 1).to(tl.int64)
-    i_t = tl.load(chunks + i_c * 4 + 2)
-    i_j = tl.load(chunks + i_c * 4 + 3).to(tl.int64)
-    rows, m_t, _ = _chunk_rows(bos, eos, i_t, H, i_h, BT)
+    """K4 (second part), one run of chunks of sub-piece j, head and block of BV value columns: ``out = o0 +
+    R_c X_j`` for each chunk c of the run, summed in float32 and rounded once. X_j is read once per run; no
+    chunk waits for another. o0, out ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]``
+    float32, runs ``[NR, 5]`` (``SubPieces.tables(device, chunks_per_run)``); BK >= K."""
+    i_v, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(runs + i_r * 5).to(tl.int64)
+    eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
+    first = tl.load(runs + i_r * 5 + 2)
+    count = tl.load(runs + i_r * 5 + 3)
+    i_j = tl.load(runs + i_r * 5 + 4).to(tl.int64)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    m_o = m_t[:, None] & m_v[None, :]
     b_X = tl.load(X + (i_j * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                   other=0.)
-    b_r = tl.load(r + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-    b_o = tl.load(o0 + rows[:, None] * V + o_v[None, :], mask=m_o, other=0.).to(tl.float32)
-    b_o = _dot(b_r, b_X, b_o, PRECISION, INTERPRETED)
-    tl.store(out + rows[:, None] * V + o_v[None, :], b_o.to(out.dtype.element_ty), mask=m_o)
+    for i in range(count):
+        rows, m_t, _ = _chunk_rows(bos, eos, first + i, H, i_h, BT)
+        m_o = m_t[:, None] & m_v[None, :]
+        b_r = tl.load(r + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+        b_o = tl.load(o0 + rows[:, None] * V + o_v[None, :], mask=m_o, other=0.).to(tl.float32)
+        b_o = _dot(b_r, b_X, b_o, PRECISION, INTERPRETED)
+        tl.store(out + rows[:, None] * V + o_v[None, :], b_o.to(out.dtype.element_ty), mask=m_o)
 
 
 @triton.jit
-def _delta_grad_kernel(r, do, P, Z, pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+def _delta_grad_kernel(r, do, P, Z, runs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                        BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
-    """K5 (first part), one sub-piece, head and block of BV columns: ``Z_j = P_j^T sum_{c in j} R_c^T do_c``.
-    r ``[rows, H, K]``, do ``[rows, H, V]``, P ``[sub-pieces, H, K, K]``, Z ``[sub-pieces, H, K, V]`` float32."""
-    i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(pieces + i_j * 5 + 1).to(tl.int64)
-    eos = tl.load(pieces + i_j * 5 + 2).to(tl.int64)
-    first = tl.load(pieces + i_j * 5 + 3)
-    count = tl.load(pieces + i_j * 5 + 4)
+    """K5 (first part), one run of chunks of sub-piece j, head and block of BV columns: ``Z_r = P_j^T sum_{c in
+    r} R_c^T do_c``. r ``[rows, H, K]``, do ``[rows, H, V]``, P ``[sub-pieces, H, K, K]``, Z ``[runs, H, K, V]``
+    float32, runs ``[NR, 5]`` (``SubPieces.tables(device, chunks_per_run)``)."""
+    i_v, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos = tl.load(runs + i_r * 5).to(tl.int64)
+    eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
+    first = tl.load(runs + i_r * 5 + 2)
+    count = tl.load(runs + i_r * 5 + 3)
+    i_j = tl.load(runs + i_r * 5 + 4).to(tl.int64)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
@@ -493,19 +505,20 @@ def _delta_grad_kernel(r, do, P, Z, pieces, H: tl.constexpr, K: tl.constexpr, V:
         b_rT = tl.load(r + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
         b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
         b_Y = _dot(b_rT, b_do, b_Y, PRECISION, INTERPRETED)
-    base = i_j.to(tl.int64) * H + i_h
-    b_PT = tl.load(P + base * K * K + o_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_k[None, :], other=0.)
+    b_PT = tl.load(P + (i_j * H + i_h) * K * K + o_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_k[None, :],
+                   other=0.)
     b_Z = _dot(b_PT, b_Y, tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
-    tl.store(Z + base * K * V + o_k[:, None] * V + o_v[None, :], b_Z, mask=m_k[:, None] & m_v[None, :])
+    tl.store(Z + (i_r.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_Z,
+             mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
-def _delta_grad_sum_kernel(Z, A, piece_offsets, H: tl.constexpr, KV: tl.constexpr, BLOCK: tl.constexpr):
-    """K5 (second part), one segment, head and block of the state: ``A_n = sum_{j in n} Z_j`` in order
-    (zero for a segment without chunks). Z ``[sub-pieces, H, K, V]``, A ``[N, H, K, V]`` float32."""
+def _delta_grad_sum_kernel(Z, A, run_offsets, H: tl.constexpr, KV: tl.constexpr, BLOCK: tl.constexpr):
+    """K5 (second part), one segment, head and block of the state: ``A_n = sum_{r in n} Z_r`` in order
+    (zero for a segment without chunks). Z ``[runs, H, K, V]``, A ``[N, H, K, V]`` float32."""
     i_b, i_n, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    j0 = tl.load(piece_offsets + i_n)
-    j1 = tl.load(piece_offsets + i_n + 1)
+    j0 = tl.load(run_offsets + i_n)
+    j1 = tl.load(run_offsets + i_n + 1)
     o = i_b * BLOCK + tl.arange(0, BLOCK)
     m = o < KV
     b_A = tl.zeros([BLOCK], dtype=tl.float32)
@@ -685,11 +698,33 @@ def prefix_maps(L: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
     return P, M
 
 
+def chunks_per_run(plan: SubPieces, heads: int, column_blocks: int, device: torch.device,
+                   waves: float = RUN_WAVES) -> int:
+    """Chunks per program of K4 and K5 (``heads x column_blocks`` programs per run): the longest run that
+    still makes ``waves`` times the device's SMs of programs, so each sub-piece's ``[K, V]`` block is read
+    as few times as the SMs allow. One run per chunk on a device without SMs to fill (the CPU)."""
+    if torch.device(device).type != "cuda":
+        return 1
+    wanted = waves * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, math.floor(plan.num_chunks * heads * column_blocks / wanted))
+
+
+def _run_length(plan: SubPieces, heads: int, column_blocks: int, device: torch.device,
+                chunks: Optional[int]) -> int:
+    if chunks is None:
+        return chunks_per_run(plan, heads, column_blocks, device)
+    if int(chunks) < 1:
+        raise ValueError(f"chunks_per_run must be a positive int, got {chunks}")
+    return int(chunks)
+
+
 def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubPieces, *,
-                      precision: str = "tf32x3", out_dtype: Optional[torch.dtype] = None) -> Tensor:
+                      precision: str = "tf32x3", out_dtype: Optional[torch.dtype] = None,
+                      chunks_per_run: Optional[int] = None) -> Tensor:
     """K4: ``o [B, T, H, V]`` = o0 + R_c (P_j S_in[n]) per chunk, in float32, rounded once to
     ``out_dtype`` (default o0's). o0 ``[B, T, H, V]``, R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``,
-    S_in ``[N, H, K, V]``. A new tensor (o0 is not written)."""
+    S_in ``[N, H, K, V]``. ``chunks_per_run``: chunks per program (default :func:`chunks_per_run`); the
+    result does not depend on it. A new tensor (o0 is not written)."""
     _check(plan, precision, o0=o0, R=R)
     H, V = o0.shape[2], o0.shape[3]
     K = R.shape[-1]
@@ -697,35 +732,40 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
         raise ValueError(f"S_in {tuple(S_in.shape)}: expected {(plan.num_segments, H, K, V)}")
     out = torch.empty(o0.shape, dtype=out_dtype or o0.dtype, device=o0.device)
     if plan.num_pieces:
-        tables = plan.tables(o0.device)
         BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 64)
+        run = _run_length(plan, H, triton.cdiv(V, BV), o0.device, chunks_per_run)
+        runs = plan.tables(o0.device, run)["runs"]
         X = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=o0.device)
         delta_entering_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
-            P.contiguous(), S_in.contiguous(), X, tables["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
+            P.contiguous(), S_in.contiguous(), X, plan.tables(o0.device)["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
             PRECISION=precision, INTERPRETED=interpreted())
-        delta_output_kernel[(triton.cdiv(V, BV), plan.num_chunks, H)](
-            o0.contiguous(), R.contiguous(), X, out, tables["chunks"], H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
+        delta_output_kernel[(triton.cdiv(V, BV), runs.shape[0], H)](
+            o0.contiguous(), R.contiguous(), X, out, runs, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
             BV=BV, PRECISION=precision, INTERPRETED=interpreted())
     return out
 
 
-def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precision: str = "tf32x3") -> Tensor:
+def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
+                  chunks_per_run: Optional[int] = None) -> Tensor:
     """K5: ``A [N, H, K, V]`` (float32), the gradient of ``<do, o>`` with respect to each segment's
-    entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``."""
+    entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``.
+    ``chunks_per_run``: chunks per program (default :func:`chunks_per_run`); each run's part is summed in
+    order, so a given run length gives the same bits every call."""
     _check(plan, precision, R=R, do=do)
     H, K = R.shape[2], R.shape[3]
     V = do.shape[-1]
     A = torch.empty(plan.num_segments, H, K, V, dtype=torch.float32, device=R.device)
-    tables = plan.tables(R.device)
     BV = min(triton.next_power_of_2(V), 64)
-    Z = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=R.device)
-    if plan.num_pieces:
-        delta_grad_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
-            R.contiguous(), do.contiguous(), P.contiguous(), Z, tables["pieces"], H=H, K=K, V=V, BT=plan.chunk_size,
+    tables = plan.tables(R.device, _run_length(plan, H, triton.cdiv(V, BV), R.device, chunks_per_run))
+    runs = tables["runs"]
+    Z = torch.empty(runs.shape[0], H, K, V, dtype=torch.float32, device=R.device)
+    if runs.shape[0]:
+        delta_grad_kernel[(triton.cdiv(V, BV), runs.shape[0], H)](
+            R.contiguous(), do.contiguous(), P.contiguous(), Z, runs, H=H, K=K, V=V, BT=plan.chunk_size,
             BK=triton.next_power_of_2(K), BV=BV, PRECISION=precision, INTERPRETED=interpreted())
     BLOCK = min(triton.next_power_of_2(K * V), 1024)
     delta_grad_sum_kernel[(triton.cdiv(K * V, BLOCK), plan.num_segments, H)](
-        Z, A, tables["piece_offsets"], H=H, KV=K * V, BLOCK=BLOCK)
+        Z, A, tables["run_offsets"], H=H, KV=K * V, BLOCK=BLOCK)
     return A
 
 

@@ -82,6 +82,9 @@ class SubPieces:
         piece_offsets: ``[N+1]``: segment n owns sub-pieces ``piece_offsets[n] .. piece_offsets[n+1]-1``.
         chunks: ``(segment, chunk in the segment, sub-piece)`` of each chunk, segment-major (fla's
             ``chunk_indices`` order).
+
+    :meth:`runs` cuts the sub-pieces further into runs of a few chunks, the programs of the parallel
+    kernels K4 and K5 (each reads its sub-piece's ``[K, V]`` block once per run).
     """
 
     def __init__(self, cu_seqlens: Union[Tensor, Sequence[int]], chunk_size: int,
@@ -113,7 +116,7 @@ class SubPieces:
                 first += size
             offsets.append(len(pieces))
         self.pieces, self.chunks, self.piece_offsets = tuple(pieces), tuple(chunks), tuple(offsets)
-        self._tables: Dict[torch.device, Dict[str, Tensor]] = {}
+        self._tables: Dict[Tuple[torch.device, int], Dict[str, Tensor]] = {}
 
     @classmethod
     def dense(cls, batch: int, length: int, chunk_size: int, sub_pieces: Union[int, Sequence[int]] = 1):
@@ -146,32 +149,53 @@ class SubPieces:
         start = bos + chunk * self.chunk_size
         return start, min(start + self.chunk_size, eos)
 
-    def tables(self, device: Union[str, torch.device]) -> Dict[str, Tensor]:
+    def runs(self, chunks: int) -> Tuple[Tuple[Tuple[int, int, int, int], ...], Tuple[int, ...]]:
+        """Each sub-piece cut into runs of ``chunks`` chunks (its last run shorter): ``(segment, first chunk
+        in the segment, chunk count, sub-piece)`` of each run, segment-major and in order, and ``[N+1]``
+        offsets (segment n owns runs ``offsets[n] .. offsets[n+1]-1``). ``chunks`` at least a sub-piece's
+        length gives one run per sub-piece."""
+        if chunks < 1:
+            raise ValueError(f"chunks per run must be positive, got {chunks}")
+        runs, offsets = [], [0]
+        for n in range(self.num_segments):
+            for j in range(self.piece_offsets[n], self.piece_offsets[n + 1]):
+                _, first, count = self.pieces[j]
+                runs.extend((n, c, min(chunks, first + count - c), j) for c in range(first, first + count, chunks))
+            offsets.append(len(runs))
+        return tuple(runs), tuple(offsets)
+
+    def tables(self, device: Union[str, torch.device], chunks_per_run: int = 0) -> Dict[str, Tensor]:
         """The kernels' launch tables on ``device`` (int32; copied once per device and kept):
 
         ``chunks [NC, 4]``: (bos, eos of the segment, chunk in the segment, sub-piece) per chunk;
         ``pieces [NS, 5]``: (segment, bos, eos, first chunk, chunk count) per sub-piece;
-        ``piece_offsets [N+1]``. Built from host data; the copies are asynchronous (pinned memory)."""
+        ``piece_offsets [N+1]``; with ``chunks_per_run`` > 0 instead, the :meth:`runs` of that length:
+        ``runs [NR, 5]``: (bos, eos of the segment, first chunk, chunk count, sub-piece) per run, and
+        ``run_offsets [N+1]``. Built from host data; the copies are asynchronous (pinned memory)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._tables:
-            host = {
-                "chunks": [(*self.segments[n], c, j) for n, c, j in self.chunks],
-                "pieces": [(n, *self.segments[n], c0, nc) for n, c0, nc in self.pieces],
-                "piece_offsets": list(self.piece_offsets),
-            }
-            widths = {"chunks": 4, "pieces": 5, "piece_offsets": None}
+        if (device, chunks_per_run) not in self._tables:
+            if chunks_per_run:
+                runs, offsets = self.runs(chunks_per_run)
+                host = {"runs": ([(*self.segments[n], c0, nc, j) for n, c0, nc, j in runs], 5),
+                        "run_offsets": (list(offsets), None)}
+            else:
+                host = {
+                    "chunks": ([(*self.segments[n], c, j) for n, c, j in self.chunks], 4),
+                    "pieces": ([(n, *self.segments[n], c0, nc) for n, c0, nc in self.pieces], 5),
+                    "piece_offsets": (list(self.piece_offsets), None),
+                }
             out = {}
-            for name, rows in host.items():
+            for name, (rows, width) in host.items():
                 t = torch.tensor(rows, dtype=torch.int32)
-                if widths[name] is not None:
-                    t = t.view(-1, widths[name])
+                if width is not None:
+                    t = t.view(-1, width)
                 if device.type == "cuda":
                     t = t.pin_memory().to(device, non_blocking=True)
                 out[name] = t.to(device)
-            self._tables[device] = out
-        return self._tables[device]
+            self._tables[(device, chunks_per_run)] = out
+        return self._tables[(device, chunks_per_run)]
 
     def __repr__(self) -> str:
         return (f"SubPieces(segments={self.num_segments}, chunks={self.num_chunks}, sub_pieces={self.counts()}, "

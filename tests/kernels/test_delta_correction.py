@@ -90,6 +90,30 @@ def test_plan_cuts_whole_chunks_per_segment():
         ref.SubPieces([0, 5, 3], 16)
 
 
+def test_runs_cut_each_sub_piece_in_order():
+    """K4's and K5's runs: each sub-piece cut into runs of at most the given chunks (its last run shorter),
+    never straddling a sub-piece, every chunk in exactly one run, segment-major and in order; an empty
+    segment owns none; a run length past every sub-piece gives one run per sub-piece."""
+    plan = ref.SubPieces(_cu([37, 5, 0, 100, 16]), 16, 3)  # sub-pieces of 1, 1, 1 | 1 | - | 3, 2, 2 | 1 chunks
+    runs, offsets = plan.runs(2)
+    assert runs == ((0, 0, 1, 0), (0, 1, 1, 1), (0, 2, 1, 2), (1, 0, 1, 3), (3, 0, 2, 4), (3, 2, 1, 4),
+                    (3, 3, 2, 5), (3, 5, 2, 6), (4, 0, 1, 7))
+    assert offsets == (0, 3, 4, 4, 8, 9)
+    for chunks in (1, 2, 3, 7, 100):
+        runs, offsets = plan.runs(chunks)
+        assert [(n, c, j) for n, c0, nc, j in runs for c in range(c0, c0 + nc)] == list(plan.chunks)
+        assert all(1 <= nc <= chunks for _, _, nc, _ in runs)
+        assert [sum(1 for r in runs if r[0] == n) for n in range(plan.num_segments)] == \
+            [b - a for a, b in zip(offsets, offsets[1:])]
+    assert plan.runs(3)[0] == tuple((n, c0, nc, j) for j, (n, c0, nc) in enumerate(plan.pieces))
+    tables = plan.tables("cpu", 2)
+    assert tables["runs"].shape == (9, 5) and tables["runs"][5].tolist() == [42, 142, 2, 1, 4]
+    assert tables["run_offsets"].tolist() == [0, 3, 4, 4, 8, 9]
+    assert plan.tables("cpu", 2) is tables and "chunks" in plan.tables("cpu")
+    with pytest.raises(ValueError, match="positive"):
+        plan.runs(0)
+
+
 def test_choose_sub_pieces_fills_the_device():
     """The default split gives K2 as many programs as two waves of the SMs hold and no more (a third wave
     partly filled would take as long as a full one), unless runs would get shorter than ``min_chunks``
@@ -434,6 +458,59 @@ def test_kernels_low_precision_storage(seed):
     assert rel_err(_d(dc.entering_grad(R, P, do, plan)), ref.entering_grad(_d(R), _d(P), _d(do), plan)) < TOL32
 
 
+@pytest.mark.parametrize("precision", ["ieee", "input"])
+def test_parallel_kernels_at_every_run_length(seed, precision):
+    """K4 and K5 over runs of 1, 2, 3 and more chunks than a sub-piece holds (packed, an empty segment,
+    sub-pieces of uneven length): K4's output is the same bits at every run length (each chunk's product is
+    the same); K5's A is the float64 reference's within float32 summation (runs summed in order: the same
+    bits on a second call); bfloat16 R under ``"input"`` (X rounded per tile, as the pieces run)."""
+    from megatron_zeco.kernels import delta_correction as dc
+
+    H, K, V = 2, 32, 16
+    lengths = [37, 5, 0, 100, 16]
+    dtype = torch.bfloat16 if precision == "input" else torch.float32
+    _, (q, k, w, G), _, S_in, _ = _kernel_inputs(seed, lengths, H, K, V, dtype)
+    plan = ref.SubPieces(_cu(lengths), 16, [3, 1, 1, 2, 1])  # the 7-chunk segment: sub-pieces of 4 and 3
+    kw = dict(precision=precision)
+    qt = dc.correction_reads(q, k, w, G, K ** -0.5, plan, out_dtype=dtype, **kw)
+    R, L = dc.sub_piece_maps(qt, k, w, G, plan, r_dtype=dtype, block_cols=16, block_rows=16, **kw)
+    P, _ = dc.prefix_maps(L, plan, block_cols=16, **kw)
+    gen = torch.Generator().manual_seed(seed + 3)
+    o0, do = (torch.randn(1, plan.tokens, H, V, generator=gen).to(dtype).to(DEVICE) for _ in range(2))
+    outs = {c: dc.output_correction(o0, R, P, S_in, plan, out_dtype=torch.float32, chunks_per_run=c, **kw)
+            for c in (1, 2, 3, 50)}
+    grads = {c: dc.entering_grad(R, P, do, plan, chunks_per_run=c, **kw) for c in (1, 2, 3, 50)}
+    want_o = ref.output_correction(_d(o0), _d(R), _d(P), _d(S_in), plan)
+    want_A = ref.entering_grad(_d(R), _d(P), _d(do), plan)
+    tol = TOL32 if precision == "ieee" else 2e-2  # "input": X meets bfloat16 R rounded to bfloat16
+    for c in outs:
+        assert torch.equal(outs[c], outs[1]), c
+        assert rel_err(_d(outs[c]), want_o) < tol and rel_err(_d(grads[c]), want_A) < tol, c
+        assert torch.equal(dc.entering_grad(R, P, do, plan, chunks_per_run=c, **kw), grads[c])
+    assert rel_err(outs[1].cpu(), o0.cpu()) > 0.05 and want_A.abs().max() > 0.1
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="chunks_per_run"):
+            dc.output_correction(o0, R, P, S_in, plan, chunks_per_run=bad, **kw)
+
+
+def test_chunks_per_run_fills_the_sms(monkeypatch):
+    """The default run length: the longest that still gives ``RUN_WAVES`` programs per SM (one chunk per run
+    on the CPU)."""
+    from megatron_zeco.kernels import delta_correction as dc
+
+    plan = ref.SubPieces.dense(1, 16384, 64, 8)  # 256 chunks
+    assert dc.chunks_per_run(plan, 16, 2, torch.device("cpu")) == 1
+
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    c = dc.chunks_per_run(plan, 16, 2, torch.device("cuda", 0))
+    programs = lambda c: len(plan.runs(c)[0]) * 16 * 2  # noqa: E731
+    assert programs(c) >= dc.RUN_WAVES * 132 > programs(c + 1) or c == max(n for _, _, n in plan.pieces)
+    assert dc.chunks_per_run(ref.SubPieces.dense(1, 64, 64, 1), 1, 1, torch.device("cuda", 0)) == 1
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_kernels_dense_batch(seed, form):
     """Dense ``[B, T, ...]`` input runs as B segments: the same results as the packed row."""
@@ -536,9 +613,9 @@ for x, precision, names, stored, vector in [VARIANTS[int(n)] for n in sys.argv[1
                       **({"aqk": "*" + x} if vector else {})),
         "prefix": dict(L=f, P=f, M=f, piece_offsets=i),
         "entering": dict(P=f, s_in=f, X=f, pieces=i),
-        "output": dict(o0="*" + x, r=stored, X=f, out="*" + x, chunks=i),
-        "grad": dict(r=stored, do="*" + x, P=f, Z=f, pieces=i),
-        "grad_sum": dict(Z=f, A=f, piece_offsets=i),
+        "output": dict(o0="*" + x, r=stored, X=f, out="*" + x, runs=i),
+        "grad": dict(r=stored, do="*" + x, P=f, Z=f, runs=i),
+        "grad_sum": dict(Z=f, A=f, run_offsets=i),
     }
     tiles = dict(H=16, HQ=16, K=128, V=128, BT=64, BV=64, BC=64, KV=128 * 128, BLOCK=1024, G_LOG2=True,
                  GATE_VECTOR=vector, GIVEN_A=vector, PRECISION=precision, INTERPRETED=False,
