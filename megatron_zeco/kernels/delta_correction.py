@@ -31,9 +31,9 @@ sequential product runs on ``sub-pieces x heads x column blocks`` programs:
     K5 ``delta_grad_kernel``      Z_r = P_j^T sum_{c in r} R_c^T do_c, r a run of j      grid (V/BV, runs, H)
        ``delta_grad_sum_kernel``  A_n = sum_{r in n} Z_r (in order: deterministic)       grid (KV/BLOCK, segments, H)
 
-K4 and K5 run over runs of a few chunks of a sub-piece (``SubPieces.runs``; ``chunks_per_run`` picks
-the longest runs that still make a few programs per SM), so the parallel kernels read each sub-piece's
-``[K, V]`` block once per run rather than once per chunk.
+K4 and K5 run over runs of chunks of a sub-piece (``SubPieces.runs``): K4 a few chunks per program
+(``OUTPUT_RUN``, its loop unrolled, so their loads are issued at once), K5 a sub-piece per program by
+default. Under ``"input"`` K4's X is stored in R's 16-bit dtype, the rounding its product makes.
 
 ``A`` is the gradient of ``<do, o>`` with respect to ``S_in``; the entering state's full gradient is
 ``A + M^T D`` (the backward scan adds the second term), and the inputs' gradients are fla's backward
@@ -70,7 +70,6 @@ Under ``TRITON_INTERPRET=1`` (tests on the CPU) the interpreter multiplies 16-bi
 """
 
 import functools
-import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -82,13 +81,13 @@ from .delta_reference import SubPieces, choose_sub_pieces
 
 Tensor = torch.Tensor
 PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
-# K4's and K5's programs per SM (``chunks_per_run``)
-RUN_WAVES = 4.0
+# chunks per K4 program (``output_correction``), its loop unrolled: the loads of a few chunks at once
+OUTPUT_RUN = 2
 
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
     "fused_maps", "prefix_maps", "output_correction", "entering_grad", "piece_transition", "PieceCorrection",
-    "side_stream", "urgent_stream", "chunks_per_run", "RUN_WAVES",
+    "side_stream", "urgent_stream", "OUTPUT_RUN",
 ]
 
 
@@ -438,7 +437,7 @@ def _delta_entering_kernel(P, s_in, X, pieces, H: tl.constexpr, K: tl.constexpr,
                            BV: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """K4 (first part), one sub-piece j, head and block of BV value columns: ``X_j = P_j S_in[n]``, the part of
     the state entering sub-piece j that comes from the segment's entering state. P ``[sub-pieces, H, K, K]``,
-    s_in ``[N, H, K, V]``, X ``[sub-pieces, H, K, V]``, float32; BK >= K."""
+    s_in ``[N, H, K, V]``, float32; X ``[sub-pieces, H, K, V]`` (rounded to its dtype once); BK >= K."""
     i_v, i_j, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n = tl.load(pieces + i_j * 5).to(tl.int64)
     o_k = tl.arange(0, BK)
@@ -450,18 +449,19 @@ def _delta_entering_kernel(P, s_in, X, pieces, H: tl.constexpr, K: tl.constexpr,
     b_S = tl.load(s_in + (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                   other=0.)
     b_X = _dot(b_P, b_S.to(tl.float32), tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
-    tl.store(X + (i_j.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_X,
+    tl.store(X + (i_j.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_X.to(X.dtype.element_ty),
              mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
 def _delta_output_kernel(o0, r, X, out, runs, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr,
-                         INTERPRETED: tl.constexpr):
-    """K4 (second part), one run of chunks of sub-piece j, head and block of BV value columns: ``out = o0 +
-    R_c X_j`` for each chunk c of the run, summed in float32 and rounded once. X_j is read once per run; no
-    chunk waits for another. o0, out ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]``
-    float32, runs ``[NR, 5]`` (``SubPieces.tables(device, chunks_per_run)``); BK >= K."""
+                         BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, RUN: tl.constexpr,
+                         PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+    """K4 (second part), one run of at most RUN chunks of sub-piece j, head and block of BV value columns:
+    ``out = o0 + R_c X_j`` for each chunk c of the run, summed in float32 and rounded once. The run's loop is
+    unrolled, so X_j and every chunk's loads are issued at once; no chunk waits for another. o0, out
+    ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]`` (float32, or r's dtype under
+    ``"input"``, which rounds X to it), runs ``[NR, 5]`` (``SubPieces.tables(device, RUN)``); BK >= K."""
     i_v, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos = tl.load(runs + i_r * 5).to(tl.int64)
     eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
@@ -474,8 +474,9 @@ def _delta_output_kernel(o0, r, X, out, runs, H: tl.constexpr, K: tl.constexpr, 
     m_v = o_v < V
     b_X = tl.load(X + (i_j * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                   other=0.)
-    for i in range(count):
+    for i in tl.static_range(RUN):
         rows, m_t, _ = _chunk_rows(bos, eos, first + i, H, i_h, BT)
+        m_t = m_t & (tl.full([BT], i, tl.int32) < count)  # past the run's last chunk: nothing
         m_o = m_t[:, None] & m_v[None, :]
         b_r = tl.load(r + rows[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
         b_o = tl.load(o0 + rows[:, None] * V + o_v[None, :], mask=m_o, other=0.).to(tl.float32)
@@ -505,9 +506,9 @@ def _delta_grad_kernel(r, do, P, Z, runs, H: tl.constexpr, K: tl.constexpr, V: t
         b_rT = tl.load(r + rows[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :], other=0.)
         b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
         b_Y = _dot(b_rT, b_do, b_Y, PRECISION, INTERPRETED)
-    b_PT = tl.load(P + (i_j * H + i_h) * K * K + o_k[None, :] * K + o_k[:, None], mask=m_k[:, None] & m_k[None, :],
-                   other=0.)
-    b_Z = _dot(b_PT, b_Y, tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
+    b_P = tl.load(P + (i_j * H + i_h) * K * K + o_k[:, None] * K + o_k[None, :], mask=m_k[:, None] & m_k[None, :],
+                  other=0.)
+    b_Z = _dot(tl.trans(b_P), b_Y, tl.zeros([BK, BV], dtype=tl.float32), PRECISION, INTERPRETED)
     tl.store(Z + (i_r.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], b_Z,
              mask=m_k[:, None] & m_v[None, :])
 
@@ -698,24 +699,12 @@ def prefix_maps(L: Tensor, plan: SubPieces, *, precision: str = "tf32x3",
     return P, M
 
 
-def chunks_per_run(plan: SubPieces, heads: int, column_blocks: int, device: torch.device,
-                   waves: float = RUN_WAVES) -> int:
-    """Chunks per program of K4 and K5 (``heads x column_blocks`` programs per run): the longest run that
-    still makes ``waves`` times the device's SMs of programs, so each sub-piece's ``[K, V]`` block is read
-    as few times as the SMs allow. One run per chunk on a device without SMs to fill (the CPU)."""
-    if torch.device(device).type != "cuda":
-        return 1
-    wanted = waves * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, math.floor(plan.num_chunks * heads * column_blocks / wanted))
-
-
-def _run_length(plan: SubPieces, heads: int, column_blocks: int, device: torch.device,
-                chunks: Optional[int]) -> int:
+def _run_length(chunks: Optional[int], default: int) -> int:
     if chunks is None:
-        return chunks_per_run(plan, heads, column_blocks, device)
-    if int(chunks) < 1:
-        raise ValueError(f"chunks_per_run must be a positive int, got {chunks}")
-    return int(chunks)
+        return default
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"chunks_per_run must be a positive int, got {chunks!r}")
+    return chunks
 
 
 def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubPieces, *,
@@ -723,25 +712,27 @@ def output_correction(o0: Tensor, R: Tensor, P: Tensor, S_in: Tensor, plan: SubP
                       chunks_per_run: Optional[int] = None) -> Tensor:
     """K4: ``o [B, T, H, V]`` = o0 + R_c (P_j S_in[n]) per chunk, in float32, rounded once to
     ``out_dtype`` (default o0's). o0 ``[B, T, H, V]``, R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``,
-    S_in ``[N, H, K, V]``. ``chunks_per_run``: chunks per program (default :func:`chunks_per_run`); the
-    result does not depend on it. A new tensor (o0 is not written)."""
+    S_in ``[N, H, K, V]``. ``chunks_per_run``: chunks per program (default ``OUTPUT_RUN``); the result does
+    not depend on it. A new tensor (o0 is not written)."""
     _check(plan, precision, o0=o0, R=R)
     H, V = o0.shape[2], o0.shape[3]
     K = R.shape[-1]
     if tuple(S_in.shape) != (plan.num_segments, H, K, V):
         raise ValueError(f"S_in {tuple(S_in.shape)}: expected {(plan.num_segments, H, K, V)}")
+    run = _run_length(chunks_per_run, OUTPUT_RUN)
     out = torch.empty(o0.shape, dtype=out_dtype or o0.dtype, device=o0.device)
     if plan.num_pieces:
         BK, BV = triton.next_power_of_2(K), min(triton.next_power_of_2(V), 64)
-        run = _run_length(plan, H, triton.cdiv(V, BV), o0.device, chunks_per_run)
-        runs = plan.tables(o0.device, run)["runs"]
-        X = torch.empty(plan.num_pieces, H, K, V, dtype=torch.float32, device=o0.device)
+        # under "input" the output's product rounds X to R's 16-bit dtype: rounded once, when it is made
+        x_dtype = R.dtype if precision == "input" and R.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        X = torch.empty(plan.num_pieces, H, K, V, dtype=x_dtype, device=o0.device)
         delta_entering_kernel[(triton.cdiv(V, BV), plan.num_pieces, H)](
             P.contiguous(), S_in.contiguous(), X, plan.tables(o0.device)["pieces"], H=H, K=K, V=V, BK=BK, BV=BV,
             PRECISION=precision, INTERPRETED=interpreted())
+        runs = plan.tables(o0.device, run)["runs"]
         delta_output_kernel[(triton.cdiv(V, BV), runs.shape[0], H)](
-            o0.contiguous(), R.contiguous(), X, out, runs, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK,
-            BV=BV, PRECISION=precision, INTERPRETED=interpreted())
+            o0.contiguous(), R.contiguous(), X, out, runs, H=H, K=K, V=V, BT=plan.chunk_size, BK=BK, BV=BV, RUN=run,
+            PRECISION=precision, INTERPRETED=interpreted())
     return out
 
 
@@ -749,14 +740,14 @@ def entering_grad(R: Tensor, P: Tensor, do: Tensor, plan: SubPieces, *, precisio
                   chunks_per_run: Optional[int] = None) -> Tensor:
     """K5: ``A [N, H, K, V]`` (float32), the gradient of ``<do, o>`` with respect to each segment's
     entering state. R ``[B, T, H, K]``, P ``[sub-pieces, H, K, K]``, do ``[B, T, H, V]``.
-    ``chunks_per_run``: chunks per program (default :func:`chunks_per_run`); each run's part is summed in
+    ``chunks_per_run``: chunks per program (default: a sub-piece each); the runs' parts are summed in
     order, so a given run length gives the same bits every call."""
     _check(plan, precision, R=R, do=do)
     H, K = R.shape[2], R.shape[3]
     V = do.shape[-1]
     A = torch.empty(plan.num_segments, H, K, V, dtype=torch.float32, device=R.device)
     BV = min(triton.next_power_of_2(V), 64)
-    tables = plan.tables(R.device, _run_length(plan, H, triton.cdiv(V, BV), R.device, chunks_per_run))
+    tables = plan.tables(R.device, _run_length(chunks_per_run, max([n for _, _, n in plan.pieces], default=1)))
     runs = tables["runs"]
     Z = torch.empty(runs.shape[0], H, K, V, dtype=torch.float32, device=R.device)
     if runs.shape[0]:
