@@ -82,7 +82,7 @@ from .delta_reference import SubPieces, choose_sub_pieces
 Tensor = torch.Tensor
 PRECISIONS = ("ieee", "tf32", "tf32x3", "input")
 # chunks per K4 program (``output_correction``), its loop unrolled: the loads of a few chunks at once
-OUTPUT_RUN = 2
+OUTPUT_RUN = 4
 
 __all__ = [
     "SubPieces", "choose_sub_pieces", "plan_sub_pieces", "PRECISIONS", "correction_reads", "sub_piece_maps",
@@ -537,7 +537,7 @@ delta_maps_kernel = _tuned(_delta_maps_kernel, ["H", "HQ", "K", "BT", "BK", "BV"
                                                    "PRECISION"])
 delta_prefix_kernel = _tuned(_delta_prefix_kernel, ["H", "K", "BK", "BC", "PRECISION"])
 delta_entering_kernel = _tuned(_delta_entering_kernel, ["H", "K", "V", "BK", "BV", "PRECISION"])
-delta_output_kernel = _tuned(_delta_output_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
+delta_output_kernel = _tuned(_delta_output_kernel, ["H", "K", "V", "BT", "BK", "BV", "RUN", "PRECISION"])
 delta_grad_kernel = _tuned(_delta_grad_kernel, ["H", "K", "V", "BT", "BK", "BV", "PRECISION"])
 delta_grad_sum_kernel = _tuned(_delta_grad_sum_kernel, ["H", "KV", "BLOCK"])
 KERNELS = {  # name -> the jit function (for compile checks)
