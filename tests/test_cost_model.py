@@ -694,9 +694,10 @@ def test_one_gpu_op_times_of_the_delta_rules_are_the_measured_ones():
     files = {op: [json.loads((RESULTS / name).read_text(encoding="utf-8")) for name in names] for op, names in {
         "gdn": ("profile-gdn-piece-h200x1-2026-11-26.json", "piece-gdn-h200x1-2026-11-28b.json",
                 "piece-gdn-h200x1-2026-11-30.json", "piece-gdn-h200x1-2026-11-30b.json",
-                "piece-gdn-h200x1-2026-11-30c.json", "piece-gdn-h200x1-2026-12-01.json"),
+                "piece-gdn-h200x1-2026-11-30c.json", "piece-gdn-h200x1-2026-12-01.json",
+                "piece-gdn-h200x1-2026-12-01b.json"),
         "kda": ("piece-kda-h200x1-2026-11-28.json", "piece-kda-h200x1-2026-11-30.json",
-                "piece-kda-h200x1-2026-12-01.json")}.items()}
+                "piece-kda-h200x1-2026-12-01.json", "piece-kda-h200x1-2026-12-01b.json")}.items()}
     # and bench_op.py's one-GPU rows (strategy none, steady) of a run in no forced scan shape
     ops = {"gdn": [json.loads((RESULTS / name).read_text(encoding="utf-8"))
                    for name in ("op-gdn-overlap-h200x2-2026-11-30.json", "op-gdn-overlap-h200x2-2026-11-30b.json")],
@@ -727,8 +728,8 @@ def test_the_delta_rules_pieces_are_their_newest_measurement_and_cost_what_they_
     times a piece since replaced); at the measured tokens nearest those projected; zeco and lasp2 pay it, a2a
     (fla's op on other heads) does not, and GLA has none."""
     cal = _calibration()
-    for op, name, cases in (("gdn", "piece-gdn-h200x1-2026-12-01.json", cm.PIECE_CASES),
-                            ("kda", "piece-kda-h200x1-2026-12-01.json", cm.PIECE_CASES)):
+    for op, name, cases in (("gdn", "piece-gdn-h200x1-2026-12-01b.json", cm.PIECE_CASES),
+                            ("kda", "piece-kda-h200x1-2026-12-01b.json", cm.PIECE_CASES)):
         shipped = json.loads((SHIPPED / name).read_text(encoding="utf-8"))
         assert tuple(shipped["meta"].get(cm.PIECE_META, cm.PIECE_CASES)) == cases
         rows = [r for r in shipped["rows"] if r["direction"] == "fwd+bwd" and r["tokens"] == 16384]
