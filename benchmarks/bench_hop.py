@@ -22,6 +22,7 @@ diagonal one's at the same blocks (``cost_model.calibration.hop_rows``).
 """
 
 import argparse
+import collections
 import json
 import os
 import statistics
@@ -94,8 +95,9 @@ class Hop:
         return self.t.double()[..., None] * self.x.double() + self.delta.double()
 
 
-def kernel_us(fn, iters):
-    """Median GPU duration of the kernels ``fn`` launches, over ``iters`` calls issued back to back."""
+def kernels_us(fn, iters):
+    """Per call of ``fn``: the median over ``iters`` calls issued back to back of the sum of its kernels' GPU
+    durations (from the profiler), and the median duration of each kernel (by name)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(5):
@@ -105,10 +107,20 @@ def kernel_us(fn, iters):
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    durations = [e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    if len(durations) < iters:
-        raise RuntimeError(f"the profiler saw {len(durations)} kernels of {iters} launches")
-    return statistics.median(durations)
+    per_kernel = collections.defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name].append(e.device_time)
+    if not per_kernel or any(len(v) % iters for v in per_kernel.values()):
+        raise RuntimeError(f"the profiler saw {sum(map(len, per_kernel.values()))} kernels over {iters} calls")
+    calls = [sum(v[i * (len(v) // iters) + r] for v in per_kernel.values() for r in range(len(v) // iters))
+             for i in range(iters)]
+    return statistics.median(calls), {k: statistics.median(v) for k, v in per_kernel.items()}
+
+
+def kernel_us(fn, iters):
+    """Median GPU duration of the kernels ``fn`` launches, over ``iters`` calls issued back to back."""
+    return kernels_us(fn, iters)[0]
 
 
 def main(argv=None):

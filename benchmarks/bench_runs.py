@@ -17,17 +17,16 @@ the first run length's (the same up to the rounding of another autotuned config)
 """
 
 import argparse
-import collections
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overlap import meta  # noqa: E402  (benchmarks/, beside this script: the same meta, heads and dim)
+from bench_hop import kernels_us  # noqa: E402  (benchmarks/, beside this script)
+from bench_overlap import meta  # noqa: E402  (the same meta, heads and dim)
 
 
 def parse_args(argv=None):
@@ -40,29 +39,6 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--out", default="results/runs.json")
     return p.parse_args(argv)
-
-
-def gpu_us(fn, iters):
-    """Per call of ``fn``: the median over ``iters`` calls of the sum of its kernels' GPU durations, and the
-    median duration of each kernel (by name)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    per_kernel = collections.defaultdict(list)
-    for e in events:
-        per_kernel[e.name].append(e.device_time)
-    if any(len(v) % iters for v in per_kernel.values()):
-        raise RuntimeError(f"the profiler saw {len(events)} kernels over {iters} calls")
-    calls = [sum(v[i * (len(v) // iters) + r] for v in per_kernel.values() for r in range(len(v) // iters))
-             for i in range(iters)]
-    return statistics.median(calls), {k: statistics.median(v) for k, v in per_kernel.items()}
 
 
 def main(argv=None):
@@ -82,24 +58,24 @@ def main(argv=None):
         P = torch.randn(plan.num_pieces, H, D, D, device=device, generator=g) / D ** 0.5
         S_in = torch.randn(1, H, D, D, device=device, generator=g)
         longest = max(n for _, _, n in plan.pieces)
-        o_ref = A_ref = None
         for part, lengths, built in (("output", args.output_runs, dc.OUTPUT_RUN), ("grad", args.grad_runs, longest)):
             kernel = dc.delta_output_kernel if part == "output" else dc.delta_grad_kernel
+            first = None  # (run length, result): what every other run length is checked against
             for run in sorted(set(lengths) | {built}):
                 kernel.cache.clear()  # autotuned afresh at each run length
                 if part == "output":
                     fn = lambda: dc.output_correction(o0, R, P, S_in, plan, precision="input", chunks_per_run=run)  # noqa: E731
-                    o = fn()
-                    o_ref = o if o_ref is None else o_ref
-                    ok = torch.allclose(o.float(), o_ref.float(), rtol=1e-2, atol=1e-2)
+                    got = fn()
+                    first = first or (run, got)
+                    ok = torch.allclose(got.float(), first[1].float(), rtol=1e-2, atol=1e-2)
                 else:
                     fn = lambda: dc.entering_grad(R, P, do, plan, precision="input", chunks_per_run=run)  # noqa: E731
-                    A = fn()
-                    A_ref = A if A_ref is None else A_ref
-                    ok = torch.allclose(A, A_ref, rtol=1e-3, atol=1e-3 * A_ref.abs().max().item())
+                    got = fn()
+                    first = first or (run, got)
+                    ok = torch.allclose(got, first[1], rtol=1e-3, atol=1e-3 * first[1].abs().max().item())
                 if not ok:
-                    raise RuntimeError(f"{part}, run length {run}: differs from run length {min(lengths)}'s")
-                total, kernels = gpu_us(fn, args.iters)
+                    raise RuntimeError(f"{part}, run length {run}: differs from run length {first[0]}'s")
+                total, kernels = kernels_us(fn, args.iters)
                 config = str(kernel.best_config) if getattr(kernel, "best_config", None) else None
                 row = dict(part=part, tokens=T, sub_pieces=plan.num_pieces, chunks=plan.num_chunks,
                            chunks_per_run=run, runs=len(plan.runs(run)[0]), as_built=run == built, us=total,

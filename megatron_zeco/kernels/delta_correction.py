@@ -433,6 +433,18 @@ def _delta_prefix_kernel(L, P, M, piece_offsets, H: tl.constexpr, K: tl.constexp
 
 
 @triton.jit
+def _run(runs, i_r):
+    """Row ``i_r`` of a runs table (``SubPieces.tables(device, chunks_per_run)``): its segment's ``bos`` and
+    ``eos`` (int64), first chunk in the segment, chunk count and sub-piece (int64)."""
+    bos = tl.load(runs + i_r * 5).to(tl.int64)
+    eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
+    first = tl.load(runs + i_r * 5 + 2)
+    count = tl.load(runs + i_r * 5 + 3)
+    i_j = tl.load(runs + i_r * 5 + 4).to(tl.int64)
+    return bos, eos, first, count, i_j
+
+
+@triton.jit
 def _delta_entering_kernel(P, s_in, X, pieces, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                            BV: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
     """K4 (first part), one sub-piece j, head and block of BV value columns: ``X_j = P_j S_in[n]``, the part of
@@ -463,11 +475,7 @@ def _delta_output_kernel(o0, r, X, out, runs, H: tl.constexpr, K: tl.constexpr, 
     ``[rows, H, V]``, r ``[rows, H, K]``, X ``[sub-pieces, H, K, V]`` (float32, or r's dtype under
     ``"input"``, which rounds X to it), runs ``[NR, 5]`` (``SubPieces.tables(device, RUN)``); BK >= K."""
     i_v, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(runs + i_r * 5).to(tl.int64)
-    eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
-    first = tl.load(runs + i_r * 5 + 2)
-    count = tl.load(runs + i_r * 5 + 3)
-    i_j = tl.load(runs + i_r * 5 + 4).to(tl.int64)
+    bos, eos, first, count, i_j = _run(runs, i_r)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
@@ -491,11 +499,7 @@ def _delta_grad_kernel(r, do, P, Z, runs, H: tl.constexpr, K: tl.constexpr, V: t
     r} R_c^T do_c``. r ``[rows, H, K]``, do ``[rows, H, V]``, P ``[sub-pieces, H, K, K]``, Z ``[runs, H, K, V]``
     float32, runs ``[NR, 5]`` (``SubPieces.tables(device, chunks_per_run)``)."""
     i_v, i_r, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos = tl.load(runs + i_r * 5).to(tl.int64)
-    eos = tl.load(runs + i_r * 5 + 1).to(tl.int64)
-    first = tl.load(runs + i_r * 5 + 2)
-    count = tl.load(runs + i_r * 5 + 3)
-    i_j = tl.load(runs + i_r * 5 + 4).to(tl.int64)
+    bos, eos, first, count, i_j = _run(runs, i_r)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
