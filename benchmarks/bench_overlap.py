@@ -22,6 +22,10 @@ scan in each direction the one hop that waits:
   in-chunk work on the current stream beside it (as built with ``cp_overlap_scan=True``, GLA's default: the
   side stream of the highest priority, ``--side-priority normal`` for the default one; a direction whose
   piece has no such work runs as ``serial``, as built too);
+* ``partition`` (with ``--scan-sms N``): as ``overlap``, but the waiting hop on a green context of N SMs of
+  its own and the in-chunk work on another of the SMs left (``green_context.py``), so that neither shares an SM
+  with the other; each emulated peer then spins on N SMs of its own too (not built: the question is whether SMs
+  of its own keep the hop at its pace alone);
 * ``after`` (with ``--after``): the in-chunk work, then the waiting hop on the side stream on
   ``ASIDE_PROGRAMS`` programs: the hop on as few programs as beside the work, but alone, so that against
   ``serial`` and ``overlap`` it tells what the program count costs the hop from what the work beside it does.
@@ -64,6 +68,9 @@ def parse_args(argv=None):
                    help="programs of the hops on the side stream (default: as built, comm/peer.py)")
     p.add_argument("--side-priority", choices=["high", "normal"], default="high",
                    help="the side stream's priority (high: as built, cp/scan.py: scan_stream)")
+    p.add_argument("--scan-sms", type=int, default=None,
+                   help="also time mode 'partition': the hop on a green context of this many SMs, the in-chunk "
+                        "work on the others (green_context.py), each emulated peer on as many of its own")
     p.add_argument("--after", action="store_true",
                    help="also time mode 'after': the hop on the side stream's programs after the in-chunk work")
     p.add_argument("--out", default="results/overlap.json")
@@ -157,6 +164,19 @@ def run_case(op, T, args, cycles_per_ms, device):
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
     side = torch.cuda.Stream(device) if args.side_priority == "normal" else scan_stream(device)
+    part = None
+    if args.scan_sms:
+        from green_context import SmPartition, green_stream, split_sms  # this folder's
+
+        # each emulated peer on SMs of its own, as many as the hop's: on the work's their hops would queue
+        # behind its programs, and where a spinning program of one could hold the SMs another needs to run (the
+        # hop's, or the other peer's) the three would wait on each other (on their own GPUs they do not)
+        (scan, n_scan), (fed, _), (fwd_to, _), (work, n_work) = split_sms(device, args.scan_sms, groups=3)
+        part = SmPartition(scan=green_stream(scan, device), work=green_stream(work, device), scan_sms=n_scan,
+                           work_sms=n_work, contexts=(scan, work))
+        peers = green_stream(fed, device), green_stream(fwd_to, device)
+        print(f"partition: the hop on {n_scan} SMs, the in-chunk work on {n_work}, each emulated peer on "
+              f"{n_scan}", flush=True)
     # the emulated peers' streams at the highest priority (lower is higher; torch clamps to the range): on
     # their own GPUs they would not queue behind this rank's work
     feeder, successor = (torch.cuda.Stream(device, priority=-1) for _ in range(2))
@@ -174,40 +194,53 @@ def run_case(op, T, args, cycles_per_ms, device):
         stays on the current stream as built); ``events``: (start, end) of it; ``left``: (start, end) from the
         scan's start to the successor holding this rank's state. ``prime``: each launch once, one after
         another (below)."""
+        fd, sc = peers if mode == "partition" else (feeder, successor)
         if prime:
-            with torch.cuda.stream(feeder):
+            with torch.cuda.stream(fd):
                 torch.cuda._sleep(0)
                 link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
             torch.cuda.synchronize()
+            hop_stream, work = (part.scan, part.work) if mode == "partition" else (main, main)
+            for stream in {hop_stream, work}:
+                stream.wait_stream(main)
             if local is not None:
-                local()
-            link.hop(transition, delta, out)
+                with torch.cuda.stream(work):
+                    local()
             torch.cuda.synchronize()
-            with torch.cuda.stream(successor):
-                link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype))
+            programs = link.aside_programs if mode == "partition" else None
+            with torch.cuda.stream(hop_stream):
+                link.hop(transition, delta, out, programs=programs)
+            torch.cuda.synchronize()
+            with torch.cuda.stream(sc):
+                link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=programs)
             torch.cuda.synchronize()
             return
         left[0].record()
-        feeder.wait_stream(main)
-        successor.wait_stream(main)
-        with torch.cuda.stream(feeder):
+        fd.wait_stream(main)
+        sc.wait_stream(main)
+        with torch.cuda.stream(fd):
             torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
             link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
-        with torch.cuda.stream(successor):  # the successor spins on few programs, as with the overlap
+        with torch.cuda.stream(sc):  # the successor spins on few programs, as with the overlap
             link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=link.aside_programs)
             left[1].record()
-        aside = mode == "overlap" and local is not None  # as built: with nothing to hide, nothing goes aside
+        # as built: with nothing to hide, nothing goes aside
+        aside = mode in ("overlap", "partition") and local is not None
         after = mode == "after" and local is not None
+        hop_stream, work = (part.scan, part.work) if mode == "partition" else (side, main)
         if aside:
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
+            hop_stream.wait_stream(main)
+            with torch.cuda.stream(hop_stream):
                 link.hop(transition, delta, out, programs=link.aside_programs)
-        events[0].record()
-        if local is not None:
-            local()
-        events[1].record()
+        work.wait_stream(main)
+        with torch.cuda.stream(work):
+            events[0].record()
+            if local is not None:
+                local()
+            events[1].record()
+        main.wait_stream(work)
         if aside:
-            main.wait_stream(side)
+            main.wait_stream(hop_stream)
         elif after:
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -215,8 +248,8 @@ def run_case(op, T, args, cycles_per_ms, device):
             main.wait_stream(side)
         else:
             link.hop(transition, delta, out)
-        main.wait_stream(feeder)
-        main.wait_stream(successor)
+        main.wait_stream(fd)
+        main.wait_stream(sc)
 
     from megatron_zeco.cp.piece import local_work
 
@@ -247,8 +280,12 @@ def run_case(op, T, args, cycles_per_ms, device):
     iteration("serial", 0, {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
                             for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")},
               prime=True)
+    if part is not None:  # a green context loads a kernel's module on its first launch there too
+        iteration("partition", 0, {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                                   for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local",
+                                             "bwd departure")}, prime=True)
     # the link delivers: what arrived is the predecessor's map applied to its entering state
-    modes = ("serial", "overlap") + (("after",) if args.after else ())
+    modes = ("serial", "overlap") + (("partition",) if args.scan_sms else ()) + (("after",) if args.after else ())
     for mode in modes:
         S_in.fill_(float("nan"))
         scan(mode, 0, trans, E, S_in, lambda: None, *([torch.cuda.Event(), torch.cuda.Event()] for _ in range(2)))
@@ -276,6 +313,7 @@ def run_case(op, T, args, cycles_per_ms, device):
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
                        aside_programs=link.aside_programs, side_priority=args.side_priority,
+                       **({"scan_sms": part.scan_sms, "work_sms": part.work_sms} if mode == "partition" else {}),
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "
