@@ -786,11 +786,17 @@ def test_the_overlap_is_the_measured_one_and_hides_the_scan_over_the_device_tran
     assert 0.3 < hidden[0] < 0.6 and 0.3 < hidden[1] < 0.6  # GLA's in-chunk attention and gradients
     assert aside[0] > 1 and aside[1] > 1  # a hop on few programs beside that work is slower than alone
     gdn = cm.projection_workload(cal, 256, 16384, op=cm.GDN)
-    # the delta rules', from their newest file: work beside the scan in both directions (before_grads)
-    newest = json.loads((RESULTS / "overlap-dense-h200x1-2026-12-01.json").read_text(encoding="utf-8"))["rows"]
+    # the delta rules', from their newest files: work beside the scan in both directions (before_grads); the
+    # gated delta rule's newest also timed the hop on SMs of its own (mode "partition"), which is not built
+    newest = {op: json.loads((RESULTS / name).read_text(encoding="utf-8"))["rows"]
+              for op, name in (("gdn", "overlap-partition-h200x1-2026-12-02.json"),
+                               ("kda", "overlap-dense-h200x1-2026-12-01.json"))}
     kda = cm.projection_workload(cal, 256, 16384, op=cm.KDA)
     for op, workload in (("gdn", gdn), ("kda", kda)):
-        (serial,) = [r for r in newest if (r["op"], r["mode"], r["arrival_us"]) == (op, "serial", 0)]
+        (serial,) = [r for r in newest[op] if (r["op"], r["mode"], r["arrival_us"]) == (op, "serial", 0)]
+        (overlap,) = [r for r in newest[op] if (r["op"], r["mode"], r["arrival_us"]) == (op, "overlap", 0)]
+        alone = serial["fwd_departure_ms"] - serial["fwd_local_ms"]
+        assert workload.aside[0] == pytest.approx(overlap["fwd_departure_ms"] / alone, rel=1e-12), op
         assert workload.hidden[1] == pytest.approx(serial["bwd_local_ms"] / serial["bwd_ms"], rel=1e-12), op
         assert workload.hidden[0] > 0.0 and workload.hidden[1] > 0.1 and workload.aside[1] > 1, op
     assert cm.overlap_shares(cal, cm.GLA, 16384, 64) == (((0.0, 0.0, 1.0), (0.0, 0.0, 1.0), None), None)
@@ -969,3 +975,19 @@ def test_recorded_delta_rule_efficiencies_are_the_models():
                                                                    transports=transports)
                                            if ch.strategy == strategy).efficiency, 3)
                                 for P in (64, 256, 1024) for layout in cm.LAYOUTS], label
+
+
+def test_overlap_rows_read_the_modes_as_built_only():
+    """bench_overlap.py's modes that are not built (``partition``: the hop on SMs of its own; ``after``) do not
+    move the calibration; its ``overlap`` rows do."""
+    name = "overlap-partition-h200x1-2026-12-02.json"
+    data = json.loads((RESULTS / name).read_text(encoding="utf-8"))
+    base = cm.overlap_rows(name, data)
+    assert {r["op"] for r in base} == {"gdn"} and all(r["aside"] > 1 for r in base)
+
+    def bent(modes):
+        return dict(data, rows=[dict(r, **{k: 10 * r[k] for k in r if k.endswith("_ms")}) if r["mode"] in modes
+                                else r for r in data["rows"]])
+
+    assert cm.overlap_rows(name, bent({"partition", "after"})) == base
+    assert cm.overlap_rows(name, bent({"overlap"})) != base

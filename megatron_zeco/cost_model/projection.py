@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     parser.add_argument("--hop-pace", choices=("measured", "alone"), default="measured",
                         help="measured: the scan's hops beside the local op at the pace measured there (default); "
                              "alone: what if they kept their pace alone (the local op still slowed beside them as "
-                             "measured), e.g. on SMs of their own")
+                             "measured); not built")
     args = parser.parse_args(argv)
     hops_alone = args.hop_pace == "alone"
     for name, value in (("--gpus", args.gpus), ("--tokens-per-gpu", args.tokens_per_gpu),
