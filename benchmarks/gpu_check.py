@@ -3,8 +3,8 @@
     bash benchmarks/gpu_check.sh                  # on a bare GPU machine, with .whl/ carried (docs/testing.md)
     python benchmarks/gpu_check.py --out results/gpu-check.json    # where fla-core and Triton are installed
 
-1. **Tests**: ``tests/{gla,gated_delta_rule,kda}/test_gpu.py``, ``tests/mcore/test_cuda_graphs.py`` and the GPU cases
-   of ``tests/common/test_norm.py`` (the fast ones: ``-m "not slow"``; the two-GPU
+1. **Tests**: ``tests/{gla,gated_delta_rule,kda}/test_gpu.py``, ``tests/mcore/test_cuda_graphs.py``,
+   ``tests/test_green_context.py`` and the GPU cases of ``tests/common/test_norm.py`` (the fast ones: ``-m "not slow"``; the two-GPU
    cases where two GPUs are present, the give-up and every-strategy tests among them), in ``--jobs``
    pytest-xdist workers; per file the counts of passed, failed and skipped tests with each skip's reason
    and each failure's first lines.
@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from megatron_zeco.common import tuning  # noqa: E402  (imports nothing of torch or Triton)
 TEST_FILES = ("tests/common/test_norm.py", "tests/gla/test_gpu.py", "tests/gated_delta_rule/test_gpu.py",
-              "tests/kda/test_gpu.py", "tests/mcore/test_cuda_graphs.py")
+              "tests/kda/test_gpu.py", "tests/mcore/test_cuda_graphs.py", "tests/test_green_context.py")
 OPS = ("gla", "gdn", "kda")
 
 
