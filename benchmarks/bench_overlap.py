@@ -164,19 +164,18 @@ def run_case(op, T, args, cycles_per_ms, device):
     x64, T64 = x_up.to(E.dtype).double(), T_up.double()
     want = (T64 @ x64 if dense else T64.unsqueeze(-1) * x64) + E_up.to(E.dtype).double()
     side = torch.cuda.Stream(device) if args.side_priority == "normal" else scan_stream(device)
-    part = None
+    part = None  # mode 'partition': (the hop's stream, the in-chunk work's)
     if args.scan_sms:
-        from green_context import SmPartition, green_stream, split_sms  # this folder's
+        from green_context import green_stream, split_sms  # this folder's
 
         # each emulated peer on SMs of its own, as many as the hop's: on the work's their hops would queue
         # behind its programs, and where a spinning program of one could hold the SMs another needs to run (the
         # hop's, or the other peer's) the three would wait on each other (on their own GPUs they do not)
-        (scan, n_scan), (fed, _), (fwd_to, _), (work, n_work) = split_sms(device, args.scan_sms, groups=3)
-        part = SmPartition(scan=green_stream(scan, device), work=green_stream(work, device), scan_sms=n_scan,
-                           work_sms=n_work, contexts=(scan, work))
+        (scan, scan_sms), (fed, _), (fwd_to, _), (work, work_sms) = split_sms(device, args.scan_sms, groups=3)
+        part = green_stream(scan, device), green_stream(work, device)
         peers = green_stream(fed, device), green_stream(fwd_to, device)
-        print(f"partition: the hop on {n_scan} SMs, the in-chunk work on {n_work}, each emulated peer on "
-              f"{n_scan}", flush=True)
+        print(f"partition: the hop on {scan_sms} SMs, the in-chunk work on {work_sms}, each emulated peer on "
+              f"{scan_sms}", flush=True)
     # the emulated peers' streams at the highest priority (lower is higher; torch clamps to the range): on
     # their own GPUs they would not queue behind this rank's work
     feeder, successor = (torch.cuda.Stream(device, priority=-1) for _ in range(2))
@@ -200,7 +199,7 @@ def run_case(op, T, args, cycles_per_ms, device):
                 torch.cuda._sleep(0)
                 link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
             torch.cuda.synchronize()
-            hop_stream, work = (part.scan, part.work) if mode == "partition" else (main, main)
+            hop_stream, work = part if mode == "partition" else (main, main)
             for stream in {hop_stream, work}:
                 stream.wait_stream(main)
             if local is not None:
@@ -227,7 +226,7 @@ def run_case(op, T, args, cycles_per_ms, device):
         # as built: with nothing to hide, nothing goes aside
         aside = mode in ("overlap", "partition") and local is not None
         after = mode == "after" and local is not None
-        hop_stream, work = (part.scan, part.work) if mode == "partition" else (side, main)
+        hop_stream, work = part if mode == "partition" else (side, main)
         if aside:
             hop_stream.wait_stream(main)
             with torch.cuda.stream(hop_stream):
@@ -313,7 +312,7 @@ def run_case(op, T, args, cycles_per_ms, device):
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
                        aside_programs=link.aside_programs, side_priority=args.side_priority,
-                       **({"scan_sms": part.scan_sms, "work_sms": part.work_sms} if mode == "partition" else {}),
+                       **({"scan_sms": scan_sms, "work_sms": work_sms} if mode == "partition" else {}),
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
             print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "

@@ -4,10 +4,10 @@
     python benchmarks/gpu_check.py --out results/gpu-check.json    # where fla-core and Triton are installed
 
 1. **Tests**: ``tests/{gla,gated_delta_rule,kda}/test_gpu.py``, ``tests/mcore/test_cuda_graphs.py``,
-   ``tests/test_green_context.py`` and the GPU cases of ``tests/common/test_norm.py`` (the fast ones: ``-m "not slow"``; the two-GPU
-   cases where two GPUs are present, the give-up and every-strategy tests among them), in ``--jobs``
-   pytest-xdist workers; per file the counts of passed, failed and skipped tests with each skip's reason
-   and each failure's first lines.
+   ``tests/test_green_context.py`` and the GPU cases of ``tests/common/test_norm.py`` (the fast ones:
+   ``-m "not slow"``; the two-GPU cases where two GPUs are present, the give-up and every-strategy tests among
+   them), in ``--jobs`` pytest-xdist workers; per file the counts of passed, failed and skipped tests with each
+   skip's reason and each failure's first lines.
 2. **Short benchmark rows** at ``--tokens`` per GPU (bf16, H = 16, K = V = 128), each operator:
    one GPU: the gated delta rule's and KDA's pieces with the exchange stubbed against fla's op, GPU,
    CUDA-graph and host time (``bench_op.py --op gdn|kda --piece``), and what the scan's overlap hides and costs

@@ -1,19 +1,19 @@
-"""Disjoint SM partitions of one GPU (CUDA green contexts), for ``bench_overlap.py --scan-sms``: a stream
-whose kernels run on ``scan_sms`` SMs only, and one whose kernels run on the others.
+"""Disjoint SM partitions of one GPU (CUDA green contexts), for ``bench_overlap.py --scan-sms``: green
+contexts on groups of SMs and on the SMs left (:func:`split_sms`), and streams whose kernels run on a
+context's SMs only (:func:`green_stream`).
 
 A hop kernel spinning beside the local work on a stream of the highest priority shares SMs with that work's
-programs. ``bench_overlap.py``'s mode ``partition`` gives it SMs of its own (:attr:`SmPartition.scan`) and the
-in-chunk work the rest (:attr:`SmPartition.work`), to tell what the sharing costs the hop. Work on the
-primary context's streams still runs on every SM.
+programs. ``bench_overlap.py``'s mode ``partition`` gives it SMs of its own and the in-chunk work the rest, to
+tell what the sharing costs the hop. Work on the primary context's streams still runs on every SM.
 
 The driver's split (``cuDevSmResourceSplitByCount``) hands out SMs in groups of the GPU's granularity
-(8 on Hopper); the partition holds what the driver gave (``scan_sms``, ``work_sms``). CUDA 12.4 or later
-(a driver that has green contexts), through the driver library alone: no toolkit at run time.
+(8 on Hopper); each context comes with the SM count the driver gave it. CUDA 12.4 or later (a driver that
+has green contexts), through the driver library alone: no toolkit at run time.
 """
 
 import ctypes
 import functools
-from typing import NamedTuple, Tuple
+from typing import Tuple
 
 import torch
 
@@ -26,19 +26,8 @@ _RESOURCE_BYTES = 1024
 _SM_COUNT_OFFSET = 96
 
 
-class SmPartition(NamedTuple):
-    """Streams of two green contexts that split the device's SMs: ``scan`` on ``scan_sms`` of them,
-    ``work`` on the other ``work_sms``. Both of the highest priority."""
-
-    scan: "torch.cuda.ExternalStream"
-    work: "torch.cuda.ExternalStream"
-    scan_sms: int
-    work_sms: int
-    contexts: Tuple[int, int]  # the green contexts (CUgreenCtx) of scan and work, for :func:`green_stream`
-
-
 class GreenContextError(RuntimeError):
-    """The driver refused a step of making the partition (too old, or the split impossible)."""
+    """The driver refused a step of making a partition (too old, or the split impossible)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -74,7 +63,7 @@ def _green_context(cu_device, resource) -> int:
 
 
 def green_stream(context: int, device: torch.device) -> "torch.cuda.ExternalStream":
-    """A new stream of the highest priority on the green context ``context`` (:attr:`SmPartition.contexts`)."""
+    """A new stream of the highest priority on the green context ``context`` (:func:`split_sms`)."""
     stream = ctypes.c_void_p()
     high = torch.cuda.Stream.priority_range()[1]  # (least, greatest): lower is higher
     _call("cuGreenCtxStreamCreate", ctypes.byref(stream), ctypes.c_void_p(context),
@@ -126,14 +115,3 @@ def _stride(parts, groups: int, sms: int) -> int:
             return stride
     raise GreenContextError("the driver's split wrote SM groups of a layout this module does not know")
 
-
-@functools.lru_cache(maxsize=None)
-def sm_partition(device: torch.device, scan_sms: int) -> SmPartition:
-    """The partition of ``device`` with (at least) ``scan_sms`` SMs for the scan and the rest for the work,
-    made on first use and kept for the process."""
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    (scan, n_scan), (work, n_work) = split_sms(device, scan_sms)
-    return SmPartition(scan=green_stream(scan, device), work=green_stream(work, device), scan_sms=n_scan,
-                       work_sms=n_work, contexts=(scan, work))

@@ -35,43 +35,41 @@ def _sms_used(stream, programs=4096):
 
 @pytest.mark.parametrize("scan_sms", [8, 16])
 def test_partitions_are_disjoint(scan_sms):
-    sm_partition = load("green_context").sm_partition
+    gc = load("green_context")
+    device = torch.device("cuda", 0)
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
-    part = sm_partition(torch.device("cuda", 0), scan_sms)
-    assert part.scan_sms >= scan_sms and part.scan_sms + part.work_sms <= total
-    scan, work, every = _sms_used(part.scan), _sms_used(part.work), _sms_used(torch.cuda.current_stream())
-    assert len(scan) <= part.scan_sms and len(work) <= part.work_sms, (len(scan), len(work))
+    (scan_ctx, scan_n), (work_ctx, work_n) = gc.split_sms(device, scan_sms)
+    assert scan_n >= scan_sms and scan_n + work_n <= total
+    scan_stream, work_stream = gc.green_stream(scan_ctx, device), gc.green_stream(work_ctx, device)
+    scan, work, every = _sms_used(scan_stream), _sms_used(work_stream), _sms_used(torch.cuda.current_stream())
+    assert len(scan) <= scan_n and len(work) <= work_n, (len(scan), len(work))
     assert not scan & work, sorted(scan & work)
     assert len(every) == total  # the primary context's streams keep every SM
     # torch's own kernels run there too, and streams order against the primary context's
     x = torch.randn(512, 512, device="cuda")
-    part.work.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(part.work):
+    work_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(work_stream):
         y = x @ x
-    torch.cuda.current_stream().wait_stream(part.work)
+    torch.cuda.current_stream().wait_stream(work_stream)
     torch.testing.assert_close(y, x @ x)
     # more streams on either side run there too
-    green_stream = load("green_context").green_stream
-
-    assert _sms_used(green_stream(part.contexts[1], torch.device("cuda", 0))) <= work
+    assert _sms_used(gc.green_stream(work_ctx, device)) <= work
 
 
 def test_refuses_what_cannot_split():
-    sm_partition = load("green_context").sm_partition
+    split_sms = load("green_context").split_sms
 
     total = torch.cuda.get_device_properties(0).multi_processor_count
-    for bad in (0, total):
+    for sms, groups in ((0, 1), (total, 1), (8, 0), (total // 2, 2)):
         with pytest.raises(ValueError, match="must leave some"):
-            sm_partition(torch.device("cuda", 0), bad)
-
+            split_sms(torch.device("cuda", 0), sms, groups)
 
 
 def test_groups_are_disjoint():
     gc = load("green_context")
-    green_stream, split_sms = gc.green_stream, gc.split_sms
 
-    parts = split_sms(torch.device("cuda", 0), 8, groups=2)
-    used = [_sms_used(green_stream(ctx, torch.device("cuda", 0))) for ctx, _ in parts]
+    parts = gc.split_sms(torch.device("cuda", 0), 8, groups=2)
+    used = [_sms_used(gc.green_stream(ctx, torch.device("cuda", 0))) for ctx, _ in parts]
     assert [len(u) <= n for u, (_, n) in zip(used, parts)] == [True] * 3
     assert not (used[0] & used[1] or used[0] & used[2] or used[1] & used[2])
