@@ -16,8 +16,7 @@ sends it; rows for the diagonal, value columns for the dense maps):
 
 Each on every program (as the chain's hops run) and on ``comm/peer.py: ASIDE_PROGRAMS`` (beside the in-chunk
 work, with the overlap); the dense hops with the rows of ``M`` a program multiplies at a time as built, or each
-of ``--dense-block-rows``, and, on ``ASIDE_PROGRAMS`` where they can, with each program holding whole maps
-(``held``: a state's ``M`` loaded once for all of its tiles; ``kernels/scan_hop.py: held_maps``). GPU time per launch: the median kernel duration from the profiler over ``--iters``
+of ``--dense-block-rows``. GPU time per launch: the median kernel duration from the profiler over ``--iters``
 launches issued back to back, float32 states. The cost model reads the dense hops' time beyond the
 diagonal one's at the same blocks (``cost_model.calibration.hop_rows``).
 """
@@ -51,33 +50,16 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _width(kind, D):
-    """Columns of what a hop of ``kind`` moves per state: a state's, or a dense map's ``[S | T]``."""
-    return D + (D if kind == "dense map" else 0)
-
-
-def holds(kind, H, D, blocks, programs):
-    """Whether a dense hop of ``kind`` on ``programs`` programs can have each hold whole maps
-    (``kernels/scan_hop.py: held_maps``)."""
-    from megatron_zeco.comm import peer
-    from megatron_zeco.kernels import scan_hop
-
-    if kind == "diagonal" or programs is None:
-        return False
-    tiles = peer.tiles_per_state(D, _width(kind, D), True, blocks)
-    return scan_hop.held_maps(D, _width(kind, D) // tiles, torch.float32, H, tiles, programs)
-
-
 class Hop:
     """One hop of ``kind`` over H states (or maps), from memory into memory, on ``programs`` programs."""
 
-    def __init__(self, kind, H, D, blocks, programs, device, block_rows=None, held=None):
+    def __init__(self, kind, H, D, blocks, programs, device, block_rows=None):
         from megatron_zeco.comm import peer
         from megatron_zeco.comm.watch import watch
         from megatron_zeco.kernels import scan_hop
 
         dense = kind != "diagonal"
-        width = _width(kind, D)
+        width = D + (D if kind == "dense map" else 0)
         g = torch.Generator(device=device).manual_seed(0)
         self.x = torch.randn(1, H, D, width, device=device, generator=g)
         self.delta = torch.randn(1, H, D, width, device=device, generator=g)
@@ -96,14 +78,10 @@ class Hop:
         self.launch = scan_hop.all_scan_dense_hop if dense else scan_hop.all_scan_hop
         self.stride = D * (D if dense else 1)
         self.data, self.flags, self.programs = data, flags, programs
-        self.rows, self.as_built, self.held = {}, True, False
+        self.rows, self.as_built = {}, True
         if dense:
             built = scan_hop.dense_block_rows(D, width // self.tiles, torch.float32)
-            held_built = scan_hop.held_maps(D, width // self.tiles, torch.float32, H, self.tiles,
-                                            programs or H * self.tiles)
-            self.held = held_built if held is None else held
-            self.rows = dict(block_rows=None if self.held else block_rows or built, held=self.held)
-            self.as_built = self.held == held_built and (self.held or block_rows in (None, built))
+            self.rows, self.as_built = dict(block_rows=block_rows or built), block_rows in (None, built)
 
     def __call__(self):
         here = self.region.data_ptr()
@@ -153,13 +131,11 @@ def main(argv=None):
 
     device = torch.device("cuda")
     rows = []
-    cases = [("diagonal", None, None)] + [(kind, rows, False) for kind in KINDS[1:]
-                                          for rows in args.dense_block_rows or [None]]
+    cases = [("diagonal", None)] + [(kind, rows) for kind in KINDS[1:] for rows in args.dense_block_rows or [None]]
     for blocks in args.blocks:
         for programs in (None, ASIDE_PROGRAMS):
-            held = [(kind, None, True) for kind in KINDS[1:] if holds(kind, args.heads, args.dim, blocks, programs)]
-            for kind, block_rows, whole in cases + held:
-                hop = Hop(kind, args.heads, args.dim, blocks, programs, device, block_rows, whole)
+            for kind, block_rows in cases:
+                hop = Hop(kind, args.heads, args.dim, blocks, programs, device, block_rows)
                 hop()
                 torch.cuda.synchronize()
                 hop.watcher.check()
@@ -170,10 +146,10 @@ def main(argv=None):
                 us = kernel_us(hop, args.iters)
                 row = dict(part="hop", kind=kind, blocks=blocks, tiles=hop.tiles,
                            programs=programs or hop.tiles * args.heads, aside=programs is not None,
-                           block_rows=hop.rows.get("block_rows"), held=hop.held, as_built=hop.as_built, us=us)
+                           block_rows=hop.rows.get("block_rows"), as_built=hop.as_built, us=us)
                 rows.append(row)
                 print(f"{kind:10s} K={blocks:2d} tiles/state {hop.tiles:3d} programs {row['programs']:4d} rows "
-                      f"{row['block_rows'] or '-':>3}{' held' if hop.held else '     '} {us:8.2f} us", flush=True)
+                      f"{row['block_rows'] or '-':>3} {us:8.2f} us", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta(args), "rows": rows}, f, indent=1)

@@ -26,9 +26,6 @@ scan in each direction the one hop that waits:
   its own and the in-chunk work on another of the SMs left (``green_context.py``), so that neither shares an SM
   with the other; each emulated peer then spins on N SMs of its own too (not built: the question is whether SMs
   of its own keep the hop at its pace alone);
-* ``--tile-hops``: the delta rules' hops on few programs (``overlap``, ``after``, the emulated peers) take a
-  column tile at a time, reading its state's ``M`` for each, instead of each program holding whole maps
-  (``kernels/scan_hop.py: held_maps``, as built): run with and without it to compare the two;
 * ``after`` (with ``--after``): the in-chunk work, then the waiting hop on the side stream on
   ``ASIDE_PROGRAMS`` programs: the hop on as few programs as beside the work, but alone, so that against
   ``serial`` and ``overlap`` it tells what the program count costs the hop from what the work beside it does.
@@ -74,9 +71,6 @@ def parse_args(argv=None):
     p.add_argument("--scan-sms", type=int, default=None,
                    help="also time mode 'partition': the hop on a green context of this many SMs, the in-chunk "
                         "work on the others (green_context.py), each emulated peer on as many of its own")
-    p.add_argument("--tile-hops", action="store_true",
-                   help="the dense hops on few programs a tile at a time, each reading M for every tile, instead of "
-                        "holding whole maps as built (kernels/scan_hop.py: held_maps): the two side by side")
     p.add_argument("--after", action="store_true",
                    help="also time mode 'after': the hop on the side stream's programs after the in-chunk work")
     p.add_argument("--out", default="results/overlap.json")
@@ -318,7 +312,6 @@ def run_case(op, T, args, cycles_per_ms, device):
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
                        aside_programs=link.aside_programs, side_priority=args.side_priority,
-                       **({"held_maps": not args.tile_hops} if dense else {}),
                        **({"scan_sms": scan_sms, "work_sms": work_sms} if mode == "partition" else {}),
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
@@ -359,10 +352,6 @@ def main(argv=None):
 
     os.environ.setdefault(ENV, "auto")
     configure()
-    if args.tile_hops:
-        from megatron_zeco.kernels import scan_hop
-
-        scan_hop.held_maps = lambda *shape: False
     device = torch.device("cuda")
     cycles = profile_piece.sleep_cycles_per_ms()
     rows = []

@@ -878,9 +878,6 @@ def test_the_overlap_is_read_off_the_side_stream_as_built_where_a_file_has_it():
     assert all(h < n for h, n in zip(forward(both), forward(normal)))
     other = [dict(r, aside_programs=64) for r in data["rows"]]
     assert cm.overlap_rows("x.json", dict(data, rows=other)) == []
-    tiled = [dict(r, held_maps=False) for r in data["rows"]]  # bench_overlap.py --tile-hops
-    assert cm.overlap_rows("x.json", dict(data, rows=tiled)) == []
-    assert cm.overlap_rows("x.json", dict(data, rows=[dict(r, held_maps=True) for r in data["rows"]])) == normal
     # the shipped file with both: the high priority's, whose forward hop keeps a better pace
     shipped = cm.overlap_rows("x.json", json.loads((RESULTS / "overlap-h200x1-2026-11-29c.json").read_text(encoding="utf-8")))
     assert {r["priority"] for r in shipped} == {"high"}

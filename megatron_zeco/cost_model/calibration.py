@@ -186,10 +186,8 @@ def piece_rows(name: str, data: dict) -> list[dict]:
 
 def _overlap_as_built(row: dict) -> bool:
     """Whether ``row`` is a :data:`OVERLAP` row of the hops as built: on ``comm.peer.ASIDE_PROGRAMS``
-    programs, the dense ones holding whole maps where they can (``bench_overlap.py --tile-hops`` rows are not;
-    rows without the fields predate the options and ran as built then)."""
-    return (row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
-            and row.get("held_maps", True))
+    programs (rows without the field predate the option and ran so)."""
+    return row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
 
 
 def _hop_as_built(row: dict) -> bool:

@@ -495,102 +495,6 @@ def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK
 
 
 @triton.jit
-def _dense_tile(tile, m1, m2, x_init, M, delta, s_in, M2, delta2, s_in2, y_out, here, sent, src, dst, out, src_pe,
-                dst_pe, M_STRIDE, S_STRIDE, D_STRIDE, D_ROW, DV, M_ROW, INNER: tl.constexpr, K: tl.constexpr,
-                V: tl.constexpr, COLS: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-                DOT: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, TILES: tl.constexpr,
-                HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
-                TWO: tl.constexpr, watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
-                PASS: tl.constexpr, HELD: tl.constexpr):
-    """One column tile of :func:`all_scan_dense_hop_kernel`: wait for it, multiply, send it on. ``HELD``: the
-    state's whole ``M`` (and ``M2``) are ``m1`` (``m2``), ``[BK, BK]`` tensors the program loaded once for all
-    of the state's tiles, each product one ``tl.dot``; else ``M`` is read ``BR`` rows at a time."""
-    dtype = delta.dtype.element_ty
-    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
-    kk = tl.arange(0, BK)
-    cc = tl.arange(0, BC)
-    i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
-    i_o, i_h = i_n // INNER, i_n % INNER
-    m_base = i_o * M_STRIDE + i_h * K * M_ROW
-    s_base = i_o * S_STRIDE + i_h * K * V + i_b * COLS  # the tile's first column in the slots
-    d_base = i_o * D_STRIDE + i_h * K * D_ROW + i_b * COLS  # ... and in delta
-    d_cols = (cc[None, :] < COLS) & (i_b * COLS + cc[None, :] < DV)
-    in_tile = (kk[:, None] < K) & (cc[None, :] < COLS)
-    s_offs = s_base + kk[:, None] * V + cc[None, :]
-    tile_base = i_n * K * V + i_b * K * COLS  # in a receive buffer (the tile's rows together)
-    if HAS_SRC:  # the previous rank's tile has arrived in this region
-        _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
-        x = tl.load(here.to(tl.pointer_type(dtype)) + tile_base + kk[:, None] * COLS + cc[None, :], mask=in_tile,
-                    other=0.0, cache_modifier=".cg")
-    elif HAS_INIT:
-        x = tl.load(x_init.to(tl.pointer_type(dtype)) + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :],
-                    mask=in_tile, other=0.0)
-    else:
-        x = tl.zeros([BK, BC], dtype)
-    if HAS_DST:  # the next rank has read what this rank sent it last time
-        _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
-    x = _poison(x, _given_up(watch))
-    tl.store(s_in + s_offs, x, mask=in_tile)
-    if PASS:
-        if HAS_DST:
-            tl.store(out + tile_base + kk[:, None] * COLS + cc[None, :], x, mask=in_tile)
-        if KEEP_Y:
-            tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], x, mask=in_tile)
-    elif HELD:  # all K rows of each product at once
-        if TWO:  # piece 1's outgoing state is piece 2's incoming one
-            x = tl.dot(m1, x, input_precision="tf32x3") + tl.load(
-                delta + d_base + kk[:, None] * D_ROW + cc[None, :], mask=(kk[:, None] < K) & d_cols, other=0.0)
-            tl.store(s_in2 + s_offs, x, mask=in_tile)
-            y = tl.dot(m2, x, input_precision="tf32x3")
-            y += tl.load(delta2 + d_base + kk[:, None] * D_ROW + cc[None, :], mask=(kk[:, None] < K) & d_cols,
-                         other=0.0)
-        else:
-            y = tl.dot(m1, x, input_precision="tf32x3")
-            y += tl.load(delta + d_base + kk[:, None] * D_ROW + cc[None, :], mask=(kk[:, None] < K) & d_cols,
-                         other=0.0)
-        if HAS_DST:
-            tl.store(out + tile_base + kk[:, None] * COLS + cc[None, :], y, mask=in_tile)
-        if KEEP_Y:
-            tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], y, mask=in_tile)
-    else:
-        if TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
-            for r in range(0, K, BR):
-                rows, y = _dense_product(M, m_base, M_ROW, x, r, K, BR, BK, DOT)
-                mask = (rows[:, None] < K) & (cc[None, :] < COLS)
-                d = tl.load(delta + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
-                            other=0.0)
-                tl.store(s_in2 + s_base + rows[:, None] * V + cc[None, :], y + d, mask=mask)
-            tl.debug_barrier()
-            x = tl.load(s_in2 + s_offs, mask=in_tile, other=0.0)
-            M_last, delta_last = M2, delta2
-        else:
-            M_last, delta_last = M, delta
-        for r in range(0, K, BR):
-            rows, y = _dense_product(M_last, m_base, M_ROW, x, r, K, BR, BK, DOT)
-            mask = (rows[:, None] < K) & (cc[None, :] < COLS)
-            y += tl.load(delta_last + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
-                         other=0.0)
-            if HAS_DST:
-                tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
-            if KEEP_Y:
-                tl.store(y_out + i_n * K * V + i_b * COLS + rows[:, None] * V + cc[None, :], y, mask=mask)
-    if HAS_DST:
-        _send(dst, sent, tile, tile_base * ELEM, K * COLS * ELEM, seq, dst_pe, watch, DATA, FLAGS, NVSHMEM)
-    if HAS_SRC:
-        _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
-    tl.store(calls, seq)
-
-
-@triton.jit
-def _held_map(M, i_n, INNER: tl.constexpr, M_STRIDE, M_ROW, K: tl.constexpr, BK: tl.constexpr):
-    """State ``i_n``'s whole ``K x K`` transition as a ``[BK, BK]`` tensor (rows and columns past K zero)."""
-    kk = tl.arange(0, BK)
-    m_base = (i_n // INNER) * M_STRIDE + (i_n % INNER) * K * M_ROW
-    return tl.load(M + m_base + kk[:, None] * M_ROW + kk[None, :], mask=(kk[:, None] < K) & (kk[None, :] < K),
-                   other=0.0)
-
-
-@triton.jit
 def all_scan_dense_hop_kernel(
     x_init,  # address of the incoming state where no rank sends it (contiguous [N, K, V]), or 0
     M, delta, s_in,  # the (first) piece's transition [.., K, K] and delta, and where its incoming state goes
@@ -608,40 +512,75 @@ def all_scan_dense_hop_kernel(
     TWO: tl.constexpr,
     watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
     PASS: tl.constexpr = False,  # pass the incoming state on as it is (no M, no delta)
-    HELD: tl.constexpr = False,  # a program per state, its M held for all of its tiles (DOT only)
 ):
     """:func:`all_scan_hop_kernel` for dense transitions (the gated delta rule): ``S_out = M S_in +
     delta``. A row of ``M S`` reads every row of ``S``, a column only its own, so tile ``(n, b)`` is
     column tile ``b`` (``COLS`` columns, all K rows) of state ``n``. In the receive buffers a tile's
     rows are stored together (``[K, COLS]`` at element ``(n K V + b K COLS)``), so that it moves as
-    one contiguous put over NVSHMEM. Same flags, acknowledgements and bounded waits.
-
-    Each program takes every so many tiles, reading ``M`` ``BR`` rows at a time for each; or, ``HELD``, every
-    so many states, loading a state's ``M`` once and taking its ``TILES`` tiles in turn (fewer programs than
-    tiles: a hop beside other work reads each ``M`` once instead of once per tile)."""
+    one contiguous put over NVSHMEM. Same flags, acknowledgements and bounded waits."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = delta.dtype.element_ty
-    out = dst
+    ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    kk = tl.arange(0, BK)
+    cc = tl.arange(0, BC)
     if HAS_DST:
         out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
-    if HELD:
-        for at in range(tl.program_id(0), NT // TILES, tl.num_programs(0)):
-            i_n = LANE + LANES * at
-            m1 = _held_map(M, i_n, INNER, M_STRIDE, M_ROW, K, BK)
-            m2 = m1
-            if TWO:
-                m2 = _held_map(M2, i_n, INNER, M_STRIDE, M_ROW, K, BK)
-            for i_b in range(TILES):
-                _dense_tile(i_n * TILES + i_b, m1, m2, x_init, M, delta, s_in, M2, delta2, s_in2, y_out, here, sent,
-                            src, dst, out, src_pe, dst_pe, M_STRIDE, S_STRIDE, D_STRIDE, D_ROW, DV, M_ROW, INNER, K,
-                            V, COLS, BC, BK, BR, DOT, DATA, FLAGS, TILES, HAS_SRC, HAS_INIT, HAS_DST, KEEP_Y, TWO,
-                            watch, report, timeout_ns, who, INTERPRETED, NVSHMEM, PASS, HELD)
-    else:
-        for at in range(tl.program_id(0), NT, tl.num_programs(0)):
-            _dense_tile(_lane_tile(at, LANE, LANES, TILES), 0, 0, x_init, M, delta, s_in, M2, delta2, s_in2, y_out,
-                        here, sent, src, dst, out, src_pe, dst_pe, M_STRIDE, S_STRIDE, D_STRIDE, D_ROW, DV, M_ROW,
-                        INNER, K, V, COLS, BC, BK, BR, DOT, DATA, FLAGS, TILES, HAS_SRC, HAS_INIT, HAS_DST, KEEP_Y,
-                        TWO, watch, report, timeout_ns, who, INTERPRETED, NVSHMEM, PASS, HELD)
+    for at in range(tl.program_id(0), NT, tl.num_programs(0)):
+        tile = _lane_tile(at, LANE, LANES, TILES)
+        i_n, i_b, calls, seq = _tile(tile, here, TILES, DATA, FLAGS)
+        i_o, i_h = i_n // INNER, i_n % INNER
+        m_base = i_o * M_STRIDE + i_h * K * M_ROW
+        s_base = i_o * S_STRIDE + i_h * K * V + i_b * COLS  # the tile's first column in the slots
+        d_base = i_o * D_STRIDE + i_h * K * D_ROW + i_b * COLS  # ... and in delta
+        d_cols = (cc[None, :] < COLS) & (i_b * COLS + cc[None, :] < DV)
+        in_tile = (kk[:, None] < K) & (cc[None, :] < COLS)
+        s_offs = s_base + kk[:, None] * V + cc[None, :]
+        tile_base = i_n * K * V + i_b * K * COLS  # in a receive buffer (the tile's rows together)
+        if HAS_SRC:  # the previous rank's tile has arrived in this region
+            _arrived(here, tile, seq, DATA, watch, report, timeout_ns, who, INTERPRETED)
+            x = tl.load(here.to(tl.pointer_type(dtype)) + tile_base + kk[:, None] * COLS + cc[None, :], mask=in_tile,
+                        other=0.0, cache_modifier=".cg")
+        elif HAS_INIT:
+            x = tl.load(x_init.to(tl.pointer_type(dtype)) + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :],
+                        mask=in_tile, other=0.0)
+        else:
+            x = tl.zeros([BK, BC], dtype)
+        if HAS_DST:  # the next rank has read what this rank sent it last time
+            _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, who, INTERPRETED)
+        x = _poison(x, _given_up(watch))
+        tl.store(s_in + s_offs, x, mask=in_tile)
+        if PASS:
+            if HAS_DST:
+                tl.store(out + tile_base + kk[:, None] * COLS + cc[None, :], x, mask=in_tile)
+            if KEEP_Y:
+                tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], x, mask=in_tile)
+        elif TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
+            for r in range(0, K, BR):
+                rows, y = _dense_product(M, m_base, M_ROW, x, r, K, BR, BK, DOT)
+                mask = (rows[:, None] < K) & (cc[None, :] < COLS)
+                d = tl.load(delta + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
+                            other=0.0)
+                tl.store(s_in2 + s_base + rows[:, None] * V + cc[None, :], y + d, mask=mask)
+            tl.debug_barrier()
+            x = tl.load(s_in2 + s_offs, mask=in_tile, other=0.0)
+            M_last, delta_last = M2, delta2
+        else:
+            M_last, delta_last = M, delta
+        if not PASS:
+            for r in range(0, K, BR):
+                rows, y = _dense_product(M_last, m_base, M_ROW, x, r, K, BR, BK, DOT)
+                mask = (rows[:, None] < K) & (cc[None, :] < COLS)
+                y += tl.load(delta_last + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
+                             other=0.0)
+                if HAS_DST:
+                    tl.store(out + tile_base + rows[:, None] * COLS + cc[None, :], y, mask=mask)
+                if KEEP_Y:
+                    tl.store(y_out + i_n * K * V + i_b * COLS + rows[:, None] * V + cc[None, :], y, mask=mask)
+        if HAS_DST:
+            _send(dst, sent, tile, tile_base * ELEM, K * COLS * ELEM, seq, dst_pe, watch, DATA, FLAGS, NVSHMEM)
+        if HAS_SRC:
+            _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
+        tl.store(calls, seq)
 
 
 def _lane_states(N: int, lane) -> int:
@@ -739,26 +678,14 @@ def dense_block_rows(K: int, columns: int, dtype: torch.dtype) -> int:
     return min(BK, 64 if _tensor_cores(dtype, BK, triton.next_power_of_2(columns)) else 32)
 
 
-def held_maps(K: int, columns: int, dtype: torch.dtype, states: int, tiles: int, programs: int) -> bool:
-    """Whether a dense hop's programs each take whole states, loading a state's ``M`` once for all of its tiles
-    (:func:`all_scan_dense_hop_kernel`'s ``HELD``): where a launch has fewer programs than tiles and at least one
-    state per program, its products on tensor cores (:func:`_tensor_cores`) and ``M`` fits a program's registers
-    (K up to 128)."""
-    BK = triton.next_power_of_2(K)
-    return (states >= programs and programs < states * tiles and BK <= 128
-            and _tensor_cores(dtype, BK, triton.next_power_of_2(columns)))
-
-
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
                        flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1), block_rows=None, held=None):
+                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1), block_rows=None):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
     states; ``tiles`` column tiles per state (a divisor of V); ``m_row``: their row stride (None: K, a
     map's transition part: the map's); ``block_rows``: rows of ``M`` a program multiplies at a time, a power
-    of two (None: :func:`dense_block_rows`), where its programs do not hold whole maps; ``held``: whether they
-    do (None: :func:`held_maps` decides; True where it could not is refused). Other arguments as
-    :func:`all_scan_hop`."""
+    of two (None: :func:`dense_block_rows`). Other arguments as :func:`all_scan_hop`."""
     if pass_through and len(Ms) != 1:
         raise ValueError("all_scan_dense_hop: a pass-through hop walks one piece")
     if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
@@ -770,26 +697,17 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
     BC, BK = triton.next_power_of_2(cols), triton.next_power_of_2(K)
     BR = min(BK, block_rows or dense_block_rows(K, cols, delta.dtype))
     dot = _tensor_cores(delta.dtype, BR, BK, BC)
-    states = _lane_states(N, lane)
-    NT = states * tiles
+    NT = _lane_states(N, lane) * tiles
     if NT == 0:
         return
-    can_hold = not pass_through and held_maps(K, cols, delta.dtype, states, tiles, programs or NT)
-    if held and not can_hold:
-        raise ValueError(f"all_scan_dense_hop: programs cannot hold whole maps here ({states} states of {K} x {V} "
-                         f"in {tiles} tiles, {delta.dtype}, {programs} programs, pass-through {pass_through})")
-    held = can_hold if held is None else held
-    # a held map is BK x BK in registers: 8 warps (16 with two of them)
-    grid = (min(states, programs),) if held else (min(NT, programs or NT),)
-    _kernel(all_scan_dense_hop_kernel, nvshmem)[grid](
+    _kernel(all_scan_dense_hop_kernel, nvshmem)[(min(NT, programs or NT),)](
         x_init, Ms[0], deltas[0], s_ins[0], Ms[-1], deltas[-1], s_ins[-1], s_ins[-1] if y_out is None else y_out,
         *regions, *pes, m_stride, s_stride, *_delta_layout(delta_layout, s_stride, V), K if m_row is None else m_row,
         INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
         COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=NT, TILES=tiles,
         LANE=lane[0], LANES=lane[1],
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
-        **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, HELD=held,
-        num_warps=(16 if len(Ms) == 2 else 8) if held else 4)
+        **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
 
 
 def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, *, watch, nvshmem=False,

@@ -212,33 +212,23 @@ def _dense_scans(group, seed):
     """all_scan (the chain in blocks of columns over messages and over peer memory, and the
     hierarchical shape over nodes of two ranks) and gather_scan with dense transitions, against a
     sequential fold (the hierarchical shape also with GLA's diagonal ones). Peer memory also in
-    float32 with 32 x 32 states, where the hop kernel multiplies through tl.dot, and with 64 x 64 states in two
-    column tiles on two programs a launch, each holding whole maps (``held``: as the hops beside the local work
-    run)."""
-    from megatron_zeco.kernels import scan_hop
-
+    float32 with 32 x 32 states, where the hop kernel multiplies through tl.dot."""
     P, me = group.size(), group.rank()
     failures = []
-    impls = ("chain", "chain peer_memory", "hierarchical", "gather", "hierarchical diagonal", "chain peer_memory dot",
-             "chain peer_memory held")
-    dense_hop = scan_hop.all_scan_dense_hop
-
-    def held(*args, programs=None, pass_through=False, **kwargs):
-        return dense_hop(*args, programs=2, pass_through=pass_through, held=None if pass_through else True, **kwargs)
-
+    impls = ("chain", "chain peer_memory", "hierarchical", "gather", "hierarchical diagonal", "chain peer_memory dot")
     for n, (layout, blocks, reverse, with_init, impl) in enumerate(
             itertools.product(Layout, (1, 3), (False, True), (False, True), impls)):
-        if (not impl.startswith("chain") or impl.endswith(("dot", "held"))) and blocks > 1:
+        if (not impl.startswith("chain") or impl.endswith("dot")) and blocks > 1:
             continue
         gen = torch.Generator().manual_seed(seed + n)
         pieces = layout.num_pieces(P)
-        k, v = {"dot": (32, 32), "held": (64, 64)}.get(impl.split()[-1], (4, 6))
+        k, v = (32, 32) if impl.endswith("dot") else (4, 6)
         shape = (2, 3, k) if impl.endswith("diagonal") else (2, 3, k, k)
         Ms = [torch.randn(*shape, generator=gen, dtype=torch.float64) / (2 * k ** 0.5) for _ in range(pieces)]
         deltas = [torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) for _ in range(pieces)]
         init = torch.randn(2, 3, k, v, generator=gen, dtype=torch.float64) if with_init else None
         mine = layout.pieces(me, P)
-        dtype, tol = (torch.float32, 1e-5) if impl.endswith(("dot", "held")) else (torch.float64, 1e-12)
+        dtype, tol = (torch.float32, 1e-5) if impl.endswith("dot") else (torch.float64, 1e-12)
         my_Ms, my_deltas = [Ms[p].to(dtype) for p in mine], [deltas[p].to(dtype) for p in mine]
         kw = dict(reverse=reverse)
         if impl == "gather":
@@ -249,11 +239,7 @@ def _dense_scans(group, seed):
                 my_Ms, my_deltas = (torch.stack(xs, dim=1).unbind(1) for xs in (my_Ms, my_deltas))
                 kw["out"] = torch.full((2, len(mine), 3, k, v), float("nan"), dtype=dtype).unbind(1)
             route = Route(layout, group, blocks, transport, 2, impl.split()[0])
-            scan_hop.all_scan_dense_hop = held if impl.endswith("held") else dense_hop
-            try:
-                entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), route, **kw)
-            finally:
-                scan_hop.all_scan_dense_hop = dense_hop
+            entering, last = all_scan(my_Ms, my_deltas, None if init is None else init.to(dtype), route, **kw)
             if "out" in kw and not all(e is o for e, o in zip(entering, kw["out"])):
                 failures.append(f"{impl}: the result is not out")
         order = range(pieces - 1, -1, -1) if reverse else range(pieces)

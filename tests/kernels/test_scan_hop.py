@@ -34,9 +34,6 @@ kernels = [
     (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, BR=64,
              DOT=True)),
-    (scan_hop.all_scan_dense_hop_kernel, dense,  # a program per state, its maps held for all of its tiles
-        dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, BR=64,
-             DOT=True, HELD=True)),
     (scan_hop.all_scan_dense_hop_kernel, {**dense, **{name: "*fp64" for name in ("M", "delta", "s_in", "M2", "delta2",
                                                                                    "s_in2", "y_out")}},
         dict(HAS_SRC=True, HAS_INIT=False, HAS_DST=True, KEEP_Y=False, TWO=False, COLS=8, BC=8, BK=64, BR=8,
@@ -131,35 +128,3 @@ def test_dense_block_rows_falls_back_off_tensor_cores():
     x = torch.zeros(1, 1, 16, 16)
     with pytest.raises(ValueError, match="power of two"):
         _dense_hop_alone(x, torch.zeros(1, 1, 16, 16), x, tiles=1, block_rows=48)
-
-
-@pytest.mark.parametrize("K, V, H, tiles, programs", [(64, 64, 2, 2, 1), (48, 64, 3, 2, 2), (32, 96, 5, 3, 2)])
-def test_dense_hop_held_maps_match_float64(K, V, H, tiles, programs, seed):
-    """Fewer programs than tiles, at least a state each (as a hop beside the local work runs): each program loads
-    a state's ``M`` once and takes all of its column tiles, ``M x + delta`` to float32's accuracy, K off a power
-    of two and states left over for some programs included."""
-    from megatron_zeco.kernels import scan_hop
-
-    assert scan_hop.held_maps(K, V // tiles, torch.float32, H, tiles, programs)
-    g = torch.Generator().manual_seed(seed)
-    x, delta = (torch.randn(1, H, K, V, generator=g, dtype=torch.float64) for _ in range(2))
-    M = torch.randn(1, H, K, K, generator=g, dtype=torch.float64) / 8
-    want = M @ x + delta
-    y = _dense_hop_alone(x.float(), M.float(), delta.float(), tiles=tiles, programs=programs, held=True)
-    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
-
-
-def test_held_maps_only_where_a_program_holds_whole_float32_maps():
-    """Programs hold whole maps where a launch has fewer programs than tiles and a state or more each, on
-    tensor cores and K up to 128; asking for it elsewhere is refused, not run another way."""
-    from megatron_zeco.kernels import scan_hop
-
-    assert scan_hop.held_maps(128, 32, torch.float32, 16, 4, 16)
-    assert not scan_hop.held_maps(128, 32, torch.float32, 16, 4, 64)  # a program per tile
-    assert not scan_hop.held_maps(128, 32, torch.float32, 8, 4, 16)  # fewer states than programs
-    assert not scan_hop.held_maps(256, 32, torch.float32, 16, 4, 16)  # M too large for a program
-    assert not scan_hop.held_maps(128, 32, torch.float64, 16, 4, 16)  # products summed elementwise
-    assert not scan_hop.held_maps(128, 8, torch.float32, 16, 16, 16)  # columns too narrow for tl.dot
-    x = torch.zeros(1, 2, 64, 64, dtype=torch.float64)
-    with pytest.raises(ValueError, match="cannot hold whole maps"):
-        _dense_hop_alone(x, torch.zeros(1, 2, 64, 64, dtype=torch.float64), x, tiles=2, programs=1, held=True)
