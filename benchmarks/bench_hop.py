@@ -19,6 +19,9 @@ work, with the overlap); the dense hops with the rows of ``M`` a program multipl
 of ``--dense-block-rows``. GPU time per launch: the median kernel duration from the profiler over ``--iters``
 launches issued back to back, float32 states. The cost model reads the dense hops' time beyond the
 diagonal one's at the same blocks (``cost_model.calibration.hop_rows``).
+
+Then a leader's hand-out of its dense map's lanes (``--lanes``, the hierarchical scan's phase B), looped back
+through regions on this GPU: in one launch as built against a launch per lane's send and receive (``Handout``).
 """
 
 import argparse
@@ -45,6 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--dense-block-rows", type=int, nargs="+", default=None,
                    help="rows of M the dense hops multiply at a time, each a row (default: as built, "
                         "kernels/scan_hop.py: dense_block_rows)")
+    p.add_argument("--lanes", type=int, default=8, help="lanes a leader hands its map out to (GPUs per node)")
     p.add_argument("--iters", type=int, default=200)
     p.add_argument("--out", default="results/hop.json")
     return p.parse_args(argv)
@@ -93,6 +97,71 @@ class Hop:
         if self.t.dim() == 4:
             return self.t.double() @ self.x.double() + self.delta.double()
         return self.t.double()[..., None] * self.x.double() + self.delta.double()
+
+
+class Handout:
+    """A leader handing each of its node's other lane ranks its lane's part of a dense map ``[H, D, 2D]``
+    (the hierarchical scan's phase B, ``comm/peer_hierarchical.py``), each part received too, looped back through
+    regions on this GPU: in one ``all_scan_rounds`` launch (``launches`` 1, as built: a step per lane's send and
+    receive, each taking its lane's tiles), or a pass-through ``all_scan_dense_hop`` launch per lane's send and
+    per receive (the launch per lane the scan issued before)."""
+
+    def __init__(self, H, D, lanes, one_launch, device):
+        from megatron_zeco.comm import peer
+        from megatron_zeco.comm.watch import watch
+        from megatron_zeco.kernels import scan_hop
+
+        self.scan_hop, self.lanes, self.one_launch = scan_hop, lanes, one_launch
+        W = 2 * D
+        self.own = torch.randn(H, D, W, device=device, generator=torch.Generator(device=device).manual_seed(0))
+        self.y = torch.empty_like(self.own)
+        self.parts = [torch.zeros_like(self.own) for _ in range(lanes)]
+        self.tiles = peer.tiles_per_state(D, W, True, 1)
+        self.data, self.flags, size = peer.region_bytes(H, D, W, torch.float32, self.tiles, nvshmem=False)
+        self.regions = torch.zeros(2 * lanes * size, dtype=torch.uint8, device=device)
+        base = self.regions.data_ptr()
+        self.send = [base + 2 * g * size for g in range(lanes)]
+        self.into = [base + (2 * g + 1) * size for g in range(lanes)]
+        self.watcher = w = watch(device)
+        steps = [(self.send[g], self.send[g], 0, self.into[g], -1, -1, 0, scan_hop.lane_part((g, lanes)))
+                 for g in range(1, lanes)]
+        steps = [row for send in steps for row in (send, (send[3], 0, send[0], 0, -1, -1, 0, send[7]))]
+        self.table = torch.tensor(steps, dtype=torch.int64, device=device)
+        ids = [w.launch_id(("bench_hop handout", one_launch, s), lambda s=s: (f"handout step {s}", (None, None)))
+               for s in range(len(steps))]
+        self.bounded = [w.arguments(who, 60.0) for who in ids]
+        self.D, self.W = D, W
+
+    def __call__(self):
+        if self.one_launch:
+            self.scan_hop.all_scan_rounds(self.own, self.y, self.table, self.send[0], self.tiles, self.data,
+                                          self.flags, watch=self.bounded[0], dense=True)
+            return
+        D, W = self.D, self.W
+        for g in range(1, self.lanes):
+            x, part = self.own, self.parts[g]
+            for regions, src, into, who in (((self.send[g], self.send[g], 0, self.into[g]), False, x, 2 * g - 2),
+                                             ((self.into[g], 0, self.send[g], 0), True, part, 2 * g - 1)):
+                self.scan_hop.all_scan_dense_hop(
+                    0 if src else x.data_ptr(), [into], [into], [into], None, regions, 0, D * W, self.tiles,
+                    self.data, self.flags, has_src=src, has_init=not src, has_dst=not src,
+                    watch=self.bounded[who], pass_through=True, delta_layout=(D * W, W, W), m_row=1,
+                    lane=(g, self.lanes))
+
+    def delivered(self) -> bool:
+        """Whether each lane's receiving region holds its lane's states of the map, tile by tile as the dense hop
+        lays them out (and, a launch per lane, whether each receive took its part)."""
+        H, D, W = self.own.shape
+        tiles = self.own.reshape(H, D, self.tiles, W // self.tiles).permute(0, 2, 1, 3).reshape(H, D * W)
+        base = self.regions.data_ptr()
+        for g in range(1, self.lanes):
+            at = self.into[g] - base
+            got = self.regions[at:at + H * D * W * 4].view(torch.float32).reshape(H, D * W)
+            if not torch.equal(got[g::self.lanes], tiles[g::self.lanes]):
+                return False
+            if not self.one_launch and not torch.equal(self.parts[g][g::self.lanes], self.own[g::self.lanes]):
+                return False
+        return True
 
 
 def kernels_us(fn, iters):
@@ -150,6 +219,19 @@ def main(argv=None):
                 rows.append(row)
                 print(f"{kind:10s} K={blocks:2d} tiles/state {hop.tiles:3d} programs {row['programs']:4d} rows "
                       f"{row['block_rows'] or '-':>3} {us:8.2f} us", flush=True)
+    for one_launch in (True, False):
+        hand = Handout(args.heads, args.dim, args.lanes, one_launch, device)
+        hand()
+        torch.cuda.synchronize()
+        hand.watcher.check()
+        if not hand.delivered():
+            raise RuntimeError(f"handout ({'one launch' if one_launch else 'a launch per lane'}): a lane's part is wrong")
+        us = kernel_us(hand, args.iters)
+        launches = 1 if one_launch else 2 * (args.lanes - 1)
+        rows.append(dict(part="handout", kind="dense map", lanes=args.lanes, launches=launches,
+                         as_built=one_launch, us=us))
+        print(f"handout of a dense map to {args.lanes - 1} lanes (sent and received) in {launches:2d} launches "
+              f"{us:8.2f} us", flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta(args), "rows": rows}, f, indent=1)

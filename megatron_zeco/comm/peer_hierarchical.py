@@ -17,10 +17,9 @@ acknowledgements, call counters and bounded waits (``peer.py``):
   j + 2^r (a pass-through hop), and composes the one from j - 2^r into its own: a hop whose piece is its
   own map ``(T_j, E_j)``, applied to the map received, ``[E_j | 0] + T_j [E | T]``.
 * **C**: the state leaving segment j (its leader's map, whose state it is) goes into segment j + 1 and to
-  every rank of it; each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product).
-  Diagonal maps: each lane's part to the rank of segment j + 1 that takes it (``comm.shape.takers``), which
-  passes it to the segment's other ranks, all in one launch a rank (an all-gather in one step). Dense maps:
-  to the first rank of segment j + 1, which passes it on in a binomial tree (ceil(log2 n) steps, n ranks).
+  every rank of it; each piece's entering state is then ``T_i X + S_i`` from its prefix (one local product):
+  each lane's part to the rank of segment j + 1 that takes it (``comm.shape.takers``), which passes it to the
+  segment's other ranks, all in one launch a rank (an all-gather in one step).
 * **Lanes** (``comm.shape.lanes``): a map composes state by state (a head, or a document's head), so B and
   C run in L lanes, L the fewest ranks of a segment whose map goes on. After A the leader hands lane g
   (g = 1 .. L - 1: the segment's other ranks) its states g, g + L, ... of the map, inside the node; lane g
@@ -31,7 +30,8 @@ acknowledgements, call counters and bounded waits (``peer.py``):
 
 A map a rank makes and sends on (the prefix hop ending a segment, a round's compose) leaves from the launch
 that makes it, tile by tile (``_fused``): a launch fewer per message, and the next rank's wait starts as
-the first tile is made.
+the first tile is made. A rank's run of steps passing one map on is one launch (``_rounds``): the leader's
+lanes handed out (and, diagonal maps, its rounds of B), C's parts taken in and passed on.
 
 Every pair of ranks that meet in a step has a region of its own on both sides, per direction, phase,
 round or step and local slot (``_Channel``), so the chain's protocol holds unchanged: each region is
@@ -52,7 +52,6 @@ from .failures import naming_failures
 from .hierarchical import Walk
 from .nodes import group_nodes
 from .peer import ASIDE_PROGRAMS, capacity, describe_launch, region_bytes, tiles_per_state
-from .shape import fan_steps
 from .shape import lanes as shape_lanes
 from .shape import takers as shape_takers
 from .symmetric import PeerBuffers
@@ -64,9 +63,8 @@ Tensor = torch.Tensor
 
 # The regions of one direction, per local slot: phase A's chain; a lane's part of its segment's map, received
 # and sent (one region for all the leader's lanes: their tiles are apart); per round of B, the maps received and
-# sent; C's state into the next segment, received and sent; inside a segment, per step of the binomial tree (dense
-# maps) the same, or the all-gather's parts received (one region: their tiles are apart) and sent, a region per
-# other rank of the segment. (Role, index) -> position: _roles.
+# sent; C's state into the next segment, received and sent; inside a segment, the all-gather's parts received (one
+# region: their tiles are apart) and sent, a region per other rank of the segment. (Role, index) -> position: _roles.
 _SEND, _RECEIVE = "send", "receive"
 
 
@@ -105,11 +103,10 @@ def messages(plan: Sequence[_Hop]) -> List[_Hop]:
     return [step for hop in plan for step in (hop.steps or (hop,))]
 
 
-def _roles(rounds: int, steps: int, peers: int) -> List[Tuple[str, int]]:
+def _roles(rounds: int, peers: int) -> List[Tuple[str, int]]:
     return ([("A", 0)] + [(f"lane {way}", 0) for way in (_RECEIVE, _SEND)]
             + [(f"B {way}", r) for r in range(rounds) for way in (_RECEIVE, _SEND)]
             + [(f"C {way}", 0) for way in (_RECEIVE, _SEND)]
-            + [(f"tree {way}", s) for s in range(steps) for way in (_RECEIVE, _SEND)]
             + ([(f"gather {_RECEIVE}", 0)] if peers else [])
             + [(f"gather {_SEND}", k) for k in range(peers)])
 
@@ -144,10 +141,9 @@ class _Segments:
 
 
 def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], int],
-          rounds: bool = True) -> List[_Hop]:
+          dense: bool = False) -> List[_Hop]:
     """Rank ``me``'s launches in issue order; ``region(rank, role, index, slot)``: the address of a region
-    (0 for no rank); ``rounds``: a run of launches passing one map on made one launch (:func:`_rounds`;
-    diagonal maps)."""
+    (0 for no rank); ``dense``: dense maps, whose composes are launches of their own (:func:`_rounds`)."""
     seg = _Segments(walk)
     M = seg.M
     hops: List[_Hop] = []
@@ -220,49 +216,14 @@ def _plan(walk: Walk, me: int, region: Callable[[Optional[int], str, int, int], 
                 here = region(me, f"B {_RECEIVE}", r, seg.slot_of(j, me))
                 out = region(frm, f"B {_SEND}", r, seg.slot_of(j - d, frm))
                 hops.append(_Hop("compose", j, (), (here, 0, out, 0), (frm, None), label, lane=part(g)))
-    if rounds:  # C in one launch a rank: lanes into the next segment, then an all-gather inside it
-        hops.extend(_gathered(walk, seg, lanes, me, region))
-        hops = _fused(hops, walk)
-        return _rounds(hops)
-    # C (dense maps): the state leaving segment j (its map) to the first rank of segment j + 1, each lane its part
-    # (into one region: the lanes' tiles are apart), then inside that segment in a binomial tree
-    for way in (_SEND, _RECEIVE):
-        for j in range(M - 1):
-            first = walk.rank(seg.first(j + 1))
-            for g in range(L):
-                src = lanes[j][g]
-                label = f"the state entering segment {j + 1}" + (f" (lane {g})" if L > 1 else "")
-                if src == first:
-                    if way == _SEND and src == me:
-                        hops.append(_Hop("carry", j, (), none, (None, None), label, lane=part(g)))
-                    continue
-                out = region(src, f"C {_SEND}", 0, seg.slot_of(j, src))
-                into = region(first, f"C {_RECEIVE}", 0, seg.slot_of(j + 1, first))
-                if way == _SEND and src == me:
-                    hops.append(_Hop("send", j, (), (out, out, 0, into), (None, first), label, carries="C",
-                                     lane=part(g)))
-                elif way == _RECEIVE and first == me:
-                    hops.append(_Hop("receive", j + 1, (), (into, 0, out, 0), (src, None), label, lane=part(g)))
-    steps = max((fan_steps(len(seg.ranks(j))) for j in range(1, M)), default=0)
-    for s in range(steps):
-        for way in (_SEND, _RECEIVE):
-            for j in range(1, M):
-                ranks = seg.ranks(j)
-                for k in range(min(1 << s, len(ranks) - (1 << s))):
-                    a, b = ranks[k], ranks[k + (1 << s)]
-                    out = region(a, f"tree {_SEND}", s, seg.slot_of(j, a))
-                    into = region(b, f"tree {_RECEIVE}", s, seg.slot_of(j, b))
-                    label = f"the state entering segment {j} (inside its node, step {s})"
-                    if way == _SEND and a == me:
-                        hops.append(_Hop("send", j, (), (out, out, 0, into), (None, b), label, "entering", "C"))
-                    elif way == _RECEIVE and b == me:
-                        hops.append(_Hop("receive", j, (), (into, 0, out, 0), (a, None), label))
-    return _fused(hops, walk)
+    # C in one launch a rank: lanes into the next segment, then an all-gather inside it
+    hops.extend(_gathered(walk, seg, lanes, me, region))
+    return _rounds(_fused(hops, walk), composes=not dense)
 
 
 def _gathered(walk: Walk, seg: "_Segments", lanes: List[List[int]], me: int,
               region: Callable[[Optional[int], str, int, int], int]) -> List[_Hop]:
-    """Rank ``me``'s hops of phase C where each rank's run of steps is one launch (diagonal maps): lane g's part
+    """Rank ``me``'s hops of phase C, each rank's run of steps one launch (:func:`_rounds`): lane g's part
     of the state leaving segment j goes to the rank of segment j + 1 that takes it (``comm.shape.takers``; kept
     where that is the lane's own rank), which passes it to each other rank of that segment (an all-gather:
     every rank receives the parts it does not take, each from its taker). A rank issues its sends of C, then
@@ -343,11 +304,12 @@ def _fused(hops: List[_Hop], walk: Walk) -> List[_Hop]:
     return out
 
 
-def _rounds(hops: List[_Hop]) -> List[_Hop]:
+def _rounds(hops: List[_Hop], composes: bool = True) -> List[_Hop]:
     """``hops`` with each run of two or more launches in a row that pass on one map, one ``rounds`` launch
-    (``kernels.scan_hop.all_scan_rounds``): a leader's B (its composes and sends of its segment's map) and
-    C's send of that map; a rank's receive of the map whose state enters its segment and its sends of it
-    on (the binomial tree). Its tiles go through every step in turn, so that a tile leaves as soon as the
+    (``kernels.scan_hop.all_scan_rounds``): a leader's B (its lanes handed out, its composes and sends of its
+    segment's map; ``composes`` False, dense maps: its sends only, each compose a launch of its own) and C's
+    send of that map; a rank's receipts of the parts of the map whose state enters its segment and its sends
+    of them on (the all-gather). Its tiles go through every step in turn, so that a tile leaves as soon as the
     same tile of the earlier steps has arrived, where launches one per step would each wait for the whole
     of the previous one. The steps keep their order, so a rank's sends still come before its receives of
     a later step; a segment whose map is kept for another (``keep``, ``fold``) breaks the run. Steps of one lane
@@ -355,7 +317,7 @@ def _rounds(hops: List[_Hop]) -> List[_Hop]:
     own lane's rounds; the lanes' parts of a state received, then passed on whole) a launch of every state,
     each step taking its own lane's tiles only (its ``part`` in the kernel's table)."""
     def run(hop: _Hop) -> Optional[tuple]:  # the map a launch passes on, where a run may hold it
-        if hop.kind in ("compose", "send") and hop.what == "map":
+        if (hop.kind == "send" or (hop.kind == "compose" and composes)) and hop.what == "map":
             return ("map", hop.segment)
         if hop.kind == "receive" or (hop.kind == "send" and hop.what == "entering"):
             return ("entering", hop.segment)
@@ -413,12 +375,11 @@ class _Channel:
         rank, world = group.rank(), group.size()
         walks = {reverse: Walk(layout, world, nodes, reverse) for reverse in (False, True)}
         rounds = max(w.rounds for w in walks.values())
-        # C inside a segment: a binomial tree (dense maps: a launch per step), else an all-gather whose sends
-        # from a rank each have a region of their own, one per other rank of the segment
-        sizes = [len(_Segments(w).ranks(j)) for w in walks.values() for j in range(1, len(w.segments))]
-        steps = max((fan_steps(n) for n in sizes), default=0) if dense else 0
-        peers = 0 if dense else max(sizes, default=0)
-        roles = {role: n for n, role in enumerate(_roles(rounds, steps, peers))}
+        # C inside a segment: an all-gather whose sends from a rank each have a region of their own, one per other
+        # rank of the segment
+        peers = max((len(_Segments(w).ranks(j)) for w in walks.values() for j in range(1, len(w.segments))),
+                    default=0)
+        roles = {role: n for n, role in enumerate(_roles(rounds, peers))}
         buffers = PeerBuffers(group, 2 * len(roles) * 2 * size, device, nvshmem)
         self.nvshmem, self.dense = nvshmem, dense
         self._pe = [dist.get_global_rank(group, r) for r in range(world)] if nvshmem else None
@@ -431,7 +392,7 @@ class _Channel:
             return address
 
         self.walks = walks
-        self._plans = {reverse: _plan(walks[reverse], rank, region(reverse), rounds=not dense)
+        self._plans = {reverse: _plan(walks[reverse], rank, region(reverse), dense)
                        for reverse in (False, True)}
         # each rounds launch's steps (kernels.scan_hop.all_scan_rounds' table), on the device once: a graph
         # replays the address
@@ -615,7 +576,7 @@ class _Run:
                 g, L = hop.lane
                 self._entering(hop.segment + 1)[g::L].copy_(self.maps[hop.segment][g::L])
             return
-        if hop.kind == "send":  # a segment's map (B, C), or the one whose state enters it (C, the tree)
+        if hop.kind == "send":  # a segment's map (B, C), or the one whose state enters it (C, the all-gather)
             x = self.maps[hop.segment] if hop.what == "map" else self.states[hop.segment]
             self._launch(n, hop, side, x, ([x], [x], [x]), None)
             return
@@ -629,7 +590,7 @@ class _Run:
             self._launch(n, hop, side, None, ([into], [into], [into]), None)
             self.states[hop.segment] = into
             return
-        if hop.kind == "rounds":  # B's rounds and C's send of a segment this rank leads, or C's tree, in one launch
+        if hop.kind == "rounds":  # B and C's send of a segment this rank leads, or C's all-gather, in one launch
             y = self._map()
             first = hop.steps[0]
             if first.kind == "receive" or first.what == "entering":  # the state entering the segment, passed on
@@ -718,7 +679,8 @@ class _Run:
         inject.delay(own.device)  # test hook: no-op unless a stress test sets delays
         self.scan_hop.all_scan_rounds(own, y, ch.tables[reverse, n], hop.steps[0].regions[0], ch.tiles, ch.data,
                                       ch.flags, watch=bounded, nvshmem=ch.nvshmem,
-                                      programs=ASIDE_PROGRAMS if side else None, lane=hop.lane or (0, 1))
+                                      programs=ASIDE_PROGRAMS if side else None, lane=hop.lane or (0, 1),
+                                      dense=ch.dense)
         inject.delay(own.device)
 
 

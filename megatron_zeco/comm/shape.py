@@ -87,8 +87,7 @@ def chain_hops(P: int, layout: str, nodes: Nodes, two_legs: bool = False) -> Tup
 
 
 @functools.lru_cache(maxsize=256)
-def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False, tree: bool = False,
-                       merged: bool = True) -> tuple:
+def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False, tree: bool = False) -> tuple:
     """The messages of ``comm.hierarchical.hierarchical_scan`` over P ranks, step by step as every
     rank issues them (``nodes``: ranks per node, consecutive, or a tuple of each rank's node): a
     tuple of steps, each a tuple of ``(source rank, destination rank, what, phase)``, what =
@@ -96,13 +95,10 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     pieces), ``"B"`` (between runs) or ``"C"`` (the state into each run). ``tree``: as
     ``comm.peer_hierarchical`` sends them over the device transports, where B and C go in lanes
     (:func:`lanes`): the leader hands each of its run's other lane ranks its lane's part of the map (phase
-    B's first step, inside the node), each lane runs the rounds between its ranks, and each lane's part of
-    the state leaving a run goes into the next run; a lane's message is ``what`` + ``/L`` (``"map/8"``: the
-    states of one lane of 8, :func:`message_share`). ``merged``: a rank's messages of one step that pass one
-    map on go in one launch (diagonal maps: the leader's parts for its lanes; C's parts each to the rank of
-    the next run that takes it, :func:`takers`, which passes it to the run's other ranks, an all-gather in
-    one step); else (dense maps) one launch each, a step apiece, C's parts all to the next run's first rank,
-    which passes the state on in a binomial tree (a step per doubling of the ranks that hold it)."""
+    B's first step, inside the node, one launch), each lane runs the rounds between its ranks, and each lane's
+    part of the state leaving a run goes to the rank of the next run that takes it (:func:`takers`), which
+    passes it to the run's other ranks (an all-gather in one step); a lane's message is ``what`` + ``/L``
+    (``"map/8"``: the states of one lane of 8, :func:`message_share`)."""
     node = _node_of(nodes)
     ranks = walk_ranks(P, layout)
     if reverse:
@@ -124,29 +120,21 @@ def hierarchical_steps(P: int, layout: str, nodes: Nodes, reverse: bool = False,
     part = (lambda what: what) if L == 1 else (lambda what: f"{what}/{L}")  # noqa: E731
     first = [ranks[s[0]] for s in segments]
     if L > 1:  # the leader hands each lane its part of the map
-        scatter = [tuple((lane[j][0], lane[j][g], part("map"), "B") for j in range(M - 1)) for g in range(1, L)]
-        steps.extend([sum(scatter, ())] if merged else scatter)
+        steps.append(tuple((lane[j][0], lane[j][g], part("map"), "B") for g in range(1, L) for j in range(M - 1)))
     for r in range(math.ceil(math.log2(M - 1)) if M > 2 else 0):  # B: Kogge-Stone of all runs' maps but the last
         d = 1 << r
         steps.append(tuple((lane[j][g], lane[j + d][g], part("map"), "B") for g in range(L) for j in range(M - 1 - d)
                            if lane[j][g] != lane[j + d][g]))
-    if tree and merged:  # C: each lane's part to the rank of the next run that takes it, then to the run's others
+    if tree:  # C: each lane's part to the rank of the next run that takes it, then to the run's others
         taker = takers(holders, lane)
         steps.append(tuple((lane[j][g], taker[j][g], part("state"), "C") for j in range(M - 1) for g in range(L)
                            if lane[j][g] != taker[j][g]))
         steps.append(tuple((taker[j][g], other, part("state"), "C") for j in range(M - 1) for g in range(L)
                            for other in holders[j + 1] if other != taker[j][g]))
         return tuple(step for step in steps if step)
-    into = [tuple((lane[j][g], first[j + 1], part("state"), "C") for j in range(M - 1) if lane[j][g] != first[j + 1])
-            for g in range(L)]
-    steps.extend([sum(into, ())] if merged else into)
-    if not tree:
-        steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
-                           for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
-        return tuple(step for step in steps if step)
-    for s in range(max((fan_steps(len(h)) for h in holders[1:]), default=0)):
-        d = 1 << s
-        steps.append(tuple((h[k], h[k + d], "state", "C") for h in holders[1:] for k in range(min(d, len(h) - d))))
+    steps.append(tuple((lane[j][0], first[j + 1], "state", "C") for j in range(M - 1) if lane[j][0] != first[j + 1]))
+    steps.append(tuple((first[j], other, "state", "C") for j in range(1, M)
+                       for other in sorted({ranks[i] for i in segments[j]} - {first[j]})))
     return tuple(step for step in steps if step)
 
 
@@ -188,12 +176,6 @@ def message_share(what: str) -> tuple:
     ``"map/8"`` -> ``("map", 8)`` (the states of one lane of 8)."""
     kind, _, L = what.partition("/")
     return kind, int(L) if L else 1
-
-
-def fan_steps(n: int) -> int:
-    """Steps of the binomial tree passing a state from the first of ``n`` ranks to the others (a step per
-    doubling of the ranks that hold it)."""
-    return math.ceil(math.log2(n)) if n > 1 else 0
 
 
 def critical_path(steps, P: int, cost, per_step: float = 0.0, drain=None) -> float:

@@ -255,13 +255,13 @@ def _hierarchical_costs(w: Workload, c: Cluster, sw: Software, K: int, reverse: 
     chains are pipelined in K blocks; so are B and C where their runs of steps go tile by tile in one launch
     per rank (diagonal maps over the device transports: ``comm/peer_hierarchical.py``'s ``rounds``), the
     pipeline drained once, at the end of C; else each of their steps waits for the whole previous message:
-    dense maps, and a zigzag walk, which passes every rank twice, so that a rank's steps of its two runs
-    interleave in its issue order, a launch each."""
+    dense maps (a round's compose reads the whole map received, a launch of its own; their steps that only pass a
+    map on go in one launch too, counted as whole messages here), and a zigzag walk, which passes every rank
+    twice, so that a rank's steps of its two runs interleave in its issue order, a launch each."""
     device = TRANSPORTS[sw.transport].device
     if TRANSPORTS[sw.transport].block_messages:
         K = 1
-    steps = _sharing(hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device, w.op.transition.tiled_rounds),
-                     c)
+    steps = _sharing(hierarchical_steps(w.P, w.layout, c.gpus_per_node, reverse, device), c)
     tiled = device and w.op.transition.tiled_rounds and w.layout == "contiguous"
     piped = {"A", "B", "C"} if tiled else {"A"}
 

@@ -404,6 +404,29 @@ def all_scan_close_kernel(
 
 
 @triton.jit
+def _map_rows(i_n, i_b, r, K: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+              COLS: tl.constexpr):
+    """Rows ``r .. r + BR`` of tile ``(i_n, i_b)`` of maps ``[N, K, W]``: the rows' indices and mask, the mask
+    of their elements and their offsets in a map and in a receive buffer. A row tile (``COLS`` 0: ``ROWS`` rows,
+    every column; the same offsets in both), or a dense map's column tile (``COLS`` columns of all K rows, ``ROWS``
+    then K, ``BV`` a power of two from COLS: stored together in a buffer, as ``all_scan_dense_hop_kernel``'s)."""
+    cols = tl.arange(0, BV)
+    if COLS:
+        rows = r + tl.arange(0, BR)
+        in_block = rows < K
+        mask = in_block[:, None] & (cols[None, :] < COLS)
+        at_map = i_n * K * W + rows[:, None] * W + i_b * COLS + cols[None, :]
+        at_buffer = i_n * K * W + i_b * K * COLS + rows[:, None] * COLS + cols[None, :]
+    else:
+        rows = i_b * ROWS + r + tl.arange(0, BR)
+        in_block = rows < i_b * ROWS + ROWS
+        mask = in_block[:, None] & (cols[None, :] < W)
+        at_map = i_n * K * W + rows[:, None] * W + cols[None, :]
+        at_buffer = at_map
+    return rows, in_block, mask, at_map, at_buffer
+
+
+@triton.jit
 def all_scan_rounds_kernel(
     own,  # the map this rank's launch starts from (contiguous [N, K, W]: the state's E columns, then the decays)
     y_out,  # where the map it composes goes (contiguous [N, K, W])
@@ -414,12 +437,13 @@ def all_scan_rounds_kernel(
     watch, report, timeout_ns, who,  # the bounded waits; step s waits as launch ``who + s``
     COPY: tl.constexpr,  # own is not y_out: each tile starts as own's
     INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
+    COLS: tl.constexpr = 0,  # dense maps: column tiles of COLS columns (ROWS = K), steps passing the map on only
 ):
-    """A run of steps of the hierarchical scan passing one map on, diagonal maps, in one launch
-    (``comm/peer_hierarchical.py``: a leader's rounds of phase B and C's send, or C's receive and sends
-    inside a node). Step s of ``table``: where it has a source, wait for call ``seq``'s tile of the map
-    sent to it and compose it under this rank's map (``compose``: ``[E | t] <- t [E' | t'] + [E | 0]``,
-    the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
+    """A run of steps of the hierarchical scan passing one map on, in one launch (``comm/peer_hierarchical.py``:
+    a leader's lanes handed out, its rounds of phase B and C's send, or C's receive and sends inside a node).
+    Step s of ``table``: where it has a source, wait for call ``seq``'s tile of the map
+    sent to it and compose it under this rank's map (``compose``, diagonal maps: ``[E | t] <- t [E' | t'] + [E |
+    0]``, the map from the leader ``2^r`` segments back) or take it as it is, and acknowledge it; then, where
     it has a destination, send the map as it now is (after the acknowledgement of the previous call). ``own`` may
     be ``y_out`` (a run that starts with a receive; ``COPY`` is off then). Tile by tile: a tile goes through every
     step before the program takes its next tile, so a round's tile leaves as soon as the same tile of the earlier
@@ -427,17 +451,21 @@ def all_scan_rounds_kernel(
     lane's tiles (a leader's lanes handed out; the parts of a state a rank takes in and sends on, and the others it
     receives). A tile's steps wait only for the same tile of earlier steps on other ranks (or for the previous
     call), so no wait closes a cycle whatever the number of programs. Each wait reports its own step's launch id
-    (``who + s``). Same flags, acknowledgements, bounded waits and poisoning as :func:`all_scan_hop_kernel`."""
+    (``who + s``). Dense maps (``COLS``) move in :func:`all_scan_dense_hop_kernel`'s column tiles and are only
+    passed on here (a column tile of a composed dense map reads every column tile of the map received: their
+    composes are launches of that kernel). Same flags, acknowledgements, bounded waits and poisoning as
+    :func:`all_scan_hop_kernel`."""
     watch, report = watch.to(tl.pointer_type(tl.int32)), report.to(tl.pointer_type(tl.int64))
     dtype = y_out.dtype.element_ty
     ELEM: tl.constexpr = dtype.primitive_bitwidth // 8
+    TILE: tl.constexpr = K * COLS if COLS else ROWS * W  # elements of a tile
     for at in range(tl.program_id(0), NT, tl.num_programs(0)):
         tile = _lane_tile(at, LANE, LANES, TILES)
         i_n, i_b, calls, seq = _tile(tile, counters, TILES, DATA, FLAGS)
         if COPY:
             for r in range(0, ROWS, BR):
-                rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
-                tl.store(y_out + offs, tl.load(own + offs, mask=mask, other=0.0), mask=mask)
+                rows, in_block, mask, at_map, at_buffer = _map_rows(i_n, i_b, r, K, W, ROWS, BR, BV, COLS)
+                tl.store(y_out + at_map, tl.load(own + at_map, mask=mask, other=0.0), mask=mask)
             tl.debug_barrier()
         for step in tl.static_range(STEPS):
             row = table + 8 * step
@@ -454,14 +482,15 @@ def all_scan_rounds_kernel(
                 failed = _given_up(watch)
                 x_in = here.to(tl.pointer_type(dtype))
                 for r in range(0, ROWS, BR):
-                    rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
-                    x = _poison(tl.load(x_in + offs, mask=mask, other=0.0, cache_modifier=".cg"), failed)
-                    if compose:
-                        t = tl.load(y_out + (i_n * K + rows) * W + E, mask=in_block, other=0.0)
-                        own_e = tl.load(y_out + offs, mask=mask & (tl.arange(0, BV)[None, :] < E), other=0.0)
-                        tl.debug_barrier()
-                        x = t[:, None] * x + own_e
-                    tl.store(y_out + offs, x, mask=mask)
+                    rows, in_block, mask, at_map, at_buffer = _map_rows(i_n, i_b, r, K, W, ROWS, BR, BV, COLS)
+                    x = _poison(tl.load(x_in + at_buffer, mask=mask, other=0.0, cache_modifier=".cg"), failed)
+                    if not COLS:
+                        if compose:
+                            t = tl.load(y_out + (i_n * K + rows) * W + E, mask=in_block, other=0.0)
+                            own_e = tl.load(y_out + at_map, mask=mask & (tl.arange(0, BV)[None, :] < E), other=0.0)
+                            tl.debug_barrier()
+                            x = t[:, None] * x + own_e
+                    tl.store(y_out + at_map, x, mask=mask)
                 _ack(src, here, tile, seq, src_pe, watch, DATA, FLAGS, NVSHMEM)
             if dst != 0:  # the map as it now is, to the leader 2^r segments on (or C's: into the next segment)
                 _acknowledged(sent, tile, seq, DATA, FLAGS, watch, report, timeout_ns, step_who, INTERPRETED)
@@ -469,10 +498,10 @@ def all_scan_rounds_kernel(
                 out = _outbox(dst, sent, DATA, FLAGS, NVSHMEM).to(tl.pointer_type(dtype))
                 tl.debug_barrier()
                 for r in range(0, ROWS, BR):
-                    rows, in_block, mask, offs, s_offs, g_offs = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
-                    tl.store(out + offs, _poison(tl.load(y_out + offs, mask=mask, other=0.0), failed), mask=mask)
-                _send(dst, sent, tile, (i_n * K + i_b * ROWS) * W * ELEM, ROWS * W * ELEM, seq, dst_pe, watch,
-                      DATA, FLAGS, NVSHMEM)
+                    rows, in_block, mask, at_map, at_buffer = _map_rows(i_n, i_b, r, K, W, ROWS, BR, BV, COLS)
+                    tl.store(out + at_buffer, _poison(tl.load(y_out + at_map, mask=mask, other=0.0), failed), mask=mask)
+                _send(dst, sent, tile, (i_n * K * W + i_b * TILE) * ELEM, TILE * ELEM, seq, dst_pe, watch, DATA,
+                      FLAGS, NVSHMEM)
             tl.debug_barrier()
         tl.store(calls, seq)
 
@@ -711,26 +740,32 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
 
 
 def all_scan_rounds(own, y_out, table, counters, tiles, data_bytes, flag_bytes, *, watch, nvshmem=False,
-                    programs=None, lane=(0, 1)):
+                    programs=None, lane=(0, 1), dense=False):
     """Launch :func:`all_scan_rounds_kernel`: a run of steps of the hierarchical scan in one launch, from its
-    map ``own`` into ``y_out`` (both contiguous ``[N, K, V + 1]``, diagonal maps). ``table``: an int64 tensor
+    map ``own`` into ``y_out`` (both contiguous ``[N, K, W]``: diagonal maps ``W = V + 1``, dense ones
+    ``dense`` ``W = V + K`` in ``tiles`` column tiles, passed on only). ``table``: an int64 tensor
     ``[steps, 8]`` on the maps' device, per step ``(here, sent, src, dst, src_pe, dst_pe, compose, part)``
     (the regions as :func:`all_scan_hop`'s; a step receives where ``src`` is set, then sends where ``dst``
-    is, composing what it receives where ``compose`` is set, else taking it as it is; ``part``: 0, or
-    ``g * LANE_PART + L``, the step moving lane g's states of L only: :func:`lane_part`); ``counters``: the region
-    whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its launch id the first step's
-    (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
+    is, composing what it receives where ``compose`` is set (diagonal maps only), else taking it as it is;
+    ``part``: 0, or ``g * LANE_PART + L``, the step moving lane g's states of L only: :func:`lane_part`);
+    ``counters``: the region whose call counters the launch keeps. ``watch``: as :func:`all_scan_hop`'s, its
+    launch id the first step's (step s waits as id + s). Other arguments as :func:`all_scan_hop`."""
     grid, shape = _shape(y_out, tiles, programs, lane)
     if shape["NT"] == 0:
         return
+    K, W = shape["K"], shape["V"]
+    tile = dict(ROWS=shape["ROWS"], BR=shape["BR"], BV=shape["BV"], num_warps=shape["num_warps"])
+    if dense:  # column tiles: all K rows of W // tiles columns
+        cols = W // tiles
+        BC = triton.next_power_of_2(cols)
+        BR = max(1, min(triton.next_power_of_2(K), 4096 // BC))
+        tile = dict(ROWS=K, BR=BR, BV=BC, COLS=cols, num_warps=min(16, max(1, BR * BC // 256)))
     address, report, timeout_ns, who = watch
     _kernel(all_scan_rounds_kernel, nvshmem)[grid](
-        own, y_out, table, counters, K=shape["K"], W=shape["V"], E=shape["V"] - 1, ROWS=shape["ROWS"],
-        BR=shape["BR"], BV=shape["BV"], DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"], TILES=tiles,
-        LANE=shape["LANE"], LANES=shape["LANES"], STEPS=table.shape[0], watch=address, report=report,
-        timeout_ns=timeout_ns, who=who,
-        COPY=own.data_ptr() != y_out.data_ptr(), INTERPRETED=not y_out.is_cuda, NVSHMEM=nvshmem,
-        num_warps=shape["num_warps"])
+        own, y_out, table, counters, K=K, W=W, E=W - 1, DATA=data_bytes, FLAGS=flag_bytes, NT=shape["NT"],
+        TILES=tiles, LANE=shape["LANE"], LANES=shape["LANES"], STEPS=table.shape[0], watch=address, report=report,
+        timeout_ns=timeout_ns, who=who, COPY=own.data_ptr() != y_out.data_ptr(), INTERPRETED=not y_out.is_cuda,
+        NVSHMEM=nvshmem, **tile)
 
 
 def _delta_layout(layout, s_stride: int, V: int):

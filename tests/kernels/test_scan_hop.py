@@ -50,6 +50,10 @@ kernels = [
         dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64",
              who="i32", **lane),
         dict(W=65, E=64, BV=128, STEPS=3, COPY=True)),
+    (scan_hop.all_scan_rounds_kernel,  # dense maps in column tiles, passed on
+        dict(own=ptr, y_out=ptr, table="*i64", counters=addr, NT="i32", watch=addr, report=addr, timeout_ns="i64",
+             who="i32", **lane),
+        dict(W=128, E=127, ROWS=64, BR=64, BV=32, COLS=32, STEPS=3, COPY=True)),
 ]
 for kernel, signature, flags in kernels:
     constexprs = {**tiles, **flags}

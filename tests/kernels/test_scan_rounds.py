@@ -54,6 +54,45 @@ def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
     w.check()
 
 
+@pytest.mark.parametrize("programs", [None, 2])
+@pytest.mark.parametrize("N, K, V, tiles", [(3, 4, 4, 2), (2, 3, 6, 3), (2, 5, 2, 1)])
+def test_dense_rounds_pass_column_tiles_on(seed, programs, N, K, V, tiles):
+    """Dense maps ``[N, K, V + K]`` in column tiles: a leader's lanes handed out (each step moving one lane's
+    states of two, received as it is), then the whole map sent on and taken back as it is. Each region's tiles
+    are where the dense hop kernel puts and reads them (``[K, columns]`` together, tile by tile), so that a
+    rounds launch and a dense hop exchange maps, and a lane's region holds that lane's states only; the map ends
+    as it started, every call with fresh maps."""
+    W = V + K
+    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
+    data, flags, size = region_bytes(N, K, W, dtype, tiles, False)
+    regions = torch.zeros(6 * size, dtype=torch.uint8, device=DEVICE)
+    A, B, C, D, E_, F = (regions.data_ptr() + i * size for i in range(6))
+    w = watch(regions.device)
+    whos = [w.launch_id(("test_dense_rounds", seed, N, s), lambda s=s: (f"dense step {s}", (None, None)))
+            for s in range(6)]
+    lane = [scan_hop.lane_part((g, 2)) for g in range(2)]
+    # lane 0's states A -> B, lane 1's E -> C, every state F -> D, each received as it is
+    rows = [(A, A, 0, B, -1, -1, 0, lane[0]), (B, 0, A, 0, -1, -1, 0, lane[0]), (E_, E_, 0, C, -1, -1, 0, lane[1]),
+            (C, 0, E_, 0, -1, -1, 0, lane[1]), (F, F, 0, D, -1, -1, 0, 0), (D, 0, F, 0, -1, -1, 0, 0)]
+    table = torch.tensor(rows, dtype=torch.int64, device=DEVICE)
+    cols = W // tiles
+    gen = torch.Generator().manual_seed(seed)
+    for call in range(3):
+        own = torch.randn(N, K, W, generator=gen, dtype=torch.float64)
+        y = torch.full((N, K, W), float("nan"), dtype=dtype, device=DEVICE)
+        bounded = w.arguments(whos[0], 30.0)
+        scan_hop.all_scan_rounds(own.to(DEVICE, dtype), y, table, A, tiles, data, flags, watch=bounded,
+                                 programs=programs, dense=True)
+        assert torch.equal(y.cpu().double(), own.to(dtype).double()), call
+        # a region's buffer as the dense hop kernel lays it out: state n's column tile b at (n K W + b K cols)
+        as_tiles = own.to(dtype).reshape(N, K, tiles, cols).permute(0, 2, 1, 3).reshape(N, K * W)
+        for address, g in ((B, 0), (C, 1)):
+            got = regions[address - A:address - A + data].view(dtype)[:N * K * W].reshape(N, K * W)
+            assert torch.equal(got[g::2].cpu(), as_tiles[g::2]), (call, g)
+            assert not got[1 - g::2].any(), (call, g)  # the other lane's states never go there
+    w.check()
+
+
 def _gives_up(rank, world, seed):
     """Three steps: a send that arrives, a receive nobody sends, a send; the waits bounded at 0.2 s."""
     from megatron_zeco.comm import ScanTimeoutError
