@@ -924,11 +924,16 @@ def test_the_dense_hop_is_the_timed_kernel_over_the_device_transports_and_the_pr
     dense hop kernel takes beyond GLA's, read off bench_hop.py's newest file (one launch for the whole state, every
     program, the rows per product as built), per block of K; over send/recv the combine is PyTorch's products,
     charged at the stated FP32 rate. Rows of the hop on few programs, or of other rows per product, are not read."""
-    data = json.loads((RESULTS / "hop-h200x1-2026-12-01.json").read_text(encoding="utf-8"))
-    us = {r["kind"]: r["us"] for r in data["rows"] if r["blocks"] == 1 and not r["aside"] and r["as_built"]}
+    newest = json.loads((RESULTS / "hop-h200x1-2026-12-02.json").read_text(encoding="utf-8"))
+    us = {r["kind"]: r["us"] for r in newest["rows"]
+          if r["part"] == "hop" and r["blocks"] == 1 and not r["aside"] and r["as_built"]}
     want = ((us["dense"] - us["diagonal"]) * 1e-6, (us["dense map"] - us["diagonal"]) * 1e-6)
     cal = _calibration()
     assert cal.dense_hop[16, 128] == pytest.approx(want, rel=1e-12)
+    assert {r["part"] for r in newest["rows"]} == {"hop", "handout"}  # the hand-out's rows are not a hop's
+    assert len(cm.hop_rows("x.json", newest)) == 2
+    data = json.loads((RESULTS / "hop-h200x1-2026-12-01.json").read_text(encoding="utf-8"))  # rows per product
+    us = {r["kind"]: r["us"] for r in data["rows"] if r["blocks"] == 1 and not r["aside"] and r["as_built"]}
     slower = [r for r in data["rows"] if r["blocks"] == 1 and not r["aside"] and r["kind"] != "diagonal"
               and not r["as_built"]]
     assert slower and all(r["us"] > us[r["kind"]] for r in slower)  # the rows per product as built are the faster

@@ -163,18 +163,17 @@ def _relay_across_nodes(rank, world, timeouts, transition):
 def test_peer_memory_hierarchical_scan_relays_a_give_up_across_nodes(transition):
     """Rank 1 gives up on the stalled rank 0 (phase A, inside their node) after 2 s; the rank of the next node
     that takes rank 1's lane of the state gives up as soon as rank 1's poisoned part arrives (phase C), and the
-    other rank of that node on it, each naming the rank it waited for and that it gave up first. Diagonal
-    maps: rank 3 takes rank 1's lane (the same lane of the next node) and passes it to rank 2 (the all-gather);
-    dense: rank 2, the next node's first rank, takes the state and passes it to rank 3 (the tree). All deliver
-    NaN."""
+    other rank of that node on it, each naming the rank it waited for and that it gave up first: rank 3 takes
+    rank 1's lane (the same lane of the next node) and passes it to rank 2 (the all-gather), diagonal and dense
+    maps alike. All deliver NaN."""
     timeouts = [None, 2.0, 40.0, 40.0]
     _, *results = run_ranks(_relay_across_nodes, 4, timeouts, transition, timeout=120)
     (first, t1, s1), (second, t2, s2), (third, t3, s3) = results
     assert "from global rank 0" in first and "none came within 2 s" in first, first
     assert "hierarchical" in first and "piece step 1" in first, first
-    taker, other = (third, second) if transition == "diagonal" else (second, third)
+    taker, other = third, second
     assert "from global rank 1" in taker and "gave up first" in taker and "entering segment 1" in taker, taker
-    assert f"from global rank {3 if transition == 'diagonal' else 2}" in other and "gave up first" in other, other
+    assert "from global rank 3" in other and "gave up first" in other, other
     assert max(t2, t3) < timeouts[2] / 2, f"ranks 2, 3 waited {t2:.1f}, {t3:.1f} s: {second}; {third}"
     for rank, state in ((1, s1), (2, s2), (3, s3)):
         assert state.isnan().all(), f"rank {rank}'s incoming state is not NaN where its scan gave up: {state}"
