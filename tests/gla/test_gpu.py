@@ -354,7 +354,7 @@ def test_peer_memory_all_scan_on_two_gpus(seed, delays, transport, shape, node_s
     so each transport runs in its own processes), in the chain and in the hierarchical shape: every rank a
     node of its own, or both one node (``node_size`` 2), where the zigzag walk's two segments hold both
     ranks: the leader hands the other rank its lane, and the state entering the second segment goes round
-    in an all-gather (diagonal maps) or from its first rank (dense)."""
+    in an all-gather (diagonal and dense maps, dense ones in column tiles)."""
     if transport == "nvshmem":
         import torch.distributed._symmetric_memory as symm_mem
 
@@ -372,7 +372,7 @@ def test_hierarchical_all_scan_on_four_gpus(seed, transport, node_size):
     """The hierarchical shape on four GPUs, every rank a node of its own (the Kogge-Stone rounds between nodes
     in both layouts; on two ranks only the zigzag walk has any) or two nodes of two (B and C in lanes of two:
     each rank of a node moves half the states between nodes); diagonal maps in ``rounds`` launches, dense
-    ones a launch per round."""
+    ones a launch per compose, their hand-outs and C's parts in ``rounds`` launches."""
     if transport == "nvshmem":
         import torch.distributed._symmetric_memory as symm_mem
 
