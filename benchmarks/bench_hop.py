@@ -130,14 +130,13 @@ class Handout:
         ids = [w.launch_id(("bench_hop handout", one_launch, s), lambda s=s: (f"handout step {s}", (None, None)))
                for s in range(len(steps))]
         self.bounded = [w.arguments(who, 60.0) for who in ids]
-        self.D, self.W = D, W
 
     def __call__(self):
         if self.one_launch:
             self.scan_hop.all_scan_rounds(self.own, self.y, self.table, self.send[0], self.tiles, self.data,
                                           self.flags, watch=self.bounded[0], dense=True)
             return
-        D, W = self.D, self.W
+        _, D, W = self.own.shape
         for g in range(1, self.lanes):
             x, part = self.own, self.parts[g]
             for regions, src, into, who in (((self.send[g], self.send[g], 0, self.into[g]), False, x, 2 * g - 2),

@@ -276,13 +276,13 @@ def run_case(op, T, args, cycles_per_ms, device):
     # kernel's first launch may load its module under a context synchronisation (CUDA's lazy loading), which
     # would wait for the spinning kernel, itself waiting for that launch: every kernel of an iteration (the
     # piece's, the three hops', torch's) is launched once first, one after another.
-    iteration("serial", 0, {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                            for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")},
-              prime=True)
+    def timed():  # (start, end) events of each span an iteration times
+        return {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")}
+
+    iteration("serial", 0, timed(), prime=True)
     if part is not None:  # a green context loads a kernel's module on its first launch there too
-        iteration("partition", 0, {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                                   for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local",
-                                             "bwd departure")}, prime=True)
+        iteration("partition", 0, timed(), prime=True)
     # the link delivers: what arrived is the predecessor's map applied to its entering state
     modes = ("serial", "overlap") + (("partition",) if args.scan_sms else ()) + (("after",) if args.after else ())
     for mode in modes:
@@ -297,8 +297,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     rows = []
     for arrival in args.arrival:
         for mode in modes:
-            ev = {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-                  for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")}
+            ev = timed()
             for _ in range(args.warmup):
                 iteration(mode, arrival, ev)
             times = {k: [] for k in ev}

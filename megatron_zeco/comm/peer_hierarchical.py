@@ -121,12 +121,6 @@ class _Segments:
     def slot(self, i: int) -> int:
         return self.walk.owners[i][1]
 
-    def first(self, j: int) -> int:
-        return self.walk.segments[j][0]
-
-    def last(self, j: int) -> int:
-        return self.walk.segments[j][-1]
-
     def ranks(self, j: int) -> List[int]:
         """The distinct ranks of segment j in walk order (its first piece's rank first)."""
         out: List[int] = []

@@ -410,18 +410,15 @@ def _map_rows(i_n, i_b, r, K: tl.constexpr, W: tl.constexpr, ROWS: tl.constexpr,
     of their elements and their offsets in a map and in a receive buffer. A row tile (``COLS`` 0: ``ROWS`` rows,
     every column; the same offsets in both), or a dense map's column tile (``COLS`` columns of all K rows, ``ROWS``
     then K, ``BV`` a power of two from COLS: stored together in a buffer, as ``all_scan_dense_hop_kernel``'s)."""
-    cols = tl.arange(0, BV)
     if COLS:
+        cols = tl.arange(0, BV)
         rows = r + tl.arange(0, BR)
         in_block = rows < K
         mask = in_block[:, None] & (cols[None, :] < COLS)
         at_map = i_n * K * W + rows[:, None] * W + i_b * COLS + cols[None, :]
         at_buffer = i_n * K * W + i_b * K * COLS + rows[:, None] * COLS + cols[None, :]
     else:
-        rows = i_b * ROWS + r + tl.arange(0, BR)
-        in_block = rows < i_b * ROWS + ROWS
-        mask = in_block[:, None] & (cols[None, :] < W)
-        at_map = i_n * K * W + rows[:, None] * W + cols[None, :]
+        rows, in_block, mask, at_map, _, _ = _rows(i_n, i_b, r, 0, 0, 1, K, W, ROWS, BR, BV, 1)
         at_buffer = at_map
     return rows, in_block, mask, at_map, at_buffer
 

@@ -19,6 +19,17 @@ def _compose(later, earlier, V):
     return torch.cat([t * earlier[..., :V] + later[..., :V], t * earlier[..., V:]], dim=-1)
 
 
+def _loop_back(N, K, W, tiles, name):
+    """Six regions of this process for maps ``[N, K, W]`` in ``tiles`` tiles (their buffer and flag bytes, the
+    buffer, the regions' addresses), the watch bounding the waits and a launch id per step of six."""
+    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
+    data, flags, size = region_bytes(N, K, W, dtype, tiles, False)
+    regions = torch.zeros(6 * size, dtype=torch.uint8, device=DEVICE)
+    w = watch(regions.device)
+    whos = [w.launch_id((name, N, s), lambda s=s: (f"{name} step {s}", (None, None))) for s in range(6)]
+    return dtype, data, flags, regions, [regions.data_ptr() + i * size for i in range(6)], w, whos
+
+
 @pytest.mark.parametrize("programs", [None, 3])
 @pytest.mark.parametrize("N, K, V, tiles", [(2, 8, 5, 2), (3, 4, 3, 1)])
 def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
@@ -27,13 +38,7 @@ def test_rounds_looped_back_through_own_regions(seed, programs, N, K, V, tiles):
     map ends as ``(own o own) o (own o own)``, every call with fresh maps, on one program per tile or on
     fewer programs than tiles."""
     W = V + 1
-    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
-    data, flags, size = region_bytes(N, K, W, dtype, tiles, False)
-    regions = torch.zeros(6 * size, dtype=torch.uint8, device=DEVICE)
-    A, B, C, D, E_, F = (regions.data_ptr() + i * size for i in range(6))
-    w = watch(regions.device)
-    whos = [w.launch_id(("test_scan_rounds", seed, N, s), lambda s=s: (f"loop-back step {s}", (None, None)))
-            for s in range(6)]
+    dtype, data, flags, regions, (A, B, C, D, E_, F), w, whos = _loop_back(N, K, W, tiles, f"loop-back {seed}")
     # (here, sent, src, dst, src_pe, dst_pe, compose, 0): send A -> B; B receives (compose); send E -> C;
     # C receives (as it is); send F -> D; D receives (compose)
     rows = [(A, A, 0, B, -1, -1, 0, 0), (B, 0, A, 0, -1, -1, 1, 0), (E_, E_, 0, C, -1, -1, 0, 0),
@@ -63,13 +68,7 @@ def test_dense_rounds_pass_column_tiles_on(seed, programs, N, K, V, tiles):
     rounds launch and a dense hop exchange maps, and a lane's region holds that lane's states only; the map ends
     as it started, every call with fresh maps."""
     W = V + K
-    dtype = torch.float64 if DEVICE == "cpu" else torch.float32
-    data, flags, size = region_bytes(N, K, W, dtype, tiles, False)
-    regions = torch.zeros(6 * size, dtype=torch.uint8, device=DEVICE)
-    A, B, C, D, E_, F = (regions.data_ptr() + i * size for i in range(6))
-    w = watch(regions.device)
-    whos = [w.launch_id(("test_dense_rounds", seed, N, s), lambda s=s: (f"dense step {s}", (None, None)))
-            for s in range(6)]
+    dtype, data, flags, regions, (A, B, C, D, E_, F), w, whos = _loop_back(N, K, W, tiles, f"dense {seed}")
     lane = [scan_hop.lane_part((g, 2)) for g in range(2)]
     # lane 0's states A -> B, lane 1's E -> C, every state F -> D, each received as it is
     rows = [(A, A, 0, B, -1, -1, 0, lane[0]), (B, 0, A, 0, -1, -1, 0, lane[0]), (E_, E_, 0, C, -1, -1, 0, lane[1]),
