@@ -73,6 +73,9 @@ def parse_args(argv=None):
                         "work on the others (green_context.py), each emulated peer on as many of its own")
     p.add_argument("--after", action="store_true",
                    help="also time mode 'after': the hop on the side stream's programs after the in-chunk work")
+    p.add_argument("--dense-precision", nargs="+", default=None, choices=["tf32x3", "tf32"],
+                   help="the delta rules' hops' products, each a set of rows (default: as built for the piece's "
+                        "bf16 inputs, kernels/scan_hop.py: dense_precision)")
     p.add_argument("--out", default="results/overlap.json")
     return p.parse_args(argv)
 
@@ -82,7 +85,7 @@ class Link:
     (``comm/peer.py``'s layout: receive buffer, arrival flags, acknowledgements, call counters), and the
     hops of the two links between them."""
 
-    def __init__(self, like, dense, device, aside_programs=None):
+    def __init__(self, like, dense, device, aside_programs=None, precision="tf32x3"):
         from megatron_zeco.comm import peer
         from megatron_zeco.comm.watch import watch
         from megatron_zeco.kernels import scan_hop
@@ -99,12 +102,13 @@ class Link:
         self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
                         for who in ("send", "hop", "receive")}
         self.aside_programs = aside_programs or peer.ASIDE_PROGRAMS
+        self.products = dict(precision=precision) if dense else {}
 
     def _hop(self, x_init, gamma, delta, s_in, regions, who, programs=None, **flags):
         g_stride = self.K * (self.K if self.dense else 1)
         hop = self.scan_hop.all_scan_dense_hop if self.dense else self.scan_hop.all_scan_hop
         hop(x_init, [gamma], [delta], [s_in], None, regions, g_stride, self.K * self.V, self.tiles, self.data,
-            self.flags, watch=self.bounded[who], programs=programs, **flags)
+            self.flags, watch=self.bounded[who], programs=programs, **self.products, **flags)
 
     def send(self, x, gamma, delta, s_in):
         """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer. On few
@@ -138,8 +142,9 @@ def make_piece(op, T, H, D, device, seed):
     return (lambda: FlaPiece(*inputs, x["scale"])), x
 
 
-def run_case(op, T, args, cycles_per_ms, device):
-    """Rows of one op and length: every arrival, both modes."""
+def run_case(op, T, args, cycles_per_ms, device, precision=None):
+    """Rows of one op and length: every arrival, both modes; ``precision``: the dense hops' products (the delta
+    rules'; None for GLA's)."""
     from megatron_zeco.cp.scan import scan_stream
 
     print(f"{op} T={T}: building the piece (the first call compiles fla's kernels)", flush=True)
@@ -147,7 +152,7 @@ def run_case(op, T, args, cycles_per_ms, device):
     piece = make()
     E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
     dense = op != "gla"  # the delta rules' K x K maps
-    link = Link(E, dense, device, args.aside_programs)
+    link = Link(E, dense, device, args.aside_programs, precision)
     trans = piece.transition.reshape(E.shape[0], args.dim, *((args.dim,) if dense else ())).contiguous()
     # the predecessor's own summary and entering state (random: only its arrival time matters here)
     gen = torch.Generator(device=device).manual_seed(T + 1)
@@ -190,9 +195,9 @@ def run_case(op, T, args, cycles_per_ms, device):
 
     def scan(mode, arrival_us, transition, delta, out, local, events, left, prime=False):
         """One direction's scan around ``local`` (the in-chunk work, or None: the piece has none, and its scan
-        stays on the current stream as built); ``events``: (start, end) of it; ``left``: (start, end) from the
-        scan's start to the successor holding this rank's state. ``prime``: each launch once, one after
-        another (below)."""
+        stays on the current stream as built); ``events``: (start, end) of it; ``left``: (start, end, arrived)
+        from the scan's start to the successor holding this rank's state, and to the predecessor's state having
+        landed in this rank's buffer (its hop done). ``prime``: each launch once, one after another (below)."""
         fd, sc = peers if mode == "partition" else (feeder, successor)
         if prime:
             with torch.cuda.stream(fd):
@@ -220,6 +225,7 @@ def run_case(op, T, args, cycles_per_ms, device):
         with torch.cuda.stream(fd):
             torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
             link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+            left[2].record()
         with torch.cuda.stream(sc):  # the successor spins on few programs, as with the overlap
             link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=link.aside_programs)
             left[1].record()
@@ -276,8 +282,8 @@ def run_case(op, T, args, cycles_per_ms, device):
     # kernel's first launch may load its module under a context synchronisation (CUDA's lazy loading), which
     # would wait for the spinning kernel, itself waiting for that launch: every kernel of an iteration (the
     # piece's, the three hops', torch's) is launched once first, one after another.
-    def timed():  # (start, end) events of each span an iteration times
-        return {k: [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    def timed():  # (start, end) events of each span an iteration times; a departure's third: the state arrived
+        return {k: [torch.cuda.Event(enable_timing=True) for _ in range(3 if k.endswith("departure") else 2)]
                 for k in ("fwd", "fwd local", "fwd departure", "bwd", "bwd local", "bwd departure")}
 
     iteration("serial", 0, timed(), prime=True)
@@ -287,11 +293,13 @@ def run_case(op, T, args, cycles_per_ms, device):
     modes = ("serial", "overlap") + (("partition",) if args.scan_sms else ()) + (("after",) if args.after else ())
     for mode in modes:
         S_in.fill_(float("nan"))
-        scan(mode, 0, trans, E, S_in, lambda: None, *([torch.cuda.Event(), torch.cuda.Event()] for _ in range(2)))
+        scan(mode, 0, trans, E, S_in, lambda: None, [torch.cuda.Event() for _ in range(2)],
+             [torch.cuda.Event() for _ in range(3)])
         torch.cuda.synchronize()
         link.watcher.check()
         err = ((S_in.double() - want).norm() / want.norm()).item()
-        if not err < (1e-5 if E.dtype == torch.float32 else 1e-2):
+        # one TF32 pass rounds each operand to 2^-11 of itself
+        if not err < (1e-5 if E.dtype == torch.float32 and precision != "tf32" else 1e-2):
             raise AssertionError(f"{op} T={T} {mode}: the state received differs from the link's ({err:.2e})")
     print(f"{op} T={T}: the link delivers; timing", flush=True)
     rows = []
@@ -306,18 +314,21 @@ def run_case(op, T, args, cycles_per_ms, device):
                 torch.cuda._sleep(int(20 * cycles_per_ms))  # the host queues the whole iteration meanwhile
                 iteration(mode, arrival, ev)
                 torch.cuda.synchronize()
-                for k, (a, b) in ev.items():
+                for k, (a, b, *arrived) in ev.items():
                     times[k].append(a.elapsed_time(b))
+                    if arrived:
+                        times.setdefault(k.replace("departure", "arrived"), []).append(a.elapsed_time(arrived[0]))
             link.watcher.check()
             row = dict(part="overlap", op=op, tokens=T, arrival_us=arrival, mode=mode,
                        aside_programs=link.aside_programs, side_priority=args.side_priority,
+                       **({"precision": precision} if dense else {}),
                        **({"scan_sms": scan_sms, "work_sms": work_sms} if mode == "partition" else {}),
                        **{f"{k} ms".replace(" ", "_"): statistics.median(v) for k, v in times.items()})
             rows.append(row)
-            print(f"{op:4s} T={T:6d} arrival {arrival:6.0f} us {mode:8s} fwd {row['fwd_ms']:7.3f} ms "
-                  f"(in-chunk {row['fwd_local_ms']:6.3f}, sent on {row['fwd_departure_ms']:6.3f})  bwd "
-                  f"{row['bwd_ms']:7.3f} ms (in-chunk {row['bwd_local_ms']:6.3f}, sent on "
-                  f"{row['bwd_departure_ms']:6.3f})", flush=True)
+            print(f"{op:4s} {precision or '':6s} T={T:6d} arrival {arrival:6.0f} us {mode:9s} fwd {row['fwd_ms']:7.3f} "
+                  f"ms (in-chunk {row['fwd_local_ms']:6.3f}, arrived {row['fwd_arrived_ms']:6.3f}, sent on "
+                  f"{row['fwd_departure_ms']:6.3f})  bwd {row['bwd_ms']:7.3f} ms (in-chunk {row['bwd_local_ms']:6.3f}, "
+                  f"arrived {row['bwd_arrived_ms']:6.3f}, sent on {row['bwd_departure_ms']:6.3f})", flush=True)
     return rows
 
 
@@ -348,15 +359,18 @@ def main(argv=None):
         sys.exit("bench_overlap.py needs a CUDA GPU (fla's kernels)")
     import profile_piece  # this folder's
     from megatron_zeco.common.tuning import ENV, configure
+    from megatron_zeco.kernels import dense_precision, map_precision
 
     os.environ.setdefault(ENV, "auto")
     configure()
     device = torch.device("cuda")
     cycles = profile_piece.sleep_cycles_per_ms()
+    built = dense_precision(map_precision(torch.bfloat16))  # the pieces here take bf16 inputs
     rows = []
     for op in args.op:
         for T in args.tokens:
-            rows += run_case(op, T, args, cycles, device)
+            for precision in ([None] if op == "gla" else args.dense_precision or [built]):
+                rows += run_case(op, T, args, cycles, device, precision)
             torch.cuda.empty_cache()
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             with open(args.out, "w") as f:

@@ -45,7 +45,8 @@ import xml.etree.ElementTree as ET
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from megatron_zeco.common import tuning  # noqa: E402  (imports nothing of torch or Triton)
-TEST_FILES = ("tests/common/test_norm.py", "tests/kernels/test_scan_rounds.py", "tests/gla/test_gpu.py",
+TEST_FILES = ("tests/common/test_norm.py", "tests/kernels/test_scan_hop.py", "tests/kernels/test_scan_rounds.py",
+              "tests/gla/test_gpu.py",
               "tests/gated_delta_rule/test_gpu.py",
               "tests/kda/test_gpu.py", "tests/mcore/test_cuda_graphs.py", "tests/test_green_context.py")
 OPS = ("gla", "gdn", "kda")

@@ -50,6 +50,7 @@ from .transport import TRANSPORTS, Transport
 Tensor = torch.Tensor
 SHAPES = ("auto", "chain", "hierarchical")
 SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
+MAP_PRECISIONS = ("tf32x3", "input")  # what megatron_zeco.kernels.map_precision returns
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,10 @@ class Route:
             group's nodes and transport (the chain on one node).
         what: names the scan in errors (a failed or timed-out transfer raises naming it, the rank,
             the peer and the piece).
+        precision: how the device transports' hops round the products that apply and compose dense maps:
+            the pieces' own map precision (``megatron_zeco.kernels.map_precision`` of their inputs' dtype),
+            ``tf32x3`` (float32 accuracy) or ``input`` (one TF32 pass, as the maps of 16-bit pieces are
+            made). Diagonal maps and the send/recv transport's combines (``transition.py``) do not read it.
     """
 
     layout: Layout
@@ -82,11 +87,15 @@ class Route:
     node_size: Optional[int] = None
     shape: str = "auto"
     what: str = "All-Scan"
+    precision: str = "tf32x3"
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
             raise ValueError(f"{self.what}: a scan's transport is one of {', '.join(TRANSPORTS)} (resolved by the CP "
                              f"plan), got {self.transport!r}")
+        if self.precision not in MAP_PRECISIONS:
+            raise ValueError(f"{self.what}: a scan's precision is one of {', '.join(MAP_PRECISIONS)} (the pieces' "
+                             f"map precision), got {self.precision!r}")
         object.__setattr__(self, "transport", Transport(self.transport))
 
 

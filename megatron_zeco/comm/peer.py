@@ -14,6 +14,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels import dense_precision
 from . import inject
 from .failures import naming_failures
 from .layout import ChainLink, Layout
@@ -333,11 +334,13 @@ class _Launcher:
                                          *strides, ch.decays, *sizes, programs=programs, **remote)
         else:  # "hop", or "out": a zigzag rank's outgoing hop, whose outgoing state close reads
             slots = [link.slot for link in launch.links]
-            hop = self.scan_hop.all_scan_dense_hop if ch.dense else self.scan_hop.all_scan_hop
+            hop, products = ((self.scan_hop.all_scan_dense_hop,
+                              dict(precision=dense_precision(self.route.precision))) if ch.dense
+                             else (self.scan_hop.all_scan_hop, {}))
             hop(0 if x is None else x.data_ptr(), [gammas[s] for s in slots], [deltas[s] for s in slots],
                 [s_ins[s] for s in slots], y, regions, *strides, *sizes,
                 has_src=first.src is not None, has_init=x is not None, has_dst=regions[3] != 0,
-                programs=programs, **remote)
+                programs=programs, **products, **remote)
 
 
 def _describe(what: str, reverse: bool, launch: _Launch, layout, group, nvshmem: bool):

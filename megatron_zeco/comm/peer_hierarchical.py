@@ -47,6 +47,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels import dense_precision
 from . import inject
 from .failures import naming_failures
 from .hierarchical import Walk
@@ -651,7 +652,8 @@ class _Run:
         # kernel (an NVSHMEM module must call into NVSHMEM to be initialised for it)
         nvshmem = ch.nvshmem and (has_src or has_dst)
         inject.delay(deltas[0].device)  # test hook: no-op unless a stress test sets delays
-        rows = dict(m_row=t_row) if dense else dict(g_row=t_row)
+        rows = (dict(m_row=t_row, precision=dense_precision(route.precision)) if dense
+                else dict(g_row=t_row))
         kernel(0 if x is None else x.data_ptr(), gammas, deltas, s_ins, y, hop.regions, t_stride, self.K * W,
                ch.tiles, ch.data, ch.flags, has_src=has_src, has_init=x is not None, has_dst=has_dst,
                watch=bounded, pes=ch.pes(hop), nvshmem=nvshmem, programs=ASIDE_PROGRAMS if side else None,

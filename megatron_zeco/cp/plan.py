@@ -78,9 +78,11 @@ class CPPlan:
                   and self.config.rules.applies("piece_split") and tokens % 2 == 0)
         return 2 if halves else 1
 
-    def route(self, what: str) -> Route:
-        """The route of this plan's scans (:class:`~megatron_zeco.comm.all_scan.Route`), ``what`` naming one."""
-        return Route(self.layout, self.group, self.num_blocks, self.transport, self.node_size, what=what)
+    def route(self, what: str, precision: str = "tf32x3") -> Route:
+        """The route of this plan's scans (:class:`~megatron_zeco.comm.all_scan.Route`), ``what`` naming one,
+        ``precision`` the pieces' map precision (``megatron_zeco.kernels.map_precision``)."""
+        return Route(self.layout, self.group, self.num_blocks, self.transport, self.node_size, what=what,
+                     precision=precision)
 
 
 def make_plan(config, group, like: Optional[torch.Tensor] = None, name: str = "") -> CPPlan:

@@ -26,6 +26,7 @@ import torch
 
 from ..comm import all_scan, gather_scan
 from ..comm.transition import transition_of
+from ..kernels import map_precision
 from .local import initial_state_grad
 from .piece import local_work
 
@@ -48,8 +49,9 @@ class ScanOp(torch.autograd.Function):
         ctx.h0_dtype = None if h0 is None else h0.dtype
         h0 = None if h0 is None else h0.to(E.dtype)
         S_in = torch.empty_like(E)  # the scan writes each slot's part of it
+        ctx.precision = map_precision(q.dtype)  # the maps' products, in the pieces and in the scans' hops
         _, last = _scan(_slots(gamma, n), _slots(E, n), h0, plan, reverse=False, out=_slots(S_in, n),
-                        between=local_work(piece, "before_output"))
+                        between=local_work(piece, "before_output"), precision=ctx.precision)
         o = piece.output(pieces.initial_states(S_in))
         ctx.save_for_backward(gamma)
         ctx.n, ctx.pieces, ctx.piece, ctx.plan, ctx.call = n, pieces, piece, plan, call
@@ -65,7 +67,7 @@ class ScanOp(torch.autograd.Function):
         D = torch.empty_like(A)
         gamma_t = transition_of(gamma, A).transpose(gamma)  # dS_in = T^T dS_out + A
         Ds, dh0 = _scan(_slots(gamma_t, n), _slots(A, n), dht, ctx.plan, reverse=True, out=_slots(D, n),
-                        between=local_work(piece, "before_grads"))
+                        between=local_work(piece, "before_grads"), precision=ctx.precision)
         grads = piece.grads(pieces.final_grads(D))
         grads = [x.reshape(do.shape[0], do.shape[1], *x.shape[2:]) for x in grads]
         return (None, None, None, initial_state_grad(ctx, dh0, Ds[0], index=3), *grads)
@@ -153,10 +155,10 @@ def scan_stream(device: torch.device) -> "torch.cuda.Stream":
     return _SIDE_STREAMS[device]
 
 
-def _scan(gamma, delta, init, plan, reverse, out, between):
+def _scan(gamma, delta, init, plan, reverse, out, between, precision):
     """The scan, with ``between()`` (local work that needs no scan result, or None: none) issued where
     the rank would wait: All-Scan calls it before the rank first waits for a peer, the all-gather scan
-    after.
+    after; ``precision``: the pieces' map precision, which the device hops' dense products follow.
 
     With ``plan.overlap`` on CUDA and local work to hide, the whole scan runs on a side stream alongside
     ``between()``: over the device transports every hop kernel, on a few SMs, the first that waits for a
@@ -166,7 +168,7 @@ def _scan(gamma, delta, init, plan, reverse, out, between):
     """
     use_all_scan = plan.strategy.all_scan
     route = plan.route(f"{plan.name}: {'zeco All-Scan' if use_all_scan else 'lasp2 all-gather scan'} "
-                       f"({'backward' if reverse else 'forward'})")
+                       f"({'backward' if reverse else 'forward'})", precision)
     side, device = None, delta[0].device
     if plan.overlap and delta[0].is_cuda and between is not None:
         side = scan_stream(device)

@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreted
+from . import interpreted, map_precision
 from .delta_reference import SubPieces, choose_sub_pieces
 
 Tensor = torch.Tensor
@@ -830,7 +830,7 @@ class PieceCorrection:
     def __init__(self, q: Tensor, k: Tensor, w: Tensor, g: Tensor, scale: float, plan: SubPieces, *,
                  aqk: Optional[Tensor] = None, beside: bool = False, fused: bool = False):
         self.plan = plan
-        self.precision = "tf32x3" if q.dtype == torch.float32 else "input"
+        self.precision = map_precision(q.dtype)
         self._side = side_stream(q.device) if beside and q.device.type == "cuda" else None
         compute = lambda: piece_transition(q, k, w, g, scale, plan, aqk=aqk, r_dtype=q.dtype,  # noqa: E731
                                            precision=self.precision, fused=fused)

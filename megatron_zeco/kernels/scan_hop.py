@@ -51,6 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import DENSE_PRECISIONS
 from .nvshmem import fence, put, put_signal
 
 # A flag value with this bit set says that its sender gave up a wait (a peer before it died or
@@ -504,17 +505,19 @@ def all_scan_rounds_kernel(
 
 
 @triton.jit
-def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+def _dense_product(M, m_base, M_ROW, x, r, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr,
+                   PRECISION: tl.constexpr):
     """Rows ``r .. r + BR`` of ``M x``: ``M`` a K x K matrix at ``M + m_base`` (rows ``M_ROW`` apart), ``x`` the
-    ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` in three TF32 passes on tensor cores
-    (``DOT``: float32 accuracy, each operand split into a TF32 head and tail), or products summed elementwise
-    (float64, and blocks under 16)."""
+    ``[BK, BC]`` columns it acts on (rows past K zero). ``tl.dot`` on tensor cores (``DOT``) in ``PRECISION``:
+    ``"tf32x3"``, three TF32 passes (float32 accuracy, each operand split into a TF32 head and tail), or
+    ``"tf32"``, one (each operand rounded to 10 explicit mantissa bits); or products summed elementwise (float64,
+    and blocks under 16)."""
     rows = r + tl.arange(0, BR)
     kk = tl.arange(0, BK)
     m = tl.load(M + m_base + rows[:, None] * M_ROW + kk[None, :], mask=(rows[:, None] < K) & (kk[None, :] < K),
                 other=0.0)
     if DOT:
-        y = tl.dot(m, x, input_precision="tf32x3")
+        y = tl.dot(m, x, input_precision=PRECISION)
     else:
         y = tl.sum(m[:, :, None] * x[None, :, :], axis=1)
     return rows, y
@@ -533,7 +536,7 @@ def all_scan_dense_hop_kernel(
     M_ROW,  # M's row stride (K; a map's transition part: the map's row stride)
     INNER: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     COLS: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr, DOT: tl.constexpr,
-    DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LANE, LANES,
+    PRECISION: tl.constexpr, DATA: tl.constexpr, FLAGS: tl.constexpr, NT, TILES: tl.constexpr, LANE, LANES,
     HAS_SRC: tl.constexpr, HAS_INIT: tl.constexpr, HAS_DST: tl.constexpr, KEEP_Y: tl.constexpr,
     TWO: tl.constexpr,
     watch, report, timeout_ns, who, INTERPRETED: tl.constexpr, NVSHMEM: tl.constexpr,
@@ -582,7 +585,7 @@ def all_scan_dense_hop_kernel(
                 tl.store(y_out + i_n * K * V + i_b * COLS + kk[:, None] * V + cc[None, :], x, mask=in_tile)
         elif TWO:  # piece 1's outgoing state is piece 2's incoming one: all its rows, then piece 2
             for r in range(0, K, BR):
-                rows, y = _dense_product(M, m_base, M_ROW, x, r, K, BR, BK, DOT)
+                rows, y = _dense_product(M, m_base, M_ROW, x, r, K, BR, BK, DOT, PRECISION)
                 mask = (rows[:, None] < K) & (cc[None, :] < COLS)
                 d = tl.load(delta + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
                             other=0.0)
@@ -594,7 +597,7 @@ def all_scan_dense_hop_kernel(
             M_last, delta_last = M, delta
         if not PASS:
             for r in range(0, K, BR):
-                rows, y = _dense_product(M_last, m_base, M_ROW, x, r, K, BR, BK, DOT)
+                rows, y = _dense_product(M_last, m_base, M_ROW, x, r, K, BR, BK, DOT, PRECISION)
                 mask = (rows[:, None] < K) & (cc[None, :] < COLS)
                 y += tl.load(delta_last + d_base + rows[:, None] * D_ROW + cc[None, :], mask=(rows[:, None] < K) & d_cols,
                              other=0.0)
@@ -706,14 +709,19 @@ def dense_block_rows(K: int, columns: int, dtype: torch.dtype) -> int:
 
 def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_stride, tiles, data_bytes,
                        flag_bytes, *, has_src, has_init, has_dst, watch, pes=(-1, -1), nvshmem=False, programs=None,
-                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1), block_rows=None):
+                       pass_through=False, delta_layout=None, m_row=None, lane=(0, 1), block_rows=None,
+                       precision="tf32x3"):
     """:func:`all_scan_hop` for dense transitions (:func:`all_scan_dense_hop_kernel`): ``Ms`` per piece,
     ``[B, ..., K, K]`` (entry i of dim 0 ``i * m_stride`` elements in), float32 or float64 like the
     states; ``tiles`` column tiles per state (a divisor of V); ``m_row``: their row stride (None: K, a
     map's transition part: the map's); ``block_rows``: rows of ``M`` a program multiplies at a time, a power
-    of two (None: :func:`dense_block_rows`). Other arguments as :func:`all_scan_hop`."""
+    of two (None: :func:`dense_block_rows`); ``precision``: how float32 products on tensor cores round, one of
+    :data:`DENSE_PRECISIONS` (``megatron_zeco.kernels.dense_precision`` of the pieces' map precision). Other
+    arguments as :func:`all_scan_hop`."""
     if pass_through and len(Ms) != 1:
         raise ValueError("all_scan_dense_hop: a pass-through hop walks one piece")
+    if precision not in DENSE_PRECISIONS:
+        raise ValueError(f"all_scan_dense_hop: precision must be one of {DENSE_PRECISIONS}, got {precision!r}")
     if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
         raise ValueError(f"all_scan_dense_hop: block_rows must be a power of two, got {block_rows}")
     delta = s_ins[-1]  # of the state's shape
@@ -730,8 +738,8 @@ def all_scan_dense_hop(x_init, Ms, deltas, s_ins, y_out, regions, m_stride, s_st
         x_init, Ms[0], deltas[0], s_ins[0], Ms[-1], deltas[-1], s_ins[-1], s_ins[-1] if y_out is None else y_out,
         *regions, *pes, m_stride, s_stride, *_delta_layout(delta_layout, s_stride, V), K if m_row is None else m_row,
         INNER=N // delta.shape[0] if delta.dim() > 2 else 1, K=K, V=V,
-        COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, DATA=data_bytes, FLAGS=flag_bytes, NT=NT, TILES=tiles,
-        LANE=lane[0], LANES=lane[1],
+        COLS=cols, BC=BC, BK=BK, BR=BR, DOT=dot, PRECISION=precision, DATA=data_bytes, FLAGS=flag_bytes, NT=NT,
+        TILES=tiles, LANE=lane[0], LANES=lane[1],
         HAS_SRC=has_src, HAS_INIT=has_init, HAS_DST=has_dst, KEEP_Y=y_out is not None, TWO=len(Ms) == 2,
         **_watched(watch, delta), NVSHMEM=nvshmem, PASS=pass_through, num_warps=4)
 

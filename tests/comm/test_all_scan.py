@@ -316,3 +316,48 @@ def _aside_worker(group, seed):
 
 def test_peer_memory_aside_runs_the_first_waiting_hop_beside_the_local_work(pool, seed):
     assert_no_failures(pool.run(_aside_worker, 3, seed))
+
+
+def _dense_precision_worker(group, seed):
+    """The products each dense hop launch is given, per scan shape over peer memory and per route precision."""
+    from megatron_zeco.kernels import scan_hop
+
+    P, me = group.size(), group.rank()
+    launch, seen = scan_hop.all_scan_dense_hop, []
+
+    def spy(*args, **kw):
+        seen.append(kw.get("precision", "(default)"))
+        return launch(*args, **kw)
+
+    scan_hop.all_scan_dense_hop = spy
+    out, failures = {}, []
+    try:
+        for n, (shape, precision) in enumerate(itertools.product(("chain", "hierarchical"), ("tf32x3", "input"))):
+            gen = torch.Generator().manual_seed(seed + n)
+            Ms = [torch.randn(2, 4, 4, generator=gen, dtype=torch.float64) / 4 for _ in range(P)]
+            deltas = [torch.randn(2, 4, 5, generator=gen, dtype=torch.float64) for _ in range(P)]
+            seen.clear()
+            route = Route(Layout.CONTIGUOUS, group, 1, "peer_memory", 1, shape, precision=precision)
+            entering, _ = all_scan([Ms[me]], [deltas[me]], None, route)
+            want, _ = fold(Ms, deltas, None, range(P))
+            if not rel_err(entering[0], want[me]) < 1e-12:
+                failures.append(f"{shape} {precision}: off the fold")
+            out[shape, precision] = sorted(set(seen))
+        with pytest.raises(ValueError, match="a scan's precision is one of tf32x3, input"):
+            Route(Layout.CONTIGUOUS, group, precision="tf32")
+    finally:
+        scan_hop.all_scan_dense_hop = launch
+    return failures, out
+
+
+def test_dense_hops_multiply_in_the_routes_precision(pool, seed):
+    """A route's precision (the pieces' map precision) reaches every dense hop a scan launches, in the chain and in
+    the hierarchical shape: ``tf32x3`` for float32 pieces, one TF32 pass (``tf32``) for pieces of 16-bit inputs
+    (``scan_hop.dense_precision``); a precision that is not a map precision is refused by name."""
+    from megatron_zeco.kernels import dense_precision
+
+    for failures, out in pool.run(_dense_precision_worker, 3, seed):
+        assert not failures, failures
+        for (shape, precision), seen in out.items():
+            assert seen == [dense_precision(precision)], (shape, precision, seen)
+    assert dense_precision("input") == "tf32" and dense_precision("tf32x3") == "tf32x3"

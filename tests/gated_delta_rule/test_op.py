@@ -224,3 +224,36 @@ def test_float32_log_decays_beside_bfloat16_inputs(pool, seed):
             assert isinstance(err, tuple), f"rank {rank} {strategy}: {err}"
             rounded, dg = err
             assert rounded < 1e-3 and dg < 1e-5, f"rank {rank} {strategy}: bfloat16 outputs/gradients {rounded}, dg {dg}"
+
+
+def _check_scan_precision(group, seed):
+    """The precision each scan's route carries for inputs of each dtype (``cp/scan.py``)."""
+    from megatron_zeco.cp import scan as scans
+
+    scan, routes = scans.all_scan, []
+
+    def spy(gamma, delta, init, route, **kw):
+        routes.append(route.precision)
+        return scan(gamma, delta, init, route, **kw)
+
+    scans.all_scan = spy
+    seen, world, rank = {}, group.size(), group.rank()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = delta_problem(seed, 1, world * 16, 2, K, V, "normal", False)
+            local = {n: Layout.CONTIGUOUS.shard(x[n], rank, world).to(dtype).requires_grad_() for n in NAMES}
+            routes.clear()
+            o, _ = zeco_gated_delta_rule(*local.values(), group=group, strategy="zeco", transport="send_recv")
+            o.float().sum().backward()
+            seen[str(dtype)] = list(routes)
+    finally:
+        scans.all_scan = scan
+    return seen
+
+
+def test_scans_take_the_pieces_map_precision(pool, seed):
+    """Both scans of a call (forward and backward) route the pieces' map precision of its inputs' dtype
+    (``kernels.map_precision``): ``input`` for bfloat16 (the device hops' products in one TF32 pass, as the maps'
+    own), ``tf32x3`` for float32."""
+    for seen in pool.run(_check_scan_precision, 2, seed):
+        assert seen == {"torch.float32": ["tf32x3"] * 2, "torch.bfloat16": ["input"] * 2}, seen

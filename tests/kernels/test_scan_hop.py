@@ -1,6 +1,7 @@
 """The All-Scan hop kernels (megatron_zeco/kernels/scan_hop.py) compile for the GPU. What they compute
 is tested through the scans that launch them (tests/comm/test_all_scan.py, test_faults.py: peer memory
-under TRITON_INTERPRET=1); here, the dense hop's row blocks on one state without peers."""
+under TRITON_INTERPRET=1); here, the dense hop's row blocks and precisions on one state without peers (on
+the GPU where there is one: ``benchmarks/gpu_check.py`` runs this file)."""
 
 import os
 import subprocess
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 _COMPILE_SCAN_KERNELS = r'''
 import triton
@@ -31,13 +34,16 @@ kernels = [
              sent=addr, src=addr, dst=addr, G_STRIDE="i32", S_STRIDE="i32", NT="i32", G_ROW="i32", **narrow,
              **watched, **lane),
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True)),
-    (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot
+    (scan_hop.all_scan_dense_hop_kernel, dense,  # float32 through tl.dot, in three TF32 passes
         dict(HAS_SRC=True, HAS_INIT=True, HAS_DST=True, KEEP_Y=True, TWO=True, COLS=32, BC=32, BK=64, BR=64,
-             DOT=True)),
+             DOT=True, PRECISION="tf32x3")),
+    (scan_hop.all_scan_dense_hop_kernel, dense,  # ... and in one (pieces of 16-bit inputs)
+        dict(HAS_SRC=True, HAS_INIT=False, HAS_DST=True, KEEP_Y=False, TWO=False, COLS=32, BC=32, BK=64, BR=64,
+             DOT=True, PRECISION="tf32")),
     (scan_hop.all_scan_dense_hop_kernel, {**dense, **{name: "*fp64" for name in ("M", "delta", "s_in", "M2", "delta2",
                                                                                    "s_in2", "y_out")}},
         dict(HAS_SRC=True, HAS_INIT=False, HAS_DST=True, KEEP_Y=False, TWO=False, COLS=8, BC=8, BK=64, BR=8,
-             DOT=False)),  # float64, products summed elementwise
+             DOT=False, PRECISION="tf32x3")),  # float64, products summed elementwise
     (scan_hop.all_scan_map_kernel,
         dict(gamma_a=ptr, delta_a=ptr, gamma_b=ptr, delta_b=ptr, here=addr, sent=addr, dst=addr, G_STRIDE="i32",
              S_STRIDE="i32", G_OFF="i32", NT="i32", **watched),
@@ -89,13 +95,15 @@ def _dense_hop_alone(x, M, delta, tiles, **kw):
 
     H, K, V = x.shape[-3:]
     data, flags, size = peer.region_bytes(H, K, V, x.dtype, tiles, nvshmem=False)
-    region = torch.zeros(size, dtype=torch.uint8)
+    region = torch.zeros(size, dtype=torch.uint8, device=x.device)
     w = watch(x.device)
     bounded = w.arguments(w.launch_id(("test_scan_hop", id(region)), lambda: ("test", (None, None))), 60.0)
     y, s_in = torch.empty_like(x), torch.empty_like(x)
     here = region.data_ptr()
     scan_hop.all_scan_dense_hop(x.data_ptr(), [M], [delta], [s_in], y, (here, here, 0, 0), K * K, K * V, tiles, data,
                                 flags, has_src=False, has_init=True, has_dst=False, watch=bounded, **kw)
+    if x.is_cuda:
+        torch.cuda.synchronize()
     w.check()
     assert torch.equal(s_in, x)  # the state it took in, as a hop keeps it for the piece
     return y
@@ -109,15 +117,40 @@ def test_dense_hop_row_blocks_match_float64(dtype, block_rows, seed):
     or float64's (products summed elementwise)."""
     from megatron_zeco.kernels import scan_hop
 
-    g = torch.Generator().manual_seed(seed)
-    x, delta = (torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) for _ in range(2))
-    M = torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) / 8
+    x, M, delta = _state_map_delta(seed)
     want = M @ x + delta
-    y = _dense_hop_alone(x.to(dtype), M.to(dtype), delta.to(dtype), tiles=2, block_rows=block_rows)
+    y = _dense_hop_alone(*(t.to(DEVICE, dtype) for t in (x, M, delta)), tiles=2, block_rows=block_rows).cpu()
     tol = 1e-5 if dtype == torch.float32 else 1e-12
     assert (y.double() - want).abs().max() <= tol * want.abs().max()
     if block_rows is None:
         assert scan_hop.dense_block_rows(64, 32, dtype) == (64 if dtype == torch.float32 else 32)
+
+
+def _state_map_delta(seed):
+    """A 2 x 64 x 64 state, a map of norm about one and a delta, float64."""
+    g = torch.Generator().manual_seed(seed)
+    x, delta = (torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    return x, torch.randn(1, 2, 64, 64, generator=g, dtype=torch.float64) / 8, delta
+
+
+def test_dense_hop_multiplies_in_its_precision(seed):
+    """float32 products in three TF32 passes keep float32's accuracy; in one (``"tf32"``, what the scans of pieces
+    of 16-bit inputs run: ``dense_precision("input")``) TF32's, within 2^-11 of each operand. On the GPU one pass
+    is measurably coarser than three, so the precision reaches the compiled kernel (the interpreter multiplies
+    float32 exactly either way); a precision the kernel has not is refused."""
+    from megatron_zeco.kernels import scan_hop
+
+    x, M, delta = _state_map_delta(seed)
+    want = M @ x + delta
+    errors = {}
+    for precision in scan_hop.DENSE_PRECISIONS:
+        y = _dense_hop_alone(*(t.to(DEVICE, torch.float32) for t in (x, M, delta)), tiles=2, precision=precision)
+        errors[precision] = ((y.cpu().double() - want).abs().max() / want.abs().max()).item()
+    assert errors["tf32x3"] <= 1e-5 and errors["tf32"] <= 4e-3, errors
+    if DEVICE == "cuda":
+        assert errors["tf32"] > 10 * errors["tf32x3"], errors
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _dense_hop_alone(*(t.to(DEVICE, torch.float32) for t in (x, M, delta)), tiles=2, precision="bf16")
 
 
 def test_dense_block_rows_falls_back_off_tensor_cores():
@@ -129,6 +162,6 @@ def test_dense_block_rows_falls_back_off_tensor_cores():
     assert scan_hop.dense_block_rows(128, 8, torch.float32) == 32
     assert scan_hop.dense_block_rows(16, 32, torch.float32) == 16
     assert scan_hop.dense_block_rows(128, 32, torch.float64) == 32
-    x = torch.zeros(1, 1, 16, 16)
+    x = torch.zeros(1, 1, 16, 16, device=DEVICE)
     with pytest.raises(ValueError, match="power of two"):
-        _dense_hop_alone(x, torch.zeros(1, 1, 16, 16), x, tiles=1, block_rows=48)
+        _dense_hop_alone(x, torch.zeros(1, 1, 16, 16, device=DEVICE), x, tiles=1, block_rows=48)
