@@ -10,8 +10,11 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Optional
 
+import torch
+
 from ..comm.peer import ASIDE_PROGRAMS
 from ..comm.shape import TRANSPORTS, Cluster, chain_hops
+from ..kernels import dense_precision, map_precision
 from .model import (ACT_BYTES, DEVICE, FOLD_LAUNCH, GLA, OPERATORS, REGIMES, STRATEGIES, Software, Workload,
                     _a2a_wire, _hop_times, chain_time, gather_time, layer_time)
 
@@ -37,6 +40,9 @@ PIECE = "piece"  # the part of a delta rule's ZeCO piece against its one-GPU op,
 OVERLAP = "overlap"  # the part of a piece's local work its scan can hide, as file_rows gives it (bench_overlap.py)
 HOP = "hop"  # the part of a dense hop kernel's time beyond a diagonal one's, as file_rows gives it (bench_hop.py)
 MIN_HIDDEN = 0.01  # in-chunk work below this share of a direction counts as none (overlap_rows)
+# How the dense hops multiply for the 16-bit activations the model describes (``kernels.map_precision``): the rows
+# of hop kernels and of their overlap that time the hops as built (bench_hop.py, bench_overlap.py: ``precision``)
+DENSE_PRECISION = dense_precision(map_precision(torch.bfloat16))
 PIECE_CASES = ("piece first", "piece middle", "piece last")  # profile_piece.py's cases of the piece as built
 # A profile_piece.py file's meta key naming the cases that time the piece as built now, where the build changed
 # after the file was written (its "piece" cases then timed another piece, one of its variants the current one);
@@ -145,8 +151,11 @@ def calibration_rows(data: dict) -> list[dict]:
         return []
     gla = [r for r in data.get("rows", []) if r.get("part") in PARTS and r.get("op", "gla") == "gla"]
     here = DEVICE in data.get("meta", {}).get("device", "")
-    overlap = [r for r in data.get("rows", []) if here and (_overlap_as_built(r) or _hop_as_built(r))]
-    return gla + op_time_rows(data) + overlap
+    overlap = [r for r in data.get("rows", []) if here and _overlap_as_built(r)]
+    hops = [r for r in data.get("rows", []) if here and _hop_as_built(r)]
+    if all(r.get("kind") == "diagonal" for r in hops):  # no dense hop as built to set beside the diagonal one
+        hops = []
+    return gla + op_time_rows(data) + overlap + hops
 
 
 def op_time_rows(data: dict) -> list[dict]:
@@ -184,16 +193,24 @@ def piece_rows(name: str, data: dict) -> list[dict]:
     return out
 
 
+def _dense_as_built(row: dict) -> bool:
+    """Whether a dense hop of ``row`` multiplied as the scans of the model's 16-bit pieces do
+    (:data:`DENSE_PRECISION`; rows without ``precision`` predate the option and ran three TF32 passes)."""
+    return row.get("precision", "tf32x3") == DENSE_PRECISION
+
+
 def _overlap_as_built(row: dict) -> bool:
     """Whether ``row`` is a :data:`OVERLAP` row of the hops as built: on ``comm.peer.ASIDE_PROGRAMS``
-    programs (rows without the field predate the option and ran so)."""
-    return row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
+    programs (rows without the field predate the option and ran so), the delta rules' in the products as built."""
+    return (row.get("part") == OVERLAP and row.get("aside_programs", ASIDE_PROGRAMS) == ASIDE_PROGRAMS
+            and (row.get("op") == "gla" or _dense_as_built(row)))
 
 
 def _hop_as_built(row: dict) -> bool:
     """Whether ``row`` is a ``bench_hop.py`` row of a hop kernel as the chain runs it: on every program, the dense
-    hops with the rows per product as built."""
-    return row.get("part") == HOP and not row.get("aside") and row.get("as_built", True)
+    hops with the rows per product and the products as built."""
+    return (row.get("part") == HOP and not row.get("aside") and row.get("as_built", True)
+            and (row.get("kind") == "diagonal" or _dense_as_built(row)))
 
 
 def hop_rows(name: str, data: dict) -> list[dict]:
