@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from ..kernels import MAP_PRECISIONS
 from . import inject
 from .failures import naming_failures as _naming_failures
 from .hierarchical import Walk, hierarchical_scan
@@ -50,7 +51,6 @@ from .transport import TRANSPORTS, Transport
 Tensor = torch.Tensor
 SHAPES = ("auto", "chain", "hierarchical")
 SHAPE_ENV = "MEGATRON_ZECO_SCAN_SHAPE"
-MAP_PRECISIONS = ("tf32x3", "input")  # what megatron_zeco.kernels.map_precision returns
 
 
 @dataclass(frozen=True)

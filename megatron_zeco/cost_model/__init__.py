@@ -55,8 +55,8 @@ no GPU (importing it through the ``megatron_zeco`` package imports torch with th
 from ..comm.shape import (HOP_COST, INFINIBAND, NVLINK, TRANSPORTS, Cluster, Link, chain_hops, critical_path,
                           hierarchical_steps, prefer_hierarchical, scan_choice, scan_path, walk_ranks)
 from ..comm.transport import Transport
-from .calibration import (BUILD, BUILD_META, DATA, DENSE_PRECISION, HOP, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP, PARTS,
-                          PASS_UNITS, PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate,
+from .calibration import (BUILD, BUILD_META, DATA, DENSE_PRECISION, HOP, META, NVSHMEM_PROJECTION, ONE_GPU, OVERLAP,
+                          PARTS, PASS_UNITS, PIECE, PIECE_CASES, PIECE_META, Calibration, Residual, calibrate,
                           calibration_rows, default_rows, file_rows, hop_rows, load_rows, op_time_rows, overlap_rows,
                           piece_rows)
 from .model import (ACT_BYTES, CHUNK, DEVICE, FOLD_LAUNCH, FP32_FLOPS, FWD_FRACTION, GDN, GLA, HBM_BANDWIDTH, KDA,
@@ -76,7 +76,8 @@ __all__ = [
     "best_blocks", "blocks", "chain_time", "efficiency", "gather_time", "hierarchical_phases", "hierarchical_time",
     "layer_time", "scan_time",
     # the calibration
-    "BUILD", "BUILD_META", "DATA", "DENSE_PRECISION", "HOP", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP", "PARTS", "PASS_UNITS",
+    "BUILD", "BUILD_META", "DATA", "DENSE_PRECISION", "HOP", "META", "NVSHMEM_PROJECTION", "ONE_GPU", "OVERLAP",
+    "PARTS", "PASS_UNITS",
     "PIECE", "PIECE_CASES", "PIECE_META", "Calibration", "Residual", "calibrate", "calibration_rows", "default_rows",
     "file_rows", "hop_rows", "load_rows", "op_time_rows", "overlap_rows", "piece_rows",
     # projections and the command line
