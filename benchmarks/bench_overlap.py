@@ -28,7 +28,13 @@ scan in each direction the one hop that waits:
   of its own keep the hop at its pace alone);
 * ``after`` (with ``--after``): the in-chunk work, then the waiting hop on the side stream on
   ``ASIDE_PROGRAMS`` programs: the hop on as few programs as beside the work, but alone, so that against
-  ``serial`` and ``overlap`` it tells what the program count costs the hop from what the work beside it does.
+  ``serial`` and ``overlap`` it tells what the program count costs the hop from what the work beside it does;
+* ``chain`` (with ``--chain``): as ``overlap``, but the predecessor's hop too is launched before the in-chunk
+  work and waits on its SMs for the state of the rank before it, which a pass-through hop stores behind the
+  sleep (elsewhere the predecessor's hop is launched behind the sleep, so it is placed while the work holds
+  the SMs): every hop of the chain waiting on its SMs when its state lands, as one launch a rank per scan
+  would keep them (not built: the hierarchical scan launches again after its first hop). Its arrival is when
+  the state reaches the predecessor (one hop earlier than in the other modes).
 
 This rank's hop sends on to a successor, whose receiving hop spins on its own stream. Per op, tokens,
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
@@ -73,6 +79,8 @@ def parse_args(argv=None):
                         "work on the others (green_context.py), each emulated peer on as many of its own")
     p.add_argument("--after", action="store_true",
                    help="also time mode 'after': the hop on the side stream's programs after the in-chunk work")
+    p.add_argument("--chain", action="store_true",
+                   help="also time mode 'chain': the predecessor's hop too waits on its SMs from before the work")
     p.add_argument("--dense-precision", nargs="+", default=None, choices=["tf32x3", "tf32"],
                    help="the delta rules' hops' products, each a set of rows (default: as built for the piece's "
                         "bf16 inputs, kernels/scan_hop.py: dense_precision)")
@@ -83,9 +91,11 @@ def parse_args(argv=None):
 class Link:
     """Three regions of a channel in one buffer: the predecessor's, this rank's and the successor's
     (``comm/peer.py``'s layout: receive buffer, arrival flags, acknowledgements, call counters), and the
-    hops of the two links between them."""
+    hops of the two links between them; ``fed``: a fourth before them, the region of the rank before the
+    predecessor, whose state a pass-through hop stores into the predecessor's (:meth:`feed`), the predecessor's
+    hop then waiting for it."""
 
-    def __init__(self, like, dense, device, aside_programs=None, precision="tf32x3"):
+    def __init__(self, like, dense, device, aside_programs=None, precision="tf32x3", fed=False):
         from megatron_zeco.comm import peer
         from megatron_zeco.comm.watch import watch
         from megatron_zeco.kernels import scan_hop
@@ -95,12 +105,14 @@ class Link:
         self.tiles = peer.tiles_per_state(K, V, dense, num_blocks=1)
         # states of up to 32 bits (either direction's), over peer memory
         self.data, self.flags, size = peer.region_bytes(self.N, K, V, torch.float32, self.tiles, nvshmem=False)
-        self.buffer = torch.zeros(3 * size, dtype=torch.uint8, device=device)
-        self.up, self.me, self.down = (self.buffer.data_ptr() + i * size for i in range(3))
+        regions = 4 if fed else 3
+        self.buffer = torch.zeros(regions * size, dtype=torch.uint8, device=device)
+        *top, self.up, self.me, self.down = (self.buffer.data_ptr() + i * size for i in range(regions))
+        self.top = top[0] if fed else None
         w = watch(device)
         self.watcher = w
         self.bounded = {who: w.arguments(w.launch_id(("bench_overlap", who), lambda who=who: (who, (None, None))), 60.0)
-                        for who in ("send", "hop", "receive")}
+                        for who in ("feed", "send", "hop", "receive")}
         self.aside_programs = aside_programs or peer.ASIDE_PROGRAMS
         self.products = dict(precision=precision) if dense else {}
 
@@ -111,12 +123,23 @@ class Link:
             self.flags, watch=self.bounded[who], programs=programs, **self.products, **flags)
 
     def send(self, x, gamma, delta, s_in):
-        """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer. On few
-        programs, as the successor's receive: one GPU holds what three ranks' GPUs would, and a program
-        that waits must stay resident until the one it waits for has run (this rank's hop, on every
-        program without the overlap, and the two emulated peers fit on the SMs together)."""
-        self._hop(x.data_ptr(), gamma, delta, s_in, (self.up, self.up, 0, self.me), "send",
-                  programs=self.aside_programs, has_src=False, has_init=True, has_dst=True)
+        """The predecessor's hop: ``gamma x + delta`` (``M x + delta``) into this rank's buffer, ``x`` read
+        from memory, or with ``fed`` the state :meth:`feed` stores (waited for). On few programs, as the
+        successor's receive: one GPU holds what three ranks' GPUs would, and a program that waits must stay
+        resident until the one it waits for has run (this rank's hop, on every program without the overlap,
+        and the emulated peers fit on the SMs together)."""
+        if self.top is None:
+            self._hop(x.data_ptr(), gamma, delta, s_in, (self.up, self.up, 0, self.me), "send",
+                      programs=self.aside_programs, has_src=False, has_init=True, has_dst=True)
+        else:
+            self._hop(0, gamma, delta, s_in, (self.up, self.up, self.top, self.me), "send",
+                      programs=self.aside_programs, has_src=True, has_init=False, has_dst=True)
+
+    def feed(self, x, gamma, delta, s_in):
+        """With ``fed``: ``x`` as it is into the predecessor's buffer (a pass-through hop: the rank before it
+        passing its state on)."""
+        self._hop(x.data_ptr(), gamma, delta, s_in, (self.top, self.top, 0, self.up), "feed",
+                  programs=self.aside_programs, has_src=False, has_init=True, has_dst=True, pass_through=True)
 
     def hop(self, gamma, delta, s_in, programs=None):
         """This rank's hop: waits for the predecessor's state, writes it into ``s_in`` and sends
@@ -153,6 +176,8 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
     E = piece.E.reshape(-1, args.dim, args.dim)  # the states in the piece's dtype, as the scan moves them
     dense = op != "gla"  # the delta rules' K x K maps
     link = Link(E, dense, device, args.aside_programs, precision)
+    # mode 'chain': regions of their own, so that each region's calls (and flags) stay in step with its peers'
+    chained = Link(E, dense, device, args.aside_programs, precision, fed=True) if args.chain else None
     trans = piece.transition.reshape(E.shape[0], args.dim, *((args.dim,) if dense else ())).contiguous()
     # the predecessor's own summary and entering state (random: only its arrival time matters here)
     gen = torch.Generator(device=device).manual_seed(T + 1)
@@ -183,7 +208,7 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
               f"{scan_sms}", flush=True)
     # the emulated peers' streams at the highest priority (lower is higher; torch clamps to the range): on
     # their own GPUs they would not queue behind this rank's work
-    feeder, successor = (torch.cuda.Stream(device, priority=-1) for _ in range(2))
+    feeder, successor, source = (torch.cuda.Stream(device, priority=-1) for _ in range(3))
     succ_in = {}  # per state dtype: where the successor's hop writes this rank's state
 
     def downstream(dtype):
@@ -199,10 +224,15 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
         from the scan's start to the successor holding this rank's state, and to the predecessor's state having
         landed in this rank's buffer (its hop done). ``prime``: each launch once, one after another (below)."""
         fd, sc = peers if mode == "partition" else (feeder, successor)
+        lk = chained if mode == "chain" else link
         if prime:
+            if mode == "chain":  # the state the predecessor waits for, there before it is launched
+                with torch.cuda.stream(source):
+                    lk.feed(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+                torch.cuda.synchronize()
             with torch.cuda.stream(fd):
                 torch.cuda._sleep(0)
-                link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+                lk.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
             torch.cuda.synchronize()
             hop_stream, work = part if mode == "partition" else (main, main)
             for stream in {hop_stream, work}:
@@ -213,30 +243,37 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
             torch.cuda.synchronize()
             programs = link.aside_programs if mode == "partition" else None
             with torch.cuda.stream(hop_stream):
-                link.hop(transition, delta, out, programs=programs)
+                lk.hop(transition, delta, out, programs=programs)
             torch.cuda.synchronize()
             with torch.cuda.stream(sc):
-                link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=programs)
+                lk.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=programs)
             torch.cuda.synchronize()
             return
         left[0].record()
         fd.wait_stream(main)
         sc.wait_stream(main)
+        sleep = max(0, int(arrival_us * 1e-3 * cycles_per_ms))
+        if mode == "chain":  # the rank before the predecessor passes its state on behind the sleep
+            source.wait_stream(main)
+            with torch.cuda.stream(source):
+                torch.cuda._sleep(sleep)
+                lk.feed(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
         with torch.cuda.stream(fd):
-            torch.cuda._sleep(max(0, int(arrival_us * 1e-3 * cycles_per_ms)))
-            link.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
+            if mode != "chain":
+                torch.cuda._sleep(sleep)
+            lk.send(upstream(delta.dtype)[0], T_up, *upstream(delta.dtype)[1:])
             left[2].record()
         with torch.cuda.stream(sc):  # the successor spins on few programs, as with the overlap
-            link.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=link.aside_programs)
+            lk.receive(T_up, upstream(delta.dtype)[1], downstream(delta.dtype), programs=lk.aside_programs)
             left[1].record()
         # as built: with nothing to hide, nothing goes aside
-        aside = mode in ("overlap", "partition") and local is not None
+        aside = mode in ("overlap", "partition", "chain") and local is not None
         after = mode == "after" and local is not None
         hop_stream, work = part if mode == "partition" else (side, main)
         if aside:
             hop_stream.wait_stream(main)
             with torch.cuda.stream(hop_stream):
-                link.hop(transition, delta, out, programs=link.aside_programs)
+                lk.hop(transition, delta, out, programs=lk.aside_programs)
         work.wait_stream(main)
         with torch.cuda.stream(work):
             events[0].record()
@@ -249,12 +286,12 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
         elif after:
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                link.hop(transition, delta, out, programs=link.aside_programs)
+                lk.hop(transition, delta, out, programs=lk.aside_programs)
             main.wait_stream(side)
         else:
-            link.hop(transition, delta, out)
-        main.wait_stream(fd)
-        main.wait_stream(sc)
+            lk.hop(transition, delta, out)
+        for peer in (fd, sc, source) if mode == "chain" else (fd, sc):
+            main.wait_stream(peer)
 
     from megatron_zeco.cp.piece import local_work
 
@@ -289,8 +326,11 @@ def run_case(op, T, args, cycles_per_ms, device, precision=None):
     iteration("serial", 0, timed(), prime=True)
     if part is not None:  # a green context loads a kernel's module on its first launch there too
         iteration("partition", 0, timed(), prime=True)
+    if chained is not None:  # the pass-through hop and the waiting predecessor are launches of their own
+        iteration("chain", 0, timed(), prime=True)
     # the link delivers: what arrived is the predecessor's map applied to its entering state
-    modes = ("serial", "overlap") + (("partition",) if args.scan_sms else ()) + (("after",) if args.after else ())
+    modes = (("serial", "overlap") + (("partition",) if args.scan_sms else ()) + (("after",) if args.after else ())
+             + (("chain",) if args.chain else ()))
     for mode in modes:
         S_in.fill_(float("nan"))
         scan(mode, 0, trans, E, S_in, lambda: None, [torch.cuda.Event() for _ in range(2)],
