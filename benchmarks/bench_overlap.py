@@ -40,7 +40,8 @@ This rank's hop sends on to a successor, whose receiving hop spins on its own st
 arrival and mode: the GPU time of the forward (summary to output) and of the backward (``entering_grad``
 to ``grads``), of the in-chunk work inside them, and from the scan's start until the successor holds this
 rank's state (``departure``: what a chain's critical path sees at every rank that waits, the in-chunk
-work's time under ``serial`` wherever the state arrives before that work ends); medians of ``--iters``,
+work's time under ``serial`` wherever the state arrives before that work ends) and until the predecessor's
+state has landed in this rank's buffer (``arrived``: its hop done); medians of ``--iters``,
 each iteration queued behind a GPU sleep so that no host gap counts. ``in-chunk`` under ``overlap`` against
 ``serial`` is what the spinning programs take from that work. The received states are checked against the
 link's formula first.
